@@ -1,0 +1,117 @@
+"""`pd-proxy serve ...` (also `python -m proxy serve ...`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from proxy.config import Mode, RouterConfig, build_config, read_config_file
+
+DESCRIPTION = """\
+An OpenAI-compatible router for vLLM prefill/decode disaggregation.
+
+Clients call the router; for each request it picks a prefill server (P) and a decode
+server (D) and hands the prompt's KV cache from P to D in one of two modes:
+  pull  P computes the prompt first, then D reads P's KV blocks (vLLM's default).
+  push  P and D get the request at the same time; P writes the KV into D's blocks.
+  auto  push when the chosen P can push, else pull.
+A request may pick its own mode with the header X-KV-Transfer-Mode: pull|push|auto;
+every answer says the mode used in the same header.
+"""
+
+EPILOG = """\
+examples:
+  pd-proxy serve --prefill http://127.0.0.1:8100 --decode http://127.0.0.1:8200
+  pd-proxy serve --config configs/1p1d-cpu.yaml --mode push
+Flags given here win over the config file; see configs/example.yaml for every option.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pd-proxy", description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve", help="run the router", description=DESCRIPTION, epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("--config", type=Path, metavar="FILE",
+                       help="YAML (.yaml/.yml) or TOML (.toml) config file")
+    serve.add_argument("--prefill", action="append", metavar="URL",
+                       help="a prefill vLLM server's base URL (repeat for several)")
+    serve.add_argument("--decode", action="append", metavar="URL",
+                       help="a decode vLLM server's base URL (repeat for several)")
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    serve.add_argument("--mode", choices=[m.value for m in Mode],
+                       help="KV hand-over mode when a request does not choose (default pull)")
+    serve.add_argument("--model", action="append", dest="models", metavar="NAME",
+                       help="served model name (repeatable; default: ask the upstreams)")
+    serve.add_argument("--missing-kv-params", choices=["error", "recompute"],
+                       help="when P answers without kv_transfer_params: answer 502 (default) "
+                            "or let D recompute the prompt (counted in metrics)")
+    serve.add_argument("--health-interval", type=float, metavar="SECONDS",
+                       help="seconds between active /health checks; 0 turns them off "
+                            "(default 5)")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
+                       help="log level (default info)")
+    return parser
+
+
+def load_config(args: argparse.Namespace) -> RouterConfig:
+    file_values: dict[str, Any] = read_config_file(args.config) if args.config else {}
+    overrides = {
+        "prefill": args.prefill,
+        "decode": args.decode,
+        "host": args.host,
+        "port": args.port,
+        "mode": args.mode,
+        "models": args.models,
+        "missing_kv_params": args.missing_kv_params,
+        "health_interval": args.health_interval,
+        "log_level": args.log_level,
+    }
+    return build_config(file_values, overrides)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
+    serve(config)
+    return 0
+
+
+def serve(config: RouterConfig) -> None:
+    import uvicorn
+
+    from proxy.app import create_app
+
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("pdproxy").info(
+        "pd-proxy on http://%s:%d, mode %s, prefill %s, decode %s",
+        config.host, config.port, config.mode.value,
+        ", ".join(e.url for e in config.prefill), ", ".join(e.url for e in config.decode),
+    )
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=config.log_level,
+        access_log=config.access_log,
+        timeout_graceful_shutdown=30,
+    )

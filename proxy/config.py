@@ -1,0 +1,150 @@
+"""The router's configuration: typed, immutable values, validated when built.
+
+A config file (YAML or TOML) and the command-line flags fill the same `RouterConfig`;
+flags given on the command line win over the file. `configs/example.yaml` documents
+every field.
+"""
+
+from __future__ import annotations
+
+import enum
+import tomllib
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
+import yaml
+
+
+class Mode(str, enum.Enum):
+    """How the KV cache travels from P to D."""
+
+    PULL = "pull"  # P first, then D READs P's blocks
+    PUSH = "push"  # P and D at once; P WRITEs into D's blocks
+    AUTO = "auto"  # push when the chosen pair can, else pull
+
+
+class MissingKVParams(str, enum.Enum):
+    """What to do when P answers without `kv_transfer_params` (pull mode)."""
+
+    ERROR = "error"  # answer 502: D would silently recompute the whole prompt
+    RECOMPUTE = "recompute"  # send D the plain request, and count it
+
+
+class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Time limits in seconds, one per phase of a P/D request."""
+
+    connect: float = 5.0  # opening a TCP connection to an upstream
+    prefill: float = 120.0  # P's whole answer (it computes the prompt and one token)
+    first_token: float = 120.0  # D's first byte, counted from sending D its request
+    stream_idle: float = 60.0  # longest silence between two chunks of D's answer
+    probe: float = 30.0  # a probe of a P's KV coordinates
+    health: float = 2.0  # one active health check
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if value <= 0:
+                raise ValueError(f"timeouts.{name} must be > 0 seconds, got {value!r}")
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies are refused with 413
+    max_connections: int = 1024  # open upstream connections in all (0 = no limit)
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes <= 0:
+            raise ValueError(f"limits.max_body_bytes must be > 0, got {self.max_body_bytes!r}")
+        if self.max_connections < 0:
+            raise ValueError(f"limits.max_connections must be >= 0, got {self.max_connections!r}")
+
+
+class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One vLLM server. For a P, its KV coordinates may be given here; they win over
+    what a probe learns (a probe is then not needed)."""
+
+    url: str
+    engine_id: str | None = None
+    side_channel_host: str | None = None
+    side_channel_port: int | None = None
+    tp_size: int | None = None
+    transfer_modes: list[Mode] | None = None
+
+    def __post_init__(self) -> None:
+        validate_url(self.url)
+        if self.side_channel_port is not None and not 0 < self.side_channel_port < 65536:
+            raise ValueError(f"side_channel_port out of range: {self.side_channel_port!r}")
+        if self.tp_size is not None and self.tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {self.tp_size!r}")
+
+    @property
+    def has_coordinates(self) -> bool:
+        return (
+            self.engine_id is not None
+            and self.side_channel_host is not None
+            and self.side_channel_port is not None
+        )
+
+
+class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    prefill: list[EndpointConfig] = []
+    decode: list[EndpointConfig] = []
+    host: str = "127.0.0.1"
+    port: int = 8000
+    mode: Mode = Mode.PULL
+    # Served model names. Empty: learn them from the upstreams' /v1/models.
+    models: list[str] = []
+    missing_kv_params: MissingKVParams = MissingKVParams.ERROR
+    health_interval: float = 5.0  # seconds between active /health checks (0 = off)
+    probe_retry_interval: float = 10.0  # after a failed probe, wait this long to try again
+    timeouts: Timeouts = Timeouts()
+    limits: Limits = Limits()
+    log_level: str = "info"
+    access_log: bool = False  # uvicorn's access log; the router logs one line per request
+
+    def __post_init__(self) -> None:
+        if not self.prefill:
+            raise ValueError("at least one prefill endpoint is needed (--prefill URL)")
+        if not self.decode:
+            raise ValueError("at least one decode endpoint is needed (--decode URL)")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port out of range: {self.port!r}")
+        if self.health_interval < 0:
+            raise ValueError(f"health_interval must be >= 0, got {self.health_interval!r}")
+        if self.log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
+            raise ValueError(f"unknown log_level {self.log_level!r}")
+
+
+def validate_url(url: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in {"http", "https"} or not parts.hostname:
+        raise ValueError(f"not an http(s) URL: {url!r}")
+    if parts.path not in {"", "/"} or parts.query:
+        raise ValueError(f"give the server's base URL without a path: {url!r}")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """Read a YAML or TOML file into a plain mapping (validated later, as a whole)."""
+    text = path.read_text()
+    if path.suffix == ".toml":
+        raw: Any = tomllib.loads(text)
+    else:
+        raw = yaml.safe_load(text) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: the top level must be a mapping")
+    return raw
+
+
+def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> RouterConfig:
+    """Merge a file's values with command-line overrides (which win) and validate."""
+    merged = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
+    for cluster in ("prefill", "decode"):
+        merged[cluster] = [
+            {"url": entry} if isinstance(entry, str) else entry
+            for entry in merged.get(cluster, [])
+        ]
+    try:
+        return msgspec.convert(merged, RouterConfig)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"invalid configuration: {exc}") from exc

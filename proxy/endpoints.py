@@ -1,0 +1,110 @@
+"""Upstream endpoints and the two clusters (prefill, decode) that hold them.
+
+An `Endpoint` record holds all the live state of one vLLM server: requests in flight,
+health, and for a P its KV coordinates (configured, or learned by a probe). A `Cluster`
+picks the endpoint for a leg: healthy ones first, fewest requests in flight, ties taken
+in turn. `lease()` counts a request in flight and always gives it back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+from collections.abc import Iterator
+
+import msgspec
+
+from proxy.config import EndpointConfig, Mode
+from proxy.errors import NoHealthyEndpoint
+from proxy.metrics import RouterMetrics
+from proxy.protocol import PrefillCoordinates
+
+BOTH_MODES = frozenset({Mode.PULL, Mode.PUSH})
+
+
+class ClusterName(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class Endpoint:
+    def __init__(self, config: EndpointConfig, cluster: ClusterName, metrics: RouterMetrics):
+        self.config = config
+        self.url = config.url.rstrip("/")
+        self.cluster = cluster
+        self.in_flight = 0
+        self.healthy = True  # until a check or a failed connection says otherwise
+        # For a P: coordinates learned from a probe or a P answer; None until known.
+        self.learned_coordinates: PrefillCoordinates | None = None
+        self._in_flight_gauge = metrics.in_flight.labels(cluster.value, self.url)
+        self._healthy_gauge = metrics.endpoint_healthy.labels(cluster.value, self.url)
+        self._healthy_gauge.set(1)
+
+    def __repr__(self) -> str:
+        return f"Endpoint({self.cluster.value} {self.url}, in_flight={self.in_flight})"
+
+    @property
+    def coordinates(self) -> PrefillCoordinates | None:
+        """This P's coordinates: configured fields win over learned ones. Configured
+        coordinates with no `transfer_modes` are taken to mean both modes."""
+        c, learned = self.config, self.learned_coordinates
+        if c.has_coordinates:
+            assert c.engine_id and c.side_channel_host and c.side_channel_port  # has_coordinates
+            base = PrefillCoordinates(
+                engine_id=c.engine_id,
+                host=c.side_channel_host,
+                port=c.side_channel_port,
+                tp_size=learned.tp_size if learned else 1,
+                transfer_modes=learned.transfer_modes if learned else BOTH_MODES,
+            )
+        elif learned is not None:
+            base = learned
+        else:
+            return None
+        return msgspec.structs.replace(
+            base,
+            tp_size=c.tp_size or base.tp_size,
+            transfer_modes=frozenset(c.transfer_modes) if c.transfer_modes else base.transfer_modes,
+        )
+
+    def set_healthy(self, healthy: bool) -> bool:
+        """Record a health result; True when the endpoint just came back."""
+        came_back = healthy and not self.healthy
+        self.healthy = healthy
+        self._healthy_gauge.set(1 if healthy else 0)
+        return came_back
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[Endpoint]:
+        self.in_flight += 1
+        self._in_flight_gauge.inc()
+        try:
+            yield self
+        finally:
+            self.in_flight -= 1
+            self._in_flight_gauge.dec()
+
+
+class Cluster:
+    def __init__(
+        self, name: ClusterName, configs: list[EndpointConfig], metrics: RouterMetrics
+    ) -> None:
+        self.name = name
+        self.endpoints = [Endpoint(c, name, metrics) for c in configs]
+        self._turn = itertools.count()
+
+    def pick(self) -> Endpoint:
+        """Fewest requests in flight among healthy endpoints; ties taken in turn."""
+        candidates = [e for e in self.endpoints if e.healthy]
+        if not candidates:
+            raise NoHealthyEndpoint(
+                f"no healthy {self.name.value} server: all {len(self.endpoints)} failed "
+                "their health checks"
+            )
+        start = next(self._turn) % len(candidates)
+        rotated = candidates[start:] + candidates[:start]
+        return min(rotated, key=lambda e: e.in_flight)
+
+    def in_flight(self) -> int:
+        return sum(e.in_flight for e in self.endpoints)

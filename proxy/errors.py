@@ -1,0 +1,131 @@
+"""The router's exceptions, and their one mapping to OpenAI-shaped HTTP errors.
+
+    RouterError                      anything the router reports to a client
+    ├── InvalidRequest               400: the client's body or headers are wrong
+    │   └── PayloadTooLarge          413: the body is over the configured limit
+    ├── NotFound                     404: unknown route or model
+    ├── NoHealthyEndpoint            503: no upstream can take the request now
+    ├── KVTransferError              502: the KV hand-over between P and D failed
+    └── UpstreamError                a vLLM server failed us
+        ├── UpstreamConnectError     502: could not connect
+        ├── UpstreamTimeout          504: a configured time limit ran out
+        ├── UpstreamProtocolError    502: the answer was cut or malformed
+        └── UpstreamStatusError      the upstream's own status and body
+
+`upstream.py` is the only module that turns aiohttp or asyncio errors into these.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class RouterError(Exception):
+    """Base class: every error that the router turns into an HTTP answer."""
+
+    status: int = 500
+    error_type: str = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> bytes:
+        """The OpenAI-shaped JSON body for this error."""
+        return error_body(self.message, self.error_type, self.status, param=self.param)
+
+    def headers(self) -> dict[str, str]:
+        return {}
+
+
+class InvalidRequest(RouterError):
+    status = 400
+    error_type = "invalid_request_error"
+
+
+class PayloadTooLarge(InvalidRequest):
+    status = 413
+
+
+class NotFound(RouterError):
+    status = 404
+    error_type = "not_found_error"
+
+
+class NoHealthyEndpoint(RouterError):
+    status = 503
+    error_type = "service_unavailable"
+    retry_after_s = 1
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class KVTransferError(RouterError):
+    status = 502
+    error_type = "kv_transfer_error"
+
+
+class UpstreamError(RouterError):
+    """A vLLM server failed. `endpoint` names it (its URL), `cluster` its role."""
+
+    status = 502
+    error_type = "upstream_error"
+    kind = "error"  # short label for metrics
+
+    def __init__(self, message: str, *, endpoint: str = "", cluster: str = "") -> None:
+        super().__init__(message)
+        self.endpoint = endpoint
+        self.cluster = cluster
+
+
+class UpstreamConnectError(UpstreamError):
+    kind = "connect"
+
+
+class UpstreamTimeout(UpstreamError):
+    status = 504
+    error_type = "timeout"
+    kind = "timeout"
+
+
+class UpstreamProtocolError(UpstreamError):
+    kind = "protocol"
+
+
+class UpstreamStatusError(UpstreamError):
+    """The upstream answered with an error status: relay its status and body."""
+
+    kind = "status"
+
+    def __init__(
+        self, message: str, *, status: int, content: bytes, endpoint: str = "", cluster: str = ""
+    ) -> None:
+        super().__init__(message, endpoint=endpoint, cluster=cluster)
+        self.status = status
+        self.content = content
+
+    def body(self) -> bytes:
+        # vLLM's error bodies are already OpenAI-shaped; keep them when they are JSON.
+        try:
+            decoded = msgspec.json.decode(self.content)
+        except msgspec.DecodeError:
+            decoded = None
+        if isinstance(decoded, dict) and ("error" in decoded or "message" in decoded):
+            return self.content
+        return error_body(self.message, "upstream_error", self.status)
+
+
+def error_body(message: str, error_type: str, status: int, *, param: str | None = None) -> bytes:
+    payload: dict[str, Any] = {
+        "error": {"message": message, "type": error_type, "param": param, "code": status}
+    }
+    return msgspec.json.encode(payload)
+
+
+def sse_error_event(error: RouterError) -> bytes:
+    """How an error is told to a client once a stream has started: a last SSE event."""
+    return b"data: " + error.body() + b"\n\ndata: [DONE]\n\n"

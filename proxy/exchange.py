@@ -1,0 +1,150 @@
+"""One client request on its way through a P and a D: its legs, timings and accounting.
+
+The flows (`pull.py`, `push.py`) decide the order of the legs; this module does each leg:
+lease the endpoint, call it, record latency and errors, and relay D's answer downstream.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from proxy.endpoints import Endpoint
+from proxy.errors import RouterError, UpstreamConnectError, UpstreamError
+from proxy.modes import ModeDecision
+from proxy.protocol import ClientRequest
+from proxy.relay import Downstream
+
+if TYPE_CHECKING:
+    from proxy.router import Router
+
+logger = logging.getLogger("pdproxy.access")
+
+
+class Exchange:
+    def __init__(
+        self,
+        router: Router,
+        request: ClientRequest,
+        *,
+        prefill: Endpoint,
+        decode: Endpoint,
+        decision: ModeDecision,
+    ) -> None:
+        self.router = router
+        self.request = request
+        self.prefill_endpoint = prefill
+        self.decode_endpoint = decode
+        self.decision = decision
+        self.mode = decision.used.value
+        self.upstream_headers = {"X-Request-Id": request.request_id}
+        self.started_at = time.perf_counter()
+        self.prefill_seconds: float | None = None
+        self.decode_first_byte_seconds: float | None = None
+        self.note = ""  # a short remark for the access log (fallback, recompute, ...)
+
+    # --- the legs ---------------------------------------------------------------------
+
+    async def prefill(self, body: dict[str, Any]) -> dict[str, Any]:
+        """P's leg: one token, not streamed. Returns P's JSON answer."""
+        p = self.prefill_endpoint
+        started = time.perf_counter()
+        with p.lease():
+            try:
+                answer = await self.router.client.post_json(
+                    f"{p.url}{self.request.route.value}",
+                    body,
+                    headers=self.upstream_headers,
+                    endpoint=p.url,
+                    cluster=p.cluster.value,
+                    timeout=self.router.config.timeouts.prefill,
+                )
+            except UpstreamError as exc:
+                self._upstream_failed(p, exc)
+                raise
+        self.prefill_seconds = time.perf_counter() - started
+        self.router.metrics.prefill_latency.labels(self.mode).observe(self.prefill_seconds)
+        if not isinstance(answer, dict):
+            raise RouterError(f"prefill server {p.url} answered with non-object JSON")
+        self.router.prober.observe(p, answer.get("kv_transfer_params"))
+        return answer
+
+    async def relay_decode(self, body: dict[str, Any], down: Downstream) -> None:
+        """D's leg: send D its request and pass its answer to the client as it comes."""
+        d = self.decode_endpoint
+        sent_at = time.perf_counter()
+        with d.lease():
+            try:
+                async with self.router.client.stream(
+                    f"{d.url}{self.request.route.value}",
+                    body,
+                    headers=self.upstream_headers,
+                    endpoint=d.url,
+                    cluster=d.cluster.value,
+                ) as answer:
+                    if not self.request.stream:
+                        content = await answer.read()
+                        self._decode_first_byte(sent_at)
+                        await down.whole(answer.status, answer.content_type, content)
+                        return
+                    async for chunk in answer.chunks():
+                        if not down.started:
+                            self._decode_first_byte(sent_at)
+                            await down.start(answer.status, answer.content_type)
+                        await down.write(chunk)
+                    if not down.started:
+                        await down.start(answer.status, answer.content_type)
+                    await down.end()
+            except UpstreamError as exc:
+                self._upstream_failed(d, exc)
+                raise
+
+    def _decode_first_byte(self, sent_at: float) -> None:
+        self.decode_first_byte_seconds = time.perf_counter() - sent_at
+        self.router.metrics.decode_first_token.labels(self.mode).observe(
+            self.decode_first_byte_seconds
+        )
+
+    def _upstream_failed(self, endpoint: Endpoint, exc: UpstreamError) -> None:
+        self.router.metrics.upstream_errors.labels(
+            endpoint.cluster.value, endpoint.url, exc.kind
+        ).inc()
+        if isinstance(exc, UpstreamConnectError):
+            self.router.health.mark_down(endpoint, str(exc))
+
+    # --- the end ----------------------------------------------------------------------
+
+    def finish(self, down: Downstream, error: RouterError | None, client_left: bool) -> None:
+        """Account for the exchange once, whatever happened: metrics and one log line."""
+        metrics = self.router.metrics
+        status = "client_closed" if client_left else str(down.status or (error.status if error else 0))
+        metrics.requests.labels(self.request.route.value, self.mode, status).inc()
+        if down.first_byte_at is not None:
+            metrics.time_to_first_byte.labels(self.mode).observe(
+                down.first_byte_at - self.started_at
+            )
+        if client_left:
+            for cluster in ("prefill", "decode"):
+                metrics.cancelled_legs.labels(cluster, "client_disconnected").inc()
+        logger.info(
+            "request_id=%s route=%s mode=%s requested=%s prefill=%s decode=%s status=%s "
+            "ttfb_ms=%s prefill_ms=%s decode_ttfb_ms=%s total_ms=%.1f%s%s",
+            self.request.request_id,
+            self.request.route.value,
+            self.mode,
+            self.decision.requested.value,
+            self.prefill_endpoint.url,
+            self.decode_endpoint.url,
+            status,
+            _ms(down.first_byte_at - self.started_at if down.first_byte_at else None),
+            _ms(self.prefill_seconds),
+            _ms(self.decode_first_byte_seconds),
+            (time.perf_counter() - self.started_at) * 1000,
+            f" note={self.note}" if self.note else "",
+            f" error={error.message!r}" if error else "",
+        )
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f}"

@@ -1,0 +1,89 @@
+"""The router's Prometheus metrics, one registry per app (tests build many apps)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Latency buckets from 1 ms to 2 minutes: P/D TTFTs span that range on CPU and GPU.
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    120.0,
+)  # fmt: skip
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "pdproxy_requests",
+            "Client requests by route, KV transfer mode used and HTTP status",
+            ["route", "mode", "status"],
+            registry=r,
+        )
+        self.time_to_first_byte = Histogram(
+            "pdproxy_time_to_first_byte_seconds",
+            "From the client's request to the first byte of the answer sent back",
+            ["mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill_latency = Histogram(
+            "pdproxy_prefill_latency_seconds",
+            "P's answer time (its prompt plus one token)",
+            ["mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decode_first_token = Histogram(
+            "pdproxy_decode_time_to_first_token_seconds",
+            "From sending D its request to D's first byte",
+            ["mode"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "pdproxy_endpoint_in_flight",
+            "Requests in flight per upstream endpoint",
+            ["cluster", "endpoint"],
+            registry=r,
+        )
+        self.endpoint_healthy = Gauge(
+            "pdproxy_endpoint_healthy",
+            "1 when the endpoint passes its health checks, else 0",
+            ["cluster", "endpoint"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "pdproxy_upstream_errors",
+            "Failed upstream calls by endpoint and kind (connect, timeout, protocol, status)",
+            ["cluster", "endpoint", "kind"],
+            registry=r,
+        )
+        self.mode_fallbacks = Counter(
+            "pdproxy_mode_fallbacks",
+            "Requests that asked for a mode the chosen servers cannot do, and got another",
+            ["requested", "used", "reason"],
+            registry=r,
+        )
+        self.missing_kv_params = Counter(
+            "pdproxy_missing_kv_transfer_params",
+            "P answers without usable kv_transfer_params, by what the router did",
+            ["action"],
+            registry=r,
+        )
+        self.probes = Counter(
+            "pdproxy_prefill_probes",
+            "Probes of a P's KV coordinates, by result",
+            ["endpoint", "result"],
+            registry=r,
+        )
+        self.cancelled_legs = Counter(
+            "pdproxy_cancelled_legs",
+            "Upstream legs cancelled by the router, by cluster and reason",
+            ["cluster", "reason"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

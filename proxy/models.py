@@ -1,0 +1,108 @@
+"""The served model names: configured, or learned from the upstreams' /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from proxy.endpoints import Endpoint
+from proxy.errors import NotFound, UpstreamError
+from proxy.upstream import UpstreamClient
+
+logger = logging.getLogger("pdproxy.models")
+
+REFRESH_AT_MOST_EVERY_S = 5.0
+
+
+class ModelCatalog:
+    """Which models the router serves. A request for an unknown name refreshes the list
+    (at most every few seconds) before it is refused with 404."""
+
+    def __init__(
+        self,
+        configured: list[str],
+        endpoints: list[Endpoint],
+        client: UpstreamClient,
+        *,
+        timeout: float,
+    ) -> None:
+        self._configured = list(configured)
+        self._endpoints = endpoints
+        self._client = client
+        self._timeout = timeout
+        self._cards: dict[str, dict[str, Any]] = {}
+        self._refreshed_at = float("-inf")
+        self._refreshing: asyncio.Task[None] | None = None
+
+    async def names(self) -> list[str]:
+        await self._refresh_if_stale()
+        return self._configured or list(self._cards)
+
+    async def listing(self) -> dict[str, Any]:
+        """The /v1/models answer: the union of what the upstreams serve."""
+        await self._refresh_if_stale()
+        if self._configured:
+            cards = [{"id": n, "object": "model", "owned_by": "pd-proxy"} for n in self._configured]
+        else:
+            cards = list(self._cards.values())
+        return {"object": "list", "data": cards}
+
+    async def aclose(self) -> None:
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+            await asyncio.gather(self._refreshing, return_exceptions=True)
+
+    async def require(self, model: str) -> None:
+        if self._configured:
+            if model in self._configured:
+                return
+        elif model in self._cards:
+            return
+        else:
+            await self._refresh_if_stale()
+            if model in self._cards:
+                return
+        raise NotFound(f"The model `{model}` does not exist.", param="model")
+
+    async def _refresh_if_stale(self) -> None:
+        """Refresh from the upstreams unless done lately; concurrent callers share one."""
+        if self._configured:
+            return
+        if self._refreshing is None:
+            if time.monotonic() - self._refreshed_at < REFRESH_AT_MOST_EVERY_S:
+                return
+            self._refreshing = asyncio.create_task(self._refresh(), name="refresh-models")
+        task = self._refreshing
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done() and self._refreshing is task:
+                self._refreshing = None
+
+    async def _refresh(self) -> None:
+        answers = await asyncio.gather(*(self._fetch(e) for e in self._endpoints))
+        self._refreshed_at = time.monotonic()
+        cards: dict[str, dict[str, Any]] = {}
+        for answer in answers:
+            for card in answer:
+                cards.setdefault(card["id"], card)
+        if cards:
+            self._cards = cards
+
+    async def _fetch(self, endpoint: Endpoint) -> list[dict[str, Any]]:
+        try:
+            answer = await self._client.get_json(
+                f"{endpoint.url}/v1/models",
+                endpoint=endpoint.url,
+                cluster=endpoint.cluster.value,
+                timeout=self._timeout,
+            )
+        except UpstreamError as exc:
+            logger.warning("cannot list models of %s: %s", endpoint.url, exc)
+            return []
+        data = answer.get("data") if isinstance(answer, dict) else None
+        if not isinstance(data, list):
+            return []
+        return [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]

@@ -1,0 +1,50 @@
+"""Which KV hand-over a request gets: the mode policy.
+
+The request's `X-KV-Transfer-Mode` header wins over the configured mode. `auto` picks
+push when the chosen P can push, else pull. When the asked mode is impossible for the
+chosen servers the other one is used, and the decision says why (the response header
+and a metric tell the client and the operator).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from proxy.config import Mode
+from proxy.protocol import PrefillCoordinates
+
+
+class ModeDecision(msgspec.Struct, frozen=True, kw_only=True):
+    requested: Mode
+    used: Mode  # PULL or PUSH, never AUTO
+    reason: str
+
+    @property
+    def is_fallback(self) -> bool:
+        """The client (or config) asked for a definite mode and got the other one."""
+        return self.requested is not Mode.AUTO and self.requested is not self.used
+
+
+def decide_mode(requested: Mode, coordinates: PrefillCoordinates | None) -> ModeDecision:
+    """Pick the mode for a request, given what is known about its P.
+
+    `coordinates` is None when the P's engine id and side channel are not known (no
+    probe answered yet): push is then impossible."""
+    if coordinates is None:
+        if requested is Mode.PULL:
+            return ModeDecision(requested=requested, used=Mode.PULL, reason="requested")
+        return ModeDecision(requested=requested, used=Mode.PULL, reason="prefill_coordinates_unknown")
+
+    can_push = Mode.PUSH in coordinates.transfer_modes
+    can_pull = Mode.PULL in coordinates.transfer_modes
+    if requested is Mode.PULL:
+        if can_pull:
+            return ModeDecision(requested=requested, used=Mode.PULL, reason="requested")
+        return ModeDecision(requested=requested, used=Mode.PUSH, reason="prefill_cannot_pull")
+    if requested is Mode.PUSH:
+        if can_push:
+            return ModeDecision(requested=requested, used=Mode.PUSH, reason="requested")
+        return ModeDecision(requested=requested, used=Mode.PULL, reason="prefill_cannot_push")
+    if can_push:
+        return ModeDecision(requested=requested, used=Mode.PUSH, reason="auto_pair_can_push")
+    return ModeDecision(requested=requested, used=Mode.PULL, reason="auto_pair_cannot_push")

@@ -1,0 +1,143 @@
+"""Learning a P's KV coordinates (engine id, side channel, tp size, modes) by probing it.
+
+A push request needs P's coordinates before P answers, so the router learns them ahead:
+a probe is a one-token prefill with `do_remote_decode`, whose answer names them. A probe
+is itself a prefill that a stock vLLM P keeps the blocks of until its KV lease runs out
+(no D ever reads them), so probes are rare and tiny: once per P, again only when the P
+came back from a failed health check (a restart gives it a new engine id), and no more
+often than `probe_retry_interval` after a failure. Coordinates in the config make
+probes unnecessary. Every P answer also refreshes what is known (`observe`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from proxy.endpoints import Endpoint
+from proxy.errors import UpstreamError
+from proxy.metrics import RouterMetrics
+from proxy.protocol import PrefillCoordinates, coordinates_from_answer
+from proxy.upstream import UpstreamClient
+
+logger = logging.getLogger("pdproxy.probe")
+
+PROBE_PROMPT = "ping"
+
+
+class CoordinateProber:
+    def __init__(
+        self,
+        client: UpstreamClient,
+        metrics: RouterMetrics,
+        *,
+        timeout: float,
+        retry_interval: float,
+    ) -> None:
+        self._client = client
+        self._metrics = metrics
+        self._timeout = timeout
+        self._retry_interval = retry_interval
+        # One probe at a time per endpoint URL; later callers await the same task.
+        self._running: dict[str, asyncio.Task[PrefillCoordinates | None]] = {}
+        self._last_failure: dict[str, float] = {}  # monotonic time of the last failed probe
+
+    async def coordinates(self, endpoint: Endpoint, model: str) -> PrefillCoordinates | None:
+        """The P's coordinates, probing it once if they are not known yet. None when
+        they cannot be learned now (the caller falls back to pull)."""
+        known = endpoint.coordinates
+        if known is not None:
+            return known
+        failed_at = self._last_failure.get(endpoint.url)
+        if failed_at is not None and time.monotonic() - failed_at < self._retry_interval:
+            return None
+        task = self._running.get(endpoint.url)
+        if task is None:
+            task = asyncio.create_task(
+                self._probe(endpoint, model), name=f"probe {endpoint.url}"
+            )
+            self._running[endpoint.url] = task
+            task.add_done_callback(lambda _t: self._running.pop(endpoint.url, None))
+        # shield: a caller's cancellation (its client left) must not kill a shared probe.
+        return await asyncio.shield(task)
+
+    def forget(self, endpoint: Endpoint) -> None:
+        """The P restarted (or may have): its engine id is stale."""
+        endpoint.learned_coordinates = None
+        self._last_failure.pop(endpoint.url, None)
+
+    def observe(self, endpoint: Endpoint, p_params: Any) -> None:
+        """Refresh a P's coordinates from the kv_transfer_params of any of its answers."""
+        seen = coordinates_from_answer(p_params)
+        if seen is None or seen == endpoint.learned_coordinates:
+            return
+        if endpoint.learned_coordinates is not None:
+            logger.info(
+                "prefill %s changed coordinates: engine %s -> %s (restarted?)",
+                endpoint.url,
+                endpoint.learned_coordinates.engine_id,
+                seen.engine_id,
+            )
+        endpoint.learned_coordinates = seen
+
+    async def aclose(self) -> None:
+        for task in list(self._running.values()):
+            task.cancel()
+        await asyncio.gather(*self._running.values(), return_exceptions=True)
+
+    async def _probe(self, endpoint: Endpoint, model: str) -> PrefillCoordinates | None:
+        body = {
+            "model": model,
+            "prompt": PROBE_PROMPT,
+            "max_tokens": 1,
+            "stream": False,
+            "kv_transfer_params": {
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_engine_id": None,
+                "remote_block_ids": None,
+                "remote_host": None,
+                "remote_port": None,
+                "probe": True,  # our connector frees a probe's blocks at once
+            },
+        }
+        try:
+            answer = await self._client.post_json(
+                f"{endpoint.url}/v1/completions",
+                body,
+                headers={"X-Request-Id": f"pdproxy-probe-{time.monotonic_ns()}"},
+                endpoint=endpoint.url,
+                cluster=endpoint.cluster.value,
+                timeout=self._timeout,
+            )
+        except UpstreamError as exc:
+            return self._failed(endpoint, f"{type(exc).__name__}: {exc}")
+        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        seen = coordinates_from_answer(params)
+        if seen is None:
+            return self._failed(endpoint, f"answer has no usable kv_transfer_params: {params!r}")
+        endpoint.learned_coordinates = seen
+        self._metrics.probes.labels(endpoint.url, "ok").inc()
+        logger.info(
+            "prefill %s: engine %s, side channel %s:%d, tp %d, modes %s",
+            endpoint.url,
+            seen.engine_id,
+            seen.host,
+            seen.port,
+            seen.tp_size,
+            ",".join(sorted(m.value for m in seen.transfer_modes)),
+        )
+        return endpoint.coordinates
+
+    def _failed(self, endpoint: Endpoint, why: str) -> None:
+        self._last_failure[endpoint.url] = time.monotonic()
+        self._metrics.probes.labels(endpoint.url, "failed").inc()
+        logger.warning(
+            "probe of prefill %s failed (push falls back to pull for %.0f s): %s",
+            endpoint.url,
+            self._retry_interval,
+            why,
+        )
+        return None

@@ -1,0 +1,326 @@
+"""What travels on the wire: the client's request, validated, and the bodies of each leg.
+
+The client's body stays a plain JSON object end to end (we must forward fields we do not
+know), but it is checked once here, at the edge, and the fields the router itself needs
+are pulled out into a typed `ClientRequest`. `kv_transfer_params`, which the router builds
+and validates, are typed structs.
+
+kv_transfer_params, as vLLM 0.32 speaks them:
+- P leg (both modes): do_remote_decode=true and nulls for the rest (+ transfer_id in push).
+- P's answer: do_remote_prefill=true, remote_engine_id, remote_block_ids, host, port, ...
+- D leg, pull: P's answer, unchanged.
+- D leg, push: P's coordinates (engine id, side channel, tp size), the transfer id and
+  P's request id (`remote_request_id`), and no block ids.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import uuid
+from typing import Any
+
+import msgspec
+
+from proxy.config import Mode
+from proxy.errors import InvalidRequest, PayloadTooLarge
+
+
+class Route(str, enum.Enum):
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+    @property
+    def request_id_prefix(self) -> str:
+        """vLLM names a request `<prefix><X-Request-Id>` (plus a random suffix)."""
+        return "chatcmpl-" if self is Route.CHAT else "cmpl-"
+
+
+# Keys the router owns on the way to P; a client must not set them.
+ROUTER_OWNED_FIELDS = ("kv_transfer_params",)
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+class ClientRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """The client's request after validation: its raw body and what the router needs."""
+
+    route: Route
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    request_id: str
+    mode_override: Mode | None
+
+
+def parse_request(
+    route: Route, raw: bytes, headers: dict[str, str], *, max_body_bytes: int
+) -> ClientRequest:
+    """Validate a client's request. Raises InvalidRequest (400/413) naming the problem."""
+    if len(raw) > max_body_bytes:
+        raise body_too_large(len(raw), max_body_bytes)
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequest("'model' is required and must be a non-empty string", param="model")
+    if route is Route.COMPLETIONS:
+        _check_prompt(body.get("prompt"))
+    else:
+        _check_messages(body.get("messages"))
+
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean", param="stream")
+    _check_optional_int(body, "max_tokens", minimum=1)
+    _check_optional_int(body, "max_completion_tokens", minimum=1)
+    _check_disaggregation_limits(body)
+    if "kv_transfer_params" in body:
+        raise InvalidRequest(
+            "'kv_transfer_params' is set by the router and must not come from the client",
+            param="kv_transfer_params",
+        )
+
+    return ClientRequest(
+        route=route,
+        body=body,
+        model=model,
+        stream=stream,
+        request_id=_request_id(headers.get("x-request-id")),
+        mode_override=_mode_override(headers.get("x-kv-transfer-mode")),
+    )
+
+
+def body_too_large(size: int, limit: int) -> PayloadTooLarge:
+    return PayloadTooLarge(
+        f"request body is {size} bytes or more, over the limit of {limit} (limits.max_body_bytes)"
+    )
+
+
+def _check_prompt(prompt: Any) -> None:
+    if isinstance(prompt, str) and prompt:
+        return
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            if len(prompt) > 1:
+                raise InvalidRequest(
+                    "a batch of prompts is not supported through P/D disaggregation; "
+                    "send one prompt per request",
+                    param="prompt",
+                )
+            return
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return
+        if all(isinstance(p, list) for p in prompt):
+            raise InvalidRequest(
+                "a batch of token prompts is not supported through P/D disaggregation; "
+                "send one prompt per request",
+                param="prompt",
+            )
+    raise InvalidRequest(
+        "'prompt' is required: a non-empty string or a list of token ids", param="prompt"
+    )
+
+
+def _check_messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' is required and must be a non-empty list", param="messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise InvalidRequest(
+                f"messages[{i}] must be an object with a string 'role'", param="messages"
+            )
+
+
+def _check_optional_int(body: dict[str, Any], name: str, *, minimum: int) -> None:
+    value = body.get(name)
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise InvalidRequest(f"'{name}' must be an integer >= {minimum}", param=name)
+
+
+def _check_disaggregation_limits(body: dict[str, Any]) -> None:
+    """Refuse what one P/D hand-over cannot serve: several choices share no KV hand-over."""
+    for name in ("n", "best_of"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise InvalidRequest(f"'{name}' must be an integer >= 1", param=name)
+        if value > 1:
+            raise InvalidRequest(
+                f"'{name}' > 1 is not supported through P/D disaggregation "
+                "(one KV hand-over serves one sequence); send separate requests",
+                param=name,
+            )
+
+
+def _request_id(value: str | None) -> str:
+    if value is None or value == "":
+        return uuid.uuid4().hex
+    if not _REQUEST_ID_RE.match(value):
+        raise InvalidRequest(
+            "X-Request-Id must be 1-128 characters of letters, digits and . _ : -",
+            param="X-Request-Id",
+        )
+    return value
+
+
+def _mode_override(value: str | None) -> Mode | None:
+    if value is None or value == "":
+        return None
+    try:
+        return Mode(value.strip().lower())
+    except ValueError:
+        raise InvalidRequest(
+            f"X-KV-Transfer-Mode must be pull, push or auto, got {value!r}",
+            param="X-KV-Transfer-Mode",
+        ) from None
+
+
+# --- kv_transfer_params --------------------------------------------------------------
+
+
+class PrefillCoordinates(msgspec.Struct, frozen=True, kw_only=True):
+    """Where D finds a P for a push: P's engine id and side channel, and what P can do."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int = 1
+    transfer_modes: frozenset[Mode] = frozenset({Mode.PULL})
+
+
+class PullKVParams(msgspec.Struct, kw_only=True):
+    """The part of P's answer that D needs in pull mode (other keys are kept as they are)."""
+
+    do_remote_prefill: bool
+    remote_engine_id: str
+    remote_block_ids: list[Any]
+    remote_host: str
+    remote_port: int
+
+
+class PushDecodeKVParams(msgspec.Struct, kw_only=True, omit_defaults=False):
+    """D's kv_transfer_params in push mode. Every field must be set: a missing one takes
+    a stock vLLM 0.32 decode server down (its engine core dies on a KeyError)."""
+
+    remote_engine_id: str
+    remote_host: str
+    remote_port: int
+    tp_size: int
+    transfer_id: str
+    remote_request_id: str
+    do_remote_prefill: bool = True
+    do_remote_decode: bool = False
+    transfer_mode: str = "push"
+
+    def __post_init__(self) -> None:
+        if not self.remote_engine_id or not self.remote_host or not self.transfer_id:
+            raise ValueError("push kv_transfer_params need engine id, host and transfer id")
+        if not 0 < self.remote_port < 65536:
+            raise ValueError(f"bad remote_port {self.remote_port!r}")
+        if self.tp_size < 1:
+            raise ValueError(f"bad tp_size {self.tp_size!r}")
+        if not self.remote_request_id:
+            raise ValueError("push kv_transfer_params need remote_request_id")
+
+
+def prefill_body(request: ClientRequest, *, transfer_id: str | None) -> dict[str, Any]:
+    """P's leg: the client's body, one token, not streamed, asking P to keep the KV."""
+    body = dict(request.body)
+    body["stream"] = False
+    body["max_tokens"] = 1
+    if request.route is Route.CHAT:
+        body["max_completion_tokens"] = 1
+    for name in ("min_tokens", "stream_options"):
+        body.pop(name, None)
+    params: dict[str, Any] = {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
+    if transfer_id is not None:
+        params["transfer_id"] = transfer_id
+        params["transfer_mode"] = Mode.PUSH.value
+    body["kv_transfer_params"] = params
+    return body
+
+
+def pull_decode_body(request: ClientRequest, p_params: Any) -> dict[str, Any]:
+    """D's leg in pull mode: the client's body plus P's kv_transfer_params, unchanged.
+
+    Raises ValueError when P's params lack what D needs to pull."""
+    if not isinstance(p_params, dict):
+        raise ValueError("P's kv_transfer_params is not an object")
+    checked = msgspec.convert(p_params, PullKVParams)  # raises ValidationError (a ValueError)
+    if not checked.do_remote_prefill:
+        raise ValueError("P's kv_transfer_params do not ask D for a remote prefill")
+    body = dict(request.body)
+    body["kv_transfer_params"] = p_params
+    return body
+
+
+def push_decode_body(
+    request: ClientRequest, coordinates: PrefillCoordinates, *, transfer_id: str
+) -> dict[str, Any]:
+    """D's leg in push mode: P's coordinates and the transfer id, no block ids."""
+    params = PushDecodeKVParams(
+        remote_engine_id=coordinates.engine_id,
+        remote_host=coordinates.host,
+        remote_port=coordinates.port,
+        tp_size=coordinates.tp_size,
+        transfer_id=transfer_id,
+        remote_request_id=request.route.request_id_prefix + request.request_id,
+    )
+    body = dict(request.body)
+    body["kv_transfer_params"] = msgspec.to_builtins(params)
+    return body
+
+
+def coordinates_from_answer(p_params: Any) -> PrefillCoordinates | None:
+    """Read a P's coordinates and capabilities from the kv_transfer_params of its answer.
+
+    Capabilities: `transfer_modes` (a list; our connector), else `transfer_mode`, else
+    pull only. Returns None when the answer does not name an engine and side channel."""
+    if not isinstance(p_params, dict):
+        return None
+    engine_id = p_params.get("remote_engine_id")
+    host = p_params.get("remote_host")
+    port = p_params.get("remote_port")
+    if not isinstance(engine_id, str) or not isinstance(host, str) or not isinstance(port, int):
+        return None
+    tp_size = p_params.get("tp_size", 1)
+    return PrefillCoordinates(
+        engine_id=engine_id,
+        host=host,
+        port=port,
+        tp_size=tp_size if isinstance(tp_size, int) and tp_size > 0 else 1,
+        transfer_modes=_modes_of(p_params),
+    )
+
+
+def _modes_of(p_params: dict[str, Any]) -> frozenset[Mode]:
+    listed = p_params.get("transfer_modes")
+    if isinstance(listed, list):
+        modes = {Mode(m) for m in listed if m in (Mode.PULL.value, Mode.PUSH.value)}
+        if modes:
+            return frozenset(modes)
+    single = p_params.get("transfer_mode")
+    if single in (Mode.PULL.value, Mode.PUSH.value):
+        return frozenset({Mode(single)})
+    return frozenset({Mode.PULL})
+
+
+def new_transfer_id() -> str:
+    return uuid.uuid4().hex

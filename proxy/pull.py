@@ -1,0 +1,43 @@
+"""The pull flow: P first, then D, which READs P's blocks.
+
+    client ──▶ router ──▶ P (max_tokens=1, do_remote_decode)
+                 │   ◀── P's kv_transfer_params (engine, blocks, side channel)
+                 └────▶ D (client's body + P's params) ──▶ answer relayed to the client
+
+The router is on the critical path: D starts only when P has answered.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from proxy.config import MissingKVParams
+from proxy.errors import KVTransferError
+from proxy.exchange import Exchange
+from proxy.protocol import prefill_body, pull_decode_body
+from proxy.relay import Downstream
+
+
+async def run_pull(exchange: Exchange, down: Downstream) -> None:
+    answer = await exchange.prefill(prefill_body(exchange.request, transfer_id=None))
+    await exchange.relay_decode(decode_body(exchange, answer), down)
+
+
+def decode_body(exchange: Exchange, p_answer: dict[str, Any]) -> dict[str, Any]:
+    """D's body from P's answer. P without usable kv_transfer_params means D would
+    recompute the whole prompt: an error, or (when configured) a counted recompute."""
+    params = p_answer.get("kv_transfer_params")
+    try:
+        return pull_decode_body(exchange.request, params)
+    except ValueError as exc:
+        why = f"prefill server {exchange.prefill_endpoint.url} gave no usable kv_transfer_params ({exc})"
+    metrics = exchange.router.metrics.missing_kv_params
+    if exchange.router.config.missing_kv_params is MissingKVParams.RECOMPUTE:
+        metrics.labels("recompute").inc()
+        exchange.note = "recompute_on_decode"
+        return dict(exchange.request.body)
+    metrics.labels("error").inc()
+    raise KVTransferError(
+        f"{why}; is P started with a KV connector (--kv-transfer-config)? "
+        "Set missing_kv_params: recompute to let D compute the prompt instead"
+    )

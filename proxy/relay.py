@@ -1,0 +1,133 @@
+"""Sending the answer downstream, and watching the client while a flow runs.
+
+`Downstream` wraps the ASGI `send`: it sends the response head only with the first body
+byte, so until then any failure can still become a proper HTTP error (and a retry is
+still possible). Once started, a streamed answer that fails ends with an SSE error event.
+
+`FlowResponse` is the ASGI response a route returns: it runs the flow and a watcher for
+the client's disconnect side by side; whichever ends first cancels the other, so a client
+that leaves cancels both legs at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from proxy.errors import RouterError, sse_error_event
+
+logger = logging.getLogger("pdproxy.relay")
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+
+
+class Downstream:
+    """The client's side of one exchange."""
+
+    def __init__(self, send: Send, *, streaming: bool, headers: list[tuple[bytes, bytes]]):
+        self._send = send
+        self.streaming = streaming
+        self.headers = headers  # sent with the head; the flow may add to them before
+        self.started = False  # the head went out: the status can no longer change
+        self.finished = False
+        self.status = 0
+        self.first_byte_at: float | None = None  # time.perf_counter()
+
+    async def start(self, status: int, content_type: str) -> None:
+        self.status = status
+        self.started = True
+        self.first_byte_at = time.perf_counter()
+        await self._send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", content_type.encode("latin-1")), *self.headers],
+            }
+        )
+
+    async def write(self, chunk: bytes) -> None:
+        await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def end(self, chunk: bytes = b"") -> None:
+        self.finished = True
+        await self._send({"type": "http.response.body", "body": chunk, "more_body": False})
+
+    async def whole(self, status: int, content_type: str, body: bytes) -> None:
+        await self.start(status, content_type)
+        await self.end(body)
+
+    async def fail(self, error: RouterError) -> None:
+        """Tell the client about an error, in the way still open to us."""
+        if self.finished:
+            return
+        if not self.started:
+            for name, value in error.headers().items():
+                self.headers.append((name.lower().encode("latin-1"), value.encode("latin-1")))
+            await self.whole(error.status, "application/json", error.body())
+        elif self.streaming:
+            await self.end(sse_error_event(error))
+        else:
+            await self.end()  # a cut JSON body: the client sees a broken answer, not a wrong one
+
+
+class FlowResponse:
+    """An ASGI response that runs `flow(downstream)` while watching for the client leaving.
+
+    `done(downstream, error, client_left)` is called once at the end, whatever happened."""
+
+    def __init__(
+        self,
+        flow: Callable[[Downstream], Awaitable[None]],
+        *,
+        streaming: bool,
+        headers: list[tuple[bytes, bytes]],
+        done: Callable[[Downstream, RouterError | None, bool], None],
+    ) -> None:
+        self._flow = flow
+        self._streaming = streaming
+        self._headers = headers
+        self._done = done
+
+    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        down = Downstream(send, streaming=self._streaming, headers=self._headers)
+        error: list[RouterError] = []
+        flow = asyncio.create_task(self._guarded(down, error), name="flow")
+        watcher = asyncio.create_task(_client_gone(receive), name="disconnect-watcher")
+        client_left = False
+        try:
+            await asyncio.wait({flow, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            client_left = watcher.done() and not flow.done()
+        finally:
+            flow.cancel()
+            watcher.cancel()
+            await asyncio.gather(flow, watcher, return_exceptions=True)
+            self._done(down, error[0] if error else None, client_left)
+
+    async def _guarded(self, down: Downstream, error: list[RouterError]) -> None:
+        try:
+            await self._flow(down)
+        except RouterError as exc:
+            error.append(exc)
+            await down.fail(exc)
+        except (OSError, RuntimeError) as exc:
+            if down.started:  # the client's connection broke while we wrote to it
+                error.append(RouterError(f"client connection lost: {exc}"))
+                return
+            raise
+        except Exception as exc:
+            logger.exception("internal error in a flow")
+            internal = RouterError(f"internal router error ({type(exc).__name__}); see its log")
+            error.append(internal)
+            await down.fail(internal)
+
+
+async def _client_gone(receive: Receive) -> None:
+    """Return when the client disconnects (the request body was already read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

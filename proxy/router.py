@@ -1,0 +1,118 @@
+"""The router's state and its one entry point for inference requests.
+
+`Router` owns everything that lives as long as the server: the upstream client, the two
+clusters, the prober, the health checker, the model catalog and the metrics. For each
+request it picks a P and a D, decides the mode, and hands an `Exchange` to the pull or
+push flow inside a `FlowResponse`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from proxy.config import Mode, RouterConfig
+from proxy.endpoints import Cluster, ClusterName
+from proxy.exchange import Exchange
+from proxy.health import HealthChecker
+from proxy.metrics import RouterMetrics
+from proxy.models import ModelCatalog
+from proxy.modes import decide_mode
+from proxy.probe import CoordinateProber
+from proxy.protocol import ClientRequest
+from proxy.pull import run_pull
+from proxy.push import run_push
+from proxy.relay import Downstream, FlowResponse
+from proxy.upstream import UpstreamClient
+
+logger = logging.getLogger("pdproxy.router")
+
+MODE_HEADER = b"x-kv-transfer-mode"
+REQUEST_ID_HEADER = b"x-request-id"
+MODE_REASON_HEADER = b"x-kv-transfer-mode-reason"  # only when the asked mode was impossible
+
+
+class Router:
+    """Create inside a running event loop (the app's lifespan); close with `aclose`."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.client = UpstreamClient(config.timeouts, config.limits)
+        self.prefill = Cluster(ClusterName.PREFILL, config.prefill, self.metrics)
+        self.decode = Cluster(ClusterName.DECODE, config.decode, self.metrics)
+        self.prober = CoordinateProber(
+            self.client,
+            self.metrics,
+            timeout=config.timeouts.probe,
+            retry_interval=config.probe_retry_interval,
+        )
+        self.health = HealthChecker(
+            self.prefill.endpoints + self.decode.endpoints,
+            self.client,
+            self.prober,
+            interval=config.health_interval,
+            timeout=config.timeouts.health,
+        )
+        self.catalog = ModelCatalog(
+            config.models,
+            self.decode.endpoints + self.prefill.endpoints,
+            self.client,
+            timeout=config.timeouts.health,
+        )
+        self._warmup: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.health.start()
+        if self.config.mode is not Mode.PULL:
+            # Learn P coordinates ahead of the first push request, in the background.
+            self._warmup = asyncio.create_task(self._probe_all(), name="probe-prefills")
+
+    async def aclose(self) -> None:
+        if self._warmup is not None:
+            self._warmup.cancel()
+            await asyncio.gather(self._warmup, return_exceptions=True)
+        await self.health.aclose()
+        await self.prober.aclose()
+        await self.catalog.aclose()
+        await self.client.aclose()
+
+    async def _probe_all(self) -> None:
+        names = await self.catalog.names()
+        if not names:
+            logger.warning("no model listed by any upstream yet; P probes wait for a request")
+            return
+        await asyncio.gather(*(self.prober.coordinates(p, names[0]) for p in self.prefill.endpoints))
+
+    async def exchange(self, request: ClientRequest) -> FlowResponse:
+        """Choose P, D and the mode for a validated request, and return its response."""
+        await self.catalog.require(request.model)
+        prefill = self.prefill.pick()
+        decode = self.decode.pick()
+        requested = request.mode_override or self.config.mode
+        coordinates = prefill.coordinates
+        if requested is not Mode.PULL and coordinates is None:
+            coordinates = await self.prober.coordinates(prefill, request.model)
+        decision = decide_mode(requested, coordinates)
+        if decision.is_fallback:
+            self.metrics.mode_fallbacks.labels(
+                decision.requested.value, decision.used.value, decision.reason
+            ).inc()
+        exchange = Exchange(self, request, prefill=prefill, decode=decode, decision=decision)
+        if decision.is_fallback:
+            exchange.note = f"mode_fallback:{decision.reason}"
+
+        async def flow(down: Downstream) -> None:
+            if decision.used is Mode.PUSH:
+                assert coordinates is not None  # decide_mode pushes only with coordinates
+                await run_push(exchange, down, coordinates)
+            else:
+                await run_pull(exchange, down)
+
+        headers = [
+            (MODE_HEADER, decision.used.value.encode()),
+            (REQUEST_ID_HEADER, request.request_id.encode()),
+        ]
+        if decision.is_fallback:
+            headers.append((MODE_REASON_HEADER, decision.reason.encode()))
+        return FlowResponse(flow, streaming=request.stream, headers=headers, done=exchange.finish)

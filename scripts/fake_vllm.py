@@ -1,0 +1,254 @@
+"""A fake vLLM server for fast tests, fault injection and proxy-overhead benchmarks.
+
+It speaks the P/D contract the router relies on (see the router's `protocol.py`):
+- as P, it answers a `do_remote_decode` request with one token and kv_transfer_params
+  naming its engine, blocks and side channel;
+- as D, it answers pull requests that carry P's params, and push requests that carry P's
+  coordinates, waiting (when P and D share a `Fabric`, i.e. run in one process) until
+  "P" has finished the prompt with that transfer id, like a real push D waits for the
+  WRITE.
+Knobs (`Behavior`) add delays and faults; every request is logged (`Seen`) so tests can
+check what reached each server, when, and whether it was cancelled.
+
+Run one alone: `python -m scripts.fake_vllm --role decode --port 8200`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+MODEL = "fake-model"
+
+
+@dataclasses.dataclass
+class Behavior:
+    """Knobs a test may turn at any time."""
+
+    delay: float = 0.0  # before answering (P: the prompt's compute; D: before 1st token)
+    token_delay: float = 0.0  # between streamed tokens
+    tokens: int = 4  # tokens D generates when max_tokens does not say fewer
+    fail_status: int | None = None  # answer every inference request with this status
+    drop_connection: bool = False  # close the connection without an answer
+    hang: bool = False  # never answer
+    omit_kv_params: bool = False  # P: answer without kv_transfer_params
+    garbage: bool = False  # answer with bytes that are not JSON
+    cut_stream_after: int | None = None  # D: close the stream after this many chunks
+    transfer_modes: list[str] = dataclasses.field(default_factory=lambda: ["pull", "push"])
+    push_wait_timeout: float = 30.0  # D: how long a push waits for P (a stock lease)
+
+
+@dataclasses.dataclass
+class Seen:
+    """One inference request as the fake saw it."""
+
+    path: str
+    body: dict[str, Any]
+    headers: dict[str, str]
+    arrived: float  # time.perf_counter()
+    finished: float | None = None
+    outcome: str = "running"  # running, ok, cancelled, failed
+
+
+class Fabric:
+    """What P and D share in one process: which transfers P has finished (the 'WRITE')."""
+
+    def __init__(self) -> None:
+        self.written: dict[str, asyncio.Event] = {}
+
+    def event(self, transfer_id: str) -> asyncio.Event:
+        return self.written.setdefault(transfer_id, asyncio.Event())
+
+
+class FakeVLLM:
+    def __init__(
+        self,
+        role: str,
+        *,
+        engine_id: str = "engine-0",
+        side_channel_port: int = 5600,
+        fabric: Fabric | None = None,
+    ) -> None:
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {role!r}")
+        self.role = role
+        self.engine_id = engine_id
+        self.side_channel_port = side_channel_port
+        self.fabric = fabric
+        self.behavior = Behavior()
+        self.record = True  # keep a `Seen` per request (off for long benchmarks)
+        self.seen: list[Seen] = []
+        self.app = web.Application()
+        self.app.router.add_get("/health", self._health)
+        self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_post("/v1/completions", self._infer)
+        self.app.router.add_post("/v1/chat/completions", self._infer)
+
+    @property
+    def active(self) -> int:
+        return sum(1 for s in self.seen if s.outcome == "running")
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def _infer(self, request: web.Request) -> web.StreamResponse:
+        body = msgspec.json.decode(await request.read())
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        seen = Seen(request.path, body, headers, time.perf_counter())
+        if self.record:
+            self.seen.append(seen)
+        try:
+            response = await self._answer(request, body, seen)
+            seen.outcome = "ok" if seen.outcome == "running" else seen.outcome
+            return response
+        except asyncio.CancelledError:
+            seen.outcome = "cancelled"
+            raise
+        except (ConnectionResetError, OSError):
+            seen.outcome = "cancelled"
+            raise
+        finally:
+            seen.finished = time.perf_counter()
+
+    async def _answer(self, request: web.Request, body: dict[str, Any], seen: Seen) -> web.StreamResponse:
+        b = self.behavior
+        if b.hang:
+            await asyncio.sleep(3600)
+        if b.delay:
+            await asyncio.sleep(b.delay)
+        if b.drop_connection:
+            seen.outcome = "failed"
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response(status=500)
+        if b.fail_status is not None:
+            seen.outcome = "failed"
+            return web.json_response(
+                {"error": {"message": "injected failure", "type": "fake", "code": b.fail_status}},
+                status=b.fail_status,
+            )
+        if b.garbage:
+            seen.outcome = "failed"
+            return web.Response(body=b"\x00not json{", content_type="application/json")
+        params = body.get("kv_transfer_params") or {}
+        if self.role == "prefill":
+            return self._prefill_answer(request, body, params)
+        return await self._decode_answer(request, body, params, seen)
+
+    def _prefill_answer(self, request: web.Request, body: dict[str, Any], params: dict[str, Any]) -> web.Response:
+        rid = request.headers.get("X-Request-Id", "none")
+        prefix = "chatcmpl-" if request.path.endswith("chat/completions") else "cmpl-"
+        answer: dict[str, Any] = _completion(request.path, ["p"], rid)
+        if not self.behavior.omit_kv_params and params.get("do_remote_decode"):
+            answer["kv_transfer_params"] = {
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "remote_block_ids": [[1, 2, 3]],
+                "remote_engine_id": self.engine_id,
+                "remote_request_id": f"{prefix}{rid}-0a1b",
+                "remote_host": "127.0.0.1",
+                "remote_port": self.side_channel_port,
+                "tp_size": 1,
+                "transfer_modes": list(self.behavior.transfer_modes),
+            }
+        transfer_id = params.get("transfer_id")
+        if transfer_id and self.fabric is not None:
+            self.fabric.event(transfer_id).set()  # the prompt is done: "WRITE" the KV to D
+        return web.json_response(answer)
+
+    async def _decode_answer(
+        self, request: web.Request, body: dict[str, Any], params: dict[str, Any], seen: Seen
+    ) -> web.StreamResponse:
+        if params.get("transfer_id"):
+            missing = [
+                k
+                for k in ("remote_engine_id", "remote_host", "remote_port", "tp_size", "remote_request_id")
+                if params.get(k) in (None, "")
+            ]
+            if missing:  # a stock vLLM 0.32 D dies here; the fake refuses loudly
+                seen.outcome = "failed"
+                return web.json_response({"error": {"message": f"push params miss {missing}"}}, status=500)
+            if self.fabric is not None:
+                event = self.fabric.event(params["transfer_id"])
+                await asyncio.wait_for(event.wait(), self.behavior.push_wait_timeout)
+        tokens = min(self.behavior.tokens, int(body.get("max_tokens") or self.behavior.tokens))
+        words = [f"t{i}" for i in range(tokens)]
+        rid = request.headers.get("X-Request-Id", "none")
+        if not body.get("stream"):
+            return web.json_response(_completion(request.path, words, rid))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i, word in enumerate(words):
+            if self.behavior.cut_stream_after is not None and i >= self.behavior.cut_stream_after:
+                seen.outcome = "failed"
+                assert request.transport is not None
+                request.transport.close()
+                return response
+            if i and self.behavior.token_delay:
+                await asyncio.sleep(self.behavior.token_delay)
+            chunk = _completion(request.path, [word], rid, chunk=True)
+            await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _completion(path: str, words: list[str], rid: str, *, chunk: bool = False) -> dict[str, Any]:
+    text = " ".join(words)
+    if path.endswith("chat/completions"):
+        choice: dict[str, Any] = (
+            {"index": 0, "delta": {"content": text}, "finish_reason": None}
+            if chunk
+            else {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+        )
+        kind = "chat.completion.chunk" if chunk else "chat.completion"
+        return {"id": f"chatcmpl-{rid}", "object": kind, "model": MODEL, "choices": [choice]}
+    return {
+        "id": f"cmpl-{rid}",
+        "object": "text_completion",
+        "model": MODEL,
+        "choices": [{"index": 0, "text": text, "finish_reason": None if chunk else "length"}],
+    }
+
+
+async def start(fake: FakeVLLM, port: int = 0, host: str = "127.0.0.1") -> tuple[web.AppRunner, str]:
+    """Serve `fake` on host:port (0 = any free port); returns the runner and base URL."""
+    runner = web.AppRunner(fake.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
+    bound = sockets[0].getsockname()[1]
+    return runner, f"http://{host}:{bound}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="A fake vLLM P or D server (no model).")
+    parser.add_argument("--role", choices=["prefill", "decode"], required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--tokens", type=int, default=4, help="tokens D generates")
+    args = parser.parse_args()
+    fake = FakeVLLM(args.role)
+    fake.behavior.tokens = args.tokens
+    fake.record = False
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    web.run_app(fake.app, host=args.host, port=args.port, access_log=None, print=None)
+
+
+if __name__ == "__main__":
+    main()

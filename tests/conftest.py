@@ -1,0 +1,38 @@
+"""Shared test helpers: the router served for real (uvicorn on a free port) in the test's
+own event loop, so that HTTP, streaming and client disconnects behave as in production."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+
+from proxy.app import create_app
+from proxy.config import RouterConfig, build_config
+
+
+@contextlib.asynccontextmanager
+async def serve_router(**config: Any) -> AsyncIterator[tuple[str, Any]]:
+    """Run the router on 127.0.0.1 (a free port); yield (base URL, the FastAPI app)."""
+    values: dict[str, Any] = {"health_interval": 0, "timeouts": {"health": 10.0}, **config}
+    router_config: RouterConfig = build_config(values, {})
+    app = create_app(router_config)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    )
+    task = asyncio.create_task(server.serve(), name="test-router")
+    async with asyncio.timeout(10):
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        async with asyncio.timeout(10):
+            await task
