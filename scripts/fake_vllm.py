@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -84,11 +85,22 @@ class FakeVLLM:
         self.behavior = Behavior()
         self.record = True  # keep a `Seen` per request (off for long benchmarks)
         self.seen: list[Seen] = []
+        self._changed = asyncio.Event()  # set (and replaced) whenever `seen` changes
         self.app = web.Application()
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_post("/v1/completions", self._infer)
         self.app.router.add_post("/v1/chat/completions", self._infer)
+
+    async def until(self, predicate: Callable[[list[Seen]], bool], timeout: float = 5.0) -> None:
+        """Wait until `predicate(self.seen)` holds (checked at each change), bounded."""
+        async with asyncio.timeout(timeout):
+            while not predicate(self.seen):
+                await self._changed.wait()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     @property
     def active(self) -> int:
@@ -106,6 +118,7 @@ class FakeVLLM:
         seen = Seen(request.path, body, headers, time.perf_counter())
         if self.record:
             self.seen.append(seen)
+            self._notify()
         try:
             response = await self._answer(request, body, seen)
             seen.outcome = "ok" if seen.outcome == "running" else seen.outcome
@@ -118,6 +131,7 @@ class FakeVLLM:
             raise
         finally:
             seen.finished = time.perf_counter()
+            self._notify()
 
     async def _answer(self, request: web.Request, body: dict[str, Any], seen: Seen) -> web.StreamResponse:
         b = self.behavior
