@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from proxy.cli import build_parser, load_config
+from proxy.config import Mode, build_config
+from proxy.errors import (
+    InvalidRequest,
+    KVTransferError,
+    NoHealthyEndpoint,
+    NotFound,
+    PayloadTooLarge,
+    RouterError,
+    UpstreamConnectError,
+    UpstreamProtocolError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    sse_error_event,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("error,status,error_type", [
+    (InvalidRequest("x"), 400, "invalid_request_error"),
+    (PayloadTooLarge("x"), 413, "invalid_request_error"),
+    (NotFound("x"), 404, "not_found_error"),
+    (NoHealthyEndpoint("x"), 503, "service_unavailable"),
+    (KVTransferError("x"), 502, "kv_transfer_error"),
+    (UpstreamConnectError("x"), 502, "upstream_error"),
+    (UpstreamProtocolError("x"), 502, "upstream_error"),
+    (UpstreamTimeout("x"), 504, "timeout"),
+    (RouterError("x"), 500, "internal_error"),
+])
+def test_each_error_maps_to_its_status_and_openai_shape(error: RouterError, status: int, error_type: str) -> None:
+    assert error.status == status
+    body = msgspec.json.decode(error.body())
+    assert body == {"error": {"message": "x", "type": error_type, "param": None, "code": status}}
+
+
+def test_no_healthy_endpoint_says_when_to_retry() -> None:
+    assert NoHealthyEndpoint("x").headers() == {"Retry-After": "1"}
+
+
+def test_upstream_status_relays_upstream_json_but_wraps_other_bodies() -> None:
+    vllm_body = b'{"error":{"message":"too long","type":"BadRequestError","code":400}}'
+    assert UpstreamStatusError("x", status=400, content=vllm_body).body() == vllm_body
+    wrapped = msgspec.json.decode(UpstreamStatusError("P said 500", status=500, content=b"<html>").body())
+    assert wrapped["error"]["message"] == "P said 500" and wrapped["error"]["code"] == 500
+
+
+def test_sse_error_event_closes_the_stream() -> None:
+    event = sse_error_event(UpstreamTimeout("slow"))
+    assert event.startswith(b"data: {") and event.endswith(b"data: [DONE]\n\n")
+
+
+def test_flags_win_over_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("prefill: [http://p:1]\ndecode: [http://d:2]\nmode: push\nport: 9000\n")
+    args = build_parser().parse_args(["serve", "--config", str(path), "--mode", "auto"])
+    config = load_config(args)
+    assert config.mode is Mode.AUTO and config.port == 9000
+    assert [e.url for e in config.prefill] == ["http://p:1"]
+
+
+def test_toml_config(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('decode = ["http://d:2"]\n[[prefill]]\nurl = "http://p:1"\nengine_id = "e"\n'
+                    '[timeouts]\nprefill = 5.0\n')
+    config = load_config(build_parser().parse_args(["serve", "--config", str(path)]))
+    assert config.prefill[0].engine_id == "e" and config.timeouts.prefill == 5.0
+
+
+@pytest.mark.parametrize("values,words", [
+    ({"decode": ["http://d:1"]}, "prefill"),
+    ({"prefill": ["http://p:1"]}, "decode"),
+    ({"prefill": ["ftp://p"], "decode": ["http://d:1"]}, "URL"),
+    ({"prefill": ["http://p:1/v1"], "decode": ["http://d:1"]}, "without a path"),
+    ({"prefill": ["http://p:1"], "decode": ["http://d:1"], "mode": "fast"}, "mode"),
+    ({"prefill": ["http://p:1"], "decode": ["http://d:1"], "timeouts": {"prefill": 0}}, "timeouts.prefill"),
+    ({"prefill": ["http://p:1"], "decode": ["http://d:1"], "colour": "red"}, "colour"),
+])
+def test_bad_config_is_refused_with_the_reason(values: dict, words: str) -> None:
+    with pytest.raises(ValueError, match=words):
+        build_config(values, {})
+
+
+@pytest.mark.parametrize("name", ["1p1d-cpu.yaml", "example.yaml"])
+def test_shipped_configs_are_valid(name: str) -> None:
+    args = build_parser().parse_args(["serve", "--config", str(REPO / "configs" / name)])
+    config = load_config(args)
+    assert config.prefill and config.decode

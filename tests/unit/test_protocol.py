@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+import pytest
+
+from proxy.config import Mode
+from proxy.errors import InvalidRequest, PayloadTooLarge
+from proxy.protocol import (
+    PrefillCoordinates,
+    Route,
+    coordinates_from_answer,
+    parse_request,
+    prefill_body,
+    pull_decode_body,
+    push_decode_body,
+)
+
+P_ANSWER_PARAMS = {
+    "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2]],
+    "remote_engine_id": "eng", "remote_request_id": "cmpl-r1-abcd", "remote_host": "10.0.0.1",
+    "remote_port": 5600, "tp_size": 2, "transfer_mode": "pull",
+}
+
+
+def request(route: Route = Route.COMPLETIONS, **body: object):
+    base = {"model": "m", "prompt": "hi"} if route is Route.COMPLETIONS else {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    return parse_request(route, __import__("msgspec").json.encode({**base, **body}),
+                         {"x-request-id": "r1"}, max_body_bytes=10_000)
+
+
+def test_prefill_leg_is_one_token_not_streamed_and_keeps_kv() -> None:
+    req = request(Route.CHAT, stream=True, max_tokens=50, min_tokens=5,
+                  stream_options={"include_usage": True}, temperature=0)
+    body = prefill_body(req, transfer_id=None)
+    assert body["stream"] is False and body["max_tokens"] == 1 and body["max_completion_tokens"] == 1
+    assert "min_tokens" not in body and "stream_options" not in body
+    assert body["temperature"] == 0  # other client settings are kept
+    assert body["kv_transfer_params"] == {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    assert req.body["stream"] is True, "the client's body is not changed in place"
+
+
+def test_prefill_leg_in_push_carries_the_transfer_id() -> None:
+    body = prefill_body(request(), transfer_id="t-1")
+    assert body["kv_transfer_params"]["transfer_id"] == "t-1"
+    assert "max_completion_tokens" not in body
+
+
+def test_pull_decode_leg_is_the_client_body_plus_p_params_unchanged() -> None:
+    req = request(max_tokens=7, stream=True)
+    body = pull_decode_body(req, P_ANSWER_PARAMS)
+    assert body["kv_transfer_params"] == P_ANSWER_PARAMS
+    assert body["max_tokens"] == 7 and body["stream"] is True
+
+
+@pytest.mark.parametrize("params", [None, {}, {**P_ANSWER_PARAMS, "remote_engine_id": None},
+                                    {**P_ANSWER_PARAMS, "do_remote_prefill": False},
+                                    {k: v for k, v in P_ANSWER_PARAMS.items() if k != "remote_block_ids"}])
+def test_pull_decode_leg_refuses_unusable_p_params(params: object) -> None:
+    with pytest.raises(ValueError):
+        pull_decode_body(request(), params)
+
+
+@pytest.mark.parametrize("route,prefix", [(Route.COMPLETIONS, "cmpl-"), (Route.CHAT, "chatcmpl-")])
+def test_push_decode_leg_names_p_and_the_transfer(route: Route, prefix: str) -> None:
+    coordinates = PrefillCoordinates(engine_id="eng", host="10.0.0.1", port=5600, tp_size=2)
+    body = push_decode_body(request(route), coordinates, transfer_id="t-9")
+    assert body["kv_transfer_params"] == {
+        "remote_engine_id": "eng", "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 2,
+        "transfer_id": "t-9", "remote_request_id": prefix + "r1", "do_remote_prefill": True,
+        "do_remote_decode": False, "transfer_mode": "push"}
+
+
+def test_push_decode_leg_validates_what_it_sends() -> None:
+    bad = PrefillCoordinates(engine_id="", host="h", port=5600)
+    with pytest.raises(ValueError):
+        push_decode_body(request(), bad, transfer_id="t")
+
+
+@pytest.mark.parametrize("params,modes", [
+    (P_ANSWER_PARAMS, {Mode.PULL}),
+    ({**P_ANSWER_PARAMS, "transfer_mode": "push"}, {Mode.PUSH}),
+    ({**P_ANSWER_PARAMS, "transfer_modes": ["pull", "push"]}, {Mode.PULL, Mode.PUSH}),
+    ({k: v for k, v in P_ANSWER_PARAMS.items() if k != "transfer_mode"}, {Mode.PULL}),
+])
+def test_capabilities_from_p_answer(params: dict, modes: set) -> None:
+    found = coordinates_from_answer(params)
+    assert found is not None
+    assert (found.engine_id, found.host, found.port, found.tp_size) == ("eng", "10.0.0.1", 5600, 2)
+    assert found.transfer_modes == modes
+
+
+def test_no_coordinates_in_an_answer_without_engine() -> None:
+    assert coordinates_from_answer({"remote_host": "h"}) is None
+    assert coordinates_from_answer(None) is None
+
+
+def test_request_id_is_generated_when_absent() -> None:
+    raw = b'{"model":"m","prompt":"x"}'
+    a = parse_request(Route.COMPLETIONS, raw, {}, max_body_bytes=100)
+    b = parse_request(Route.COMPLETIONS, raw, {}, max_body_bytes=100)
+    assert a.request_id != b.request_id and len(a.request_id) == 32
+
+
+def test_size_limit_and_mode_header() -> None:
+    with pytest.raises(PayloadTooLarge):
+        parse_request(Route.COMPLETIONS, b'{"model":"m","prompt":"xxxx"}', {}, max_body_bytes=10)
+    req = parse_request(Route.COMPLETIONS, b'{"model":"m","prompt":[1,2]}',
+                        {"x-kv-transfer-mode": "PUSH"}, max_body_bytes=100)
+    assert req.mode_override is Mode.PUSH
+    with pytest.raises(InvalidRequest):
+        parse_request(Route.COMPLETIONS, b'{"model":"m","prompt":[]}', {}, max_body_bytes=100)
