@@ -37,7 +37,7 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     connect: float = 5.0  # opening a TCP connection to an upstream
     prefill: float = 120.0  # P's whole answer (it computes the prompt and one token)
-    first_token: float = 120.0  # D's first byte, counted from sending D its request
+    first_token: float = 300.0  # D's first byte from sending D its request (a non-streamed answer: all of it)
     stream_idle: float = 60.0  # longest silence between two chunks of D's answer
     probe: float = 30.0  # a probe of a P's KV coordinates
     health: float = 2.0  # one active health check

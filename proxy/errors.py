@@ -3,6 +3,7 @@
     RouterError                      anything the router reports to a client
     ├── InvalidRequest               400: the client's body or headers are wrong
     │   └── PayloadTooLarge          413: the body is over the configured limit
+    │   └── MethodNotAllowed         405: a route asked with the wrong method
     ├── NotFound                     404: unknown route or model
     ├── NoHealthyEndpoint            503: no upstream can take the request now
     ├── KVTransferError              502: the KV hand-over between P and D failed
@@ -53,6 +54,10 @@ class PayloadTooLarge(InvalidRequest):
 class NotFound(RouterError):
     status = 404
     error_type = "not_found_error"
+
+
+class MethodNotAllowed(InvalidRequest):
+    status = 405
 
 
 class NoHealthyEndpoint(RouterError):

@@ -4,9 +4,9 @@
 byte, so until then any failure can still become a proper HTTP error (and a retry is
 still possible). Once started, a streamed answer that fails ends with an SSE error event.
 
-`FlowResponse` is the ASGI response a route returns: it runs the flow and a watcher for
-the client's disconnect side by side; whichever ends first cancels the other, so a client
-that leaves cancels both legs at once.
+`FlowResponse` is the ASGI response a route returns: it runs the flow while a watcher
+task waits for the client's disconnect; a client that leaves cancels the flow, and with
+it both legs, at once.
 """
 
 from __future__ import annotations
@@ -93,18 +93,31 @@ class FlowResponse:
         self._done = done
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        """Run the flow in this task; a watcher task cancels it if the client leaves."""
         down = Downstream(send, streaming=self._streaming, headers=self._headers)
         error: list[RouterError] = []
-        flow = asyncio.create_task(self._guarded(down, error), name="flow")
-        watcher = asyncio.create_task(_client_gone(receive), name="disconnect-watcher")
+        this = asyncio.current_task()
+        assert this is not None  # ASGI apps run inside tasks
         client_left = False
+
+        def on_client_gone(watcher: asyncio.Task[None]) -> None:
+            nonlocal client_left
+            if not watcher.cancelled():
+                client_left = True
+                this.cancel()
+
+        watcher = asyncio.create_task(_client_gone(receive), name="disconnect-watcher")
+        watcher.add_done_callback(on_client_gone)
         try:
-            await asyncio.wait({flow, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            client_left = watcher.done() and not flow.done()
+            await self._guarded(down, error)
+        except asyncio.CancelledError:
+            if not client_left:
+                raise  # cancelled from outside (shutdown): not ours to swallow
         finally:
-            flow.cancel()
+            watcher.remove_done_callback(on_client_gone)
             watcher.cancel()
-            await asyncio.gather(flow, watcher, return_exceptions=True)
+            if client_left and this.cancelling():
+                this.uncancel()  # our own cancel: it must not leak into the server's code
             self._done(down, error[0] if error else None, client_left)
 
     async def _guarded(self, down: Downstream, error: list[RouterError]) -> None:

@@ -1,10 +1,11 @@
-"""The client for vLLM servers (aiohttp), and the one place where aiohttp's and asyncio's
-errors become the router's `UpstreamError`s.
+"""The client for vLLM servers, and the one place where transport errors become the
+router's `UpstreamError`s.
 
 Two calls: `post_json` waits for a whole JSON answer (P's leg, probes), and `stream`
 opens a response whose body is read chunk by chunk as it arrives (D's leg), always
-inside `async with` so that the connection is released, or closed when a leg is
-cancelled: closing the connection is how vLLM learns to abort the request.
+inside `async with` so that the connection goes back to its pool when the answer is
+complete, or is closed when a leg is cancelled or fails: closing the connection is how
+vLLM learns to abort the request. The transport is `http11` (keep-alive HTTP/1.1).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import contextlib
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-import aiohttp
+import httptools
 import msgspec
 
 from proxy.config import Limits, Timeouts
@@ -25,45 +26,40 @@ from proxy.errors import (
     UpstreamStatusError,
     UpstreamTimeout,
 )
+from proxy.http11 import Client, ConnectFailed, ConnectionLost, Response
 
-_JSON = {"Content-Type": "application/json"}
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 @contextlib.contextmanager
 def upstream_errors(endpoint: str, cluster: str, what: str) -> Iterator[None]:
-    """Map aiohttp/asyncio failures inside the block to UpstreamError, most specific first."""
+    """Map transport failures inside the block to UpstreamError, most specific first."""
     try:
         yield
     except UpstreamError:
         raise
-    except TimeoutError as exc:  # asyncio.timeout and aiohttp's timeouts both end here
+    except ConnectFailed as exc:
+        raise UpstreamConnectError(
+            f"cannot connect to {cluster} server {endpoint}: {exc}", endpoint=endpoint, cluster=cluster
+        ) from exc
+    except TimeoutError as exc:
         raise UpstreamTimeout(
             f"{cluster} server {endpoint} did not answer {what} in time",
             endpoint=endpoint,
             cluster=cluster,
         ) from exc
-    except aiohttp.ClientConnectorError as exc:
-        raise UpstreamConnectError(
-            f"cannot connect to {cluster} server {endpoint}: {exc.os_error or exc}",
-            endpoint=endpoint,
-            cluster=cluster,
-        ) from exc
-    except (aiohttp.ClientError, msgspec.DecodeError, ValueError) as exc:
+    except (ConnectionLost, httptools.HttpParserError, msgspec.DecodeError, OSError) as exc:
         raise UpstreamProtocolError(
-            f"{cluster} server {endpoint} broke off {what}: {type(exc).__name__}: {exc}",
-            endpoint=endpoint,
-            cluster=cluster,
+            f"{cluster} server {endpoint} broke off {what}: {exc}", endpoint=endpoint, cluster=cluster
         ) from exc
 
 
 class StreamedResponse:
-    """An open upstream response: status, headers, and its body as it arrives."""
+    """An open upstream response: status, content type, and its body as it arrives."""
 
-    def __init__(
-        self, response: aiohttp.ClientResponse, *, endpoint: str, cluster: str, idle: float
-    ) -> None:
+    def __init__(self, response: Response, *, endpoint: str, cluster: str, idle: float) -> None:
         self.status = response.status
-        self.content_type = response.headers.get("Content-Type", "application/json")
+        self.content_type = response.headers.get("content-type", "application/json")
         self._response = response
         self._endpoint = endpoint
         self._cluster = cluster
@@ -71,11 +67,10 @@ class StreamedResponse:
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body chunks as they come; a silence longer than `stream_idle` is a timeout."""
-        content = self._response.content
         while True:
             with upstream_errors(self._endpoint, self._cluster, "the rest of its answer"):
                 async with asyncio.timeout(self._idle):
-                    chunk = await content.readany()
+                    chunk = await self._response.read_chunk()
             if not chunk:
                 return
             yield chunk
@@ -87,34 +82,21 @@ class StreamedResponse:
 
 
 class UpstreamClient:
-    """One aiohttp session shared by every upstream; create in the app's lifespan."""
+    """Keep-alive connections to every upstream; create in the app's lifespan."""
 
     def __init__(self, timeouts: Timeouts, limits: Limits) -> None:
         self._timeouts = timeouts
-        connector = aiohttp.TCPConnector(
-            limit=limits.max_connections, limit_per_host=0, keepalive_timeout=30, ttl_dns_cache=300
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect),
-            json_serialize=lambda obj: msgspec.json.encode(obj).decode(),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent",),
-        )
+        self._http = Client(max_connections=limits.max_connections)
 
     async def aclose(self) -> None:
-        await self._session.close()
+        self._http.close()
 
     async def get_json(
         self, url: str, *, endpoint: str, cluster: str, timeout: float, expect_json: bool = True
     ) -> Any:
         """GET and decode the JSON answer (or only check the status: expect_json=False)."""
-        with upstream_errors(endpoint, cluster, f"GET {url}"):
-            async with asyncio.timeout(timeout):
-                async with self._session.get(url) as response:
-                    content = await response.read()
-                    _raise_for_status(response.status, content, endpoint, cluster)
-                    return msgspec.json.decode(content) if expect_json else None
+        content = await self._whole("GET", url, b"", {}, endpoint, cluster, timeout)
+        return msgspec.json.decode(content) if expect_json else None
 
     async def post_json(
         self,
@@ -127,14 +109,30 @@ class UpstreamClient:
         timeout: float,
     ) -> Any:
         """POST and decode the whole JSON answer; error statuses raise UpstreamStatusError."""
+        content = await self._whole(
+            "POST", url, msgspec.json.encode(body), {**_JSON_HEADERS, **headers},
+            endpoint, cluster, timeout,
+        )
+        with upstream_errors(endpoint, cluster, "its answer"):
+            return msgspec.json.decode(content)
+
+    async def _whole(
+        self, method: str, url: str, body: bytes, headers: dict[str, str],
+        endpoint: str, cluster: str, timeout: float,
+    ) -> bytes:
+        pool, path = self._http.pool(url)
         with upstream_errors(endpoint, cluster, "its answer"):
             async with asyncio.timeout(timeout):
-                async with self._session.post(
-                    url, data=msgspec.json.encode(body), headers={**_JSON, **headers}
-                ) as response:
+                connection, response = await pool.request(
+                    method, path, body, headers, connect_timeout=self._timeouts.connect
+                )
+                try:
+                    await response.head
                     content = await response.read()
-                    _raise_for_status(response.status, content, endpoint, cluster)
-                    return msgspec.json.decode(content)
+                finally:
+                    pool.release(connection, response)
+        _raise_for_status(response.status, content, endpoint, cluster)
+        return content
 
     @contextlib.asynccontextmanager
     async def stream(
@@ -148,24 +146,26 @@ class UpstreamClient:
     ) -> AsyncIterator[StreamedResponse]:
         """POST and yield the open response once its headers are in (bounded by
         `first_token`). Error statuses raise UpstreamStatusError with the body."""
+        pool, path = self._http.pool(url)
         with upstream_errors(endpoint, cluster, "with its first byte"):
-            async with asyncio.timeout(self._timeouts.first_token):
-                response = await self._session.post(
-                    url, data=msgspec.json.encode(body), headers={**_JSON, **headers}
-                )
+            connection, response = await pool.request(
+                "POST", path, msgspec.json.encode(body), {**_JSON_HEADERS, **headers},
+                connect_timeout=self._timeouts.connect,
+            )
         try:
-            if response.status >= 400:
-                with upstream_errors(endpoint, cluster, "its error body"):
-                    async with asyncio.timeout(self._timeouts.stream_idle):
-                        content = await response.read()
-                _raise_for_status(response.status, content, endpoint, cluster)
-            yield StreamedResponse(
+            with upstream_errors(endpoint, cluster, "with its first byte"):
+                async with asyncio.timeout(self._timeouts.first_token):
+                    await response.head
+            streamed = StreamedResponse(
                 response, endpoint=endpoint, cluster=cluster, idle=self._timeouts.stream_idle
             )
+            if response.status >= 400:
+                _raise_for_status(response.status, await streamed.read(), endpoint, cluster)
+            yield streamed
         finally:
-            # On any exit, cancellation included: a finished body returns the connection
-            # to the pool, an unfinished one is closed so the server aborts the request.
-            response.release() if response.content.at_eof() else response.close()
+            # On any exit, cancellation included: a finished answer's connection is
+            # reused, an unfinished one is closed so that the server aborts the request.
+            pool.release(connection, response)
 
 
 def _raise_for_status(status: int, content: bytes, endpoint: str, cluster: str) -> None:

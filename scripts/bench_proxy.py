@@ -1,16 +1,18 @@
 """Proxy overhead benchmark: the router in front of fast fake P/D servers, against
 calling the fake D directly, in one run.
 
-    python -m scripts.bench_proxy                      # defaults: 64 concurrent, 5000 requests
-    python -m scripts.bench_proxy --concurrency 128 --requests 20000 --out bench-results/proxy.json
+    python -m scripts.bench_proxy                    # defaults: 64 concurrent, 10 s each
+    python -m scripts.bench_proxy --concurrency 128 --seconds 20 --out bench-results/proxy.json
 
-Each scenario sends `--requests` requests (max_tokens=1) with `--concurrency` in flight,
-after a warm-up, and reports requests/s and latency percentiles. Scenarios:
+Each scenario keeps `--concurrency` requests (max_tokens=1) in flight for `--seconds`,
+after a 1 s warm-up, and reports requests/s and latency percentiles. The load comes from
+wrk when installed (apt-get install wrk), else from Python. Scenarios:
   direct           client -> fake D (one hop: the floor)
   proxy-pull       client -> router -> fake P, then fake D (two upstream calls)
   proxy-push       client -> router -> fake P and fake D at once
 and the same with streaming (`--no-stream` to skip). The fakes and the router run as
-separate processes on this machine; everything talks over 127.0.0.1.
+separate processes on this machine (the fakes answer canned bytes at once, so nearly
+all the CPU goes to the router); everything talks over 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import asyncio
 import contextlib
 import json
 import os
+import re
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +38,90 @@ from typing import Any
 import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+# --- a minimal fake P/D for overhead runs (canned answers, no JSON parsing) ----------
+
+_P_ANSWER = (
+    b'{"id":"cmpl-x","object":"text_completion","model":"fake-model","choices":[{"index":0,'
+    b'"text":"p","finish_reason":"length"}],"kv_transfer_params":{"do_remote_prefill":true,'
+    b'"do_remote_decode":false,"remote_block_ids":[[1,2,3]],"remote_engine_id":"engine-0",'
+    b'"remote_request_id":"cmpl-x-0","remote_host":"127.0.0.1","remote_port":5600,'
+    b'"tp_size":1,"transfer_modes":["pull","push"]}}'
+)
+_D_ANSWER = (
+    b'{"id":"cmpl-x","object":"text_completion","model":"fake-model","choices":[{"index":0,'
+    b'"text":"t0","finish_reason":"length"}]}'
+)
+_D_EVENTS = (
+    b'data: {"id":"cmpl-x","object":"text_completion","model":"fake-model","choices":'
+    b'[{"index":0,"text":"t0","finish_reason":"length"}]}\n\ndata: [DONE]\n\n'
+)
+_MODELS = b'{"object":"list","data":[{"id":"fake-model","object":"model"}]}'
+
+
+def _http(body: bytes, content_type: bytes = b"application/json") -> bytes:
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: " + content_type + b"\r\ncontent-length: "
+            + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+def _chunked(body: bytes) -> bytes:
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n" + f"{len(body):x}".encode() + b"\r\n"
+            + body + b"\r\n0\r\n\r\n")
+
+
+class _FakeProtocol(asyncio.Protocol):
+    """Answers each request at once with a canned body: the cheapest possible upstream."""
+
+    def __init__(self, role: str) -> None:
+        import httptools
+
+        self._role = role
+        self._parser = httptools.HttpRequestParser(self)
+        self._url = b""
+        self._body: list[bytes] = []
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._parser.feed_data(data)
+
+    def on_url(self, url: bytes) -> None:
+        self._url = url
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        body = b"".join(self._body)
+        self._body.clear()
+        assert self._transport is not None
+        if self._url.startswith(b"/v1/models"):
+            answer = _http(_MODELS)
+        elif self._url.startswith(b"/health"):
+            answer = _http(b"")
+        elif self._role == "prefill":
+            answer = _http(_P_ANSWER)
+        elif b'"stream":true' in body or b'"stream": true' in body:
+            answer = _chunked(_D_EVENTS)
+        else:
+            answer = _http(_D_ANSWER)
+        self._transport.write(answer)
+
+
+def serve_fake(role: str, port: int) -> None:
+    import uvloop
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(lambda: _FakeProtocol(role), "127.0.0.1", port, backlog=1024)
+        async with server:
+            await server.serve_forever()
+
+    uvloop.run(run())
 
 
 def free_port() -> int:
@@ -75,24 +164,60 @@ def _host_port(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-async def load(url: str, *, requests: int, concurrency: int, stream: bool,
-               headers: dict[str, str]) -> dict[str, Any]:
-    body = {"model": "fake-model", "prompt": "Hello, benchmark!", "max_tokens": 1, "stream": stream}
+def request_body(stream: bool) -> dict[str, Any]:
+    return {"model": "fake-model", "prompt": "Hello, benchmark!", "max_tokens": 1, "stream": stream}
+
+
+def wrk_load(url: str, *, seconds: float, concurrency: int, stream: bool,
+             headers: dict[str, str]) -> dict[str, Any]:
+    """Load with wrk (C, one thread): it costs far less CPU than the code under test."""
+    lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(json.dumps(request_body(stream)))}",
+             'wrk.headers["Content-Type"] = "application/json"']
+    lines += [f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in headers.items()]
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write("\n".join(lines) + "\n")
+    try:
+        out = subprocess.run(
+            ["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--latency",
+             "-s", script.name, url],
+            capture_output=True, text=True, check=True,
+        ).stdout
+    finally:
+        os.unlink(script.name)
+    rate = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))  # type: ignore[union-attr]
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    socket_errors = re.search(r"Socket errors: (.*)", out)
+    return {
+        "req_per_s": round(rate, 1),
+        "requests": int(re.search(r"(\d+) requests in", out).group(1)),  # type: ignore[union-attr]
+        "errors": int(errors.group(1)) if errors else 0,
+        "socket_errors": socket_errors.group(1) if socket_errors else "",
+        "p50_ms": _wrk_ms(out, "50%"),
+        "p99_ms": _wrk_ms(out, "99%"),
+    }
+
+
+def _wrk_ms(out: str, percentile: str) -> float:
+    value, unit = re.search(rf"^\s+{percentile}\s+([\d.]+)(us|ms|s)\s*$", out, re.M).groups()  # type: ignore[union-attr]
+    return round(float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit], 2)
+
+
+async def python_load(url: str, *, seconds: float, concurrency: int, stream: bool,
+                      headers: dict[str, str]) -> dict[str, Any]:
+    """Load from Python (aiohttp) when wrk is not installed; it needs far more CPU."""
+    body = request_body(stream)
     latencies: list[float] = []
     errors = 0
-    remaining = requests
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
+    deadline = time.perf_counter() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency)) as session:
 
         async def worker() -> None:
-            nonlocal remaining, errors
-            while remaining > 0:
-                remaining -= 1
+            nonlocal errors
+            while time.perf_counter() < deadline:
                 started = time.perf_counter()
                 async with session.post(url, json=body, headers=headers) as r:
                     await r.read()
-                    if r.status != 200:
-                        errors += 1
+                    errors += r.status != 200
                 latencies.append(time.perf_counter() - started)
 
         started = time.perf_counter()
@@ -100,61 +225,70 @@ async def load(url: str, *, requests: int, concurrency: int, stream: bool,
         wall = time.perf_counter() - started
     latencies.sort()
     return {
+        "req_per_s": round(len(latencies) / wall, 1),
         "requests": len(latencies),
         "errors": errors,
-        "req_per_s": round(len(latencies) / wall, 1),
         "p50_ms": round(statistics.median(latencies) * 1000, 2),
         "p99_ms": round(latencies[int(len(latencies) * 0.99) - 1] * 1000, 2),
     }
 
 
-async def scenario(name: str, url: str, args: argparse.Namespace, *, stream: bool,
-                   headers: dict[str, str]) -> dict[str, Any]:
-    await load(url, requests=min(1000, args.requests), concurrency=args.concurrency,
-               stream=stream, headers=headers)  # warm-up: connections, caches
-    result = await load(url, requests=args.requests, concurrency=args.concurrency,
-                        stream=stream, headers=headers)
-    result["scenario"] = name
-    print(f"  {name:<24} {result['req_per_s']:>9.1f} req/s   p50 {result['p50_ms']:>7.2f} ms"
+def scenario(name: str, url: str, args: argparse.Namespace, *, stream: bool,
+             headers: dict[str, str]) -> dict[str, Any]:
+    def measure(seconds: float) -> dict[str, Any]:
+        if args.loader == "wrk":
+            return wrk_load(url, seconds=seconds, concurrency=args.concurrency, stream=stream, headers=headers)
+        return asyncio.run(python_load(url, seconds=seconds, concurrency=args.concurrency,
+                                       stream=stream, headers=headers))
+
+    measure(1)  # warm-up: connections, caches
+    result = {"scenario": name, **measure(args.seconds)}
+    print(f"  {name:<22} {result['req_per_s']:>9.1f} req/s   p50 {result['p50_ms']:>7.2f} ms"
           f"   p99 {result['p99_ms']:>7.2f} ms   errors {result['errors']}", flush=True)
     return result
 
 
-async def run(args: argparse.Namespace, p_url: str, d_url: str, proxy_url: str) -> list[dict[str, Any]]:
+def run(args: argparse.Namespace, d_url: str, proxy_url: str) -> list[dict[str, Any]]:
     results = []
     for stream in ([False, True] if args.stream else [False]):
         suffix = "-stream" if stream else ""
         print(f"{'streaming' if stream else 'non-streaming'}, {args.concurrency} concurrent, "
-              f"{args.requests} requests:", flush=True)
-        results.append(await scenario("direct" + suffix, f"{d_url}/v1/completions", args,
-                                      stream=stream, headers={}))
+              f"{args.seconds:.0f} s per scenario, load from {args.loader}:", flush=True)
+        results.append(scenario("direct" + suffix, f"{d_url}/v1/completions", args,
+                                stream=stream, headers={}))
         for mode in ("pull", "push"):
-            results.append(await scenario(f"proxy-{mode}{suffix}", f"{proxy_url}/v1/completions",
-                                          args, stream=stream, headers={"X-KV-Transfer-Mode": mode}))
+            results.append(scenario(f"proxy-{mode}{suffix}", f"{proxy_url}/v1/completions",
+                                    args, stream=stream, headers={"X-KV-Transfer-Mode": mode}))
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=5000, help="requests per scenario")
+    parser.add_argument("--seconds", type=float, default=10, help="measured seconds per scenario")
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight")
     parser.add_argument("--no-stream", dest="stream", action="store_false", help="skip the streaming runs")
+    parser.add_argument("--loader", choices=["wrk", "python"],
+                        default="wrk" if shutil.which("wrk") else "python",
+                        help="load generator (default wrk when installed: apt-get install wrk)")
+    parser.add_argument("--serve-fake", nargs=2, metavar=("ROLE", "PORT"), help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=REPO / "bench-results" / "proxy.json",
                         help="JSON result file")
     args = parser.parse_args()
+    if args.serve_fake:
+        serve_fake(args.serve_fake[0], int(args.serve_fake[1]))
+        return
 
     p_port, d_port, proxy_port = free_port(), free_port(), free_port()
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     proxy_url = f"http://127.0.0.1:{proxy_port}"
     py = sys.executable
     with (
-        process([py, "-m", "scripts.fake_vllm", "--role", "prefill", "--port", str(p_port)], p_url, "fake P"),
-        process([py, "-m", "scripts.fake_vllm", "--role", "decode", "--port", str(d_port), "--tokens", "1"],
-                d_url, "fake D"),
+        process([py, "-m", "scripts.bench_proxy", "--serve-fake", "prefill", str(p_port)], p_url, "fake P"),
+        process([py, "-m", "scripts.bench_proxy", "--serve-fake", "decode", str(d_port)], d_url, "fake D"),
         process([py, "-m", "proxy", "serve", "--prefill", p_url, "--decode", d_url, "--port", str(proxy_port),
                  "--log-level", "warning"], proxy_url, "router"),
     ):
-        results = asyncio.run(run(args, p_url, d_url, proxy_url))
+        results = run(args, d_url, proxy_url)
 
     by_name = {r["scenario"]: r for r in results}
     ratios = {

