@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.config import RouterConfig
 from proxy.errors import InvalidRequest, MethodNotAllowed, NotFound, RouterError, error_body
@@ -32,9 +32,6 @@ from proxy.router import Router
 logger = logging.getLogger("pdproxy.app")
 
 
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
 INFERENCE_ROUTES = {route.value: route for route in Route}
 
 
@@ -62,9 +59,7 @@ class RouterApp:
                 if name.startswith(b"x-")
             }
             request = parse_request(route, raw, headers, max_body_bytes=self._max_body)
-            response: Callable[[Scope, Receive, Send], Awaitable[None]] = (
-                await self.state.router.exchange(request)
-            )
+            response: ASGIApp = await self.state.router.exchange(request)
         except RouterError as exc:
             response = _json_error(exc)
         except Exception as exc:

@@ -127,6 +127,8 @@ class Exchange:
         if client_left:
             for cluster in ("prefill", "decode"):
                 metrics.cancelled_legs.labels(cluster, "client_disconnected").inc()
+        if not logger.isEnabledFor(logging.INFO):
+            return
         logger.info(
             "request_id=%s route=%s mode=%s requested=%s prefill=%s decode=%s status=%s "
             "ttfb_ms=%s prefill_ms=%s decode_ttfb_ms=%s total_ms=%.1f%s%s",

@@ -113,11 +113,13 @@ class CoordinateProber:
                 timeout=self._timeout,
             )
         except UpstreamError as exc:
-            return self._failed(endpoint, f"{type(exc).__name__}: {exc}")
+            self._failed(endpoint, f"{type(exc).__name__}: {exc}")
+            return None
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
         seen = coordinates_from_answer(params)
         if seen is None:
-            return self._failed(endpoint, f"answer has no usable kv_transfer_params: {params!r}")
+            self._failed(endpoint, f"answer has no usable kv_transfer_params: {params!r}")
+            return None
         endpoint.learned_coordinates = seen
         self._metrics.probes.labels(endpoint.url, "ok").inc()
         logger.info(
@@ -140,4 +142,3 @@ class CoordinateProber:
             self._retry_interval,
             why,
         )
-        return None

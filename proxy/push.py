@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from proxy.errors import RouterError, UpstreamError
@@ -57,14 +58,14 @@ async def _decode(exchange: Exchange, body: dict[str, Any], down: Downstream) ->
         raise
 
 
-def _first_router_error(group: BaseExceptionGroup) -> BaseException:
+def _first_router_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """The error to report from the legs' group: the first RouterError, else the first."""
     matched, _rest = group.split(RouterError)
     leaves = list(_leaves(matched)) if matched else list(_leaves(group))
     return leaves[0]
 
 
-def _leaves(group: BaseExceptionGroup) -> Any:
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
             yield from _leaves(exc)

@@ -15,14 +15,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+
+from starlette.types import Receive, Scope, Send
 
 from proxy.errors import RouterError, sse_error_event
 
 logger = logging.getLogger("pdproxy.relay")
 
-Send = Callable[[dict[str, Any]], Awaitable[None]]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
 
 
 class Downstream:
@@ -92,7 +91,7 @@ class FlowResponse:
         self._headers = headers
         self._done = done
 
-    async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Run the flow in this task; a watcher task cancels it if the client leaves."""
         down = Downstream(send, streaming=self._streaming, headers=self._headers)
         error: list[RouterError] = []
@@ -102,7 +101,8 @@ class FlowResponse:
 
         def on_client_gone(watcher: asyncio.Task[None]) -> None:
             nonlocal client_left
-            if not watcher.cancelled():
+            # After the last byte, the server reports a disconnect too: not a client leaving.
+            if not watcher.cancelled() and not down.finished:
                 client_left = True
                 this.cancel()
 

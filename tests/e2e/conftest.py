@@ -35,10 +35,6 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-if str(REPO_ROOT) not in sys.path:  # `pytest` run without `python -m`
-    sys.path.insert(0, str(REPO_ROOT))
-
 from scripts import tiny_model as tiny_model_builder
 from scripts.vllm_cpu import (
     Pair,
@@ -48,6 +44,7 @@ from scripts.vllm_cpu import (
     pair,
 )
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO_ROOT / ".cache" / "tiny-model"
 LOG_DIR = REPO_ROOT / ".cache" / "e2e-logs"
 PAIR_START_TIMEOUT_S = float(os.environ.get("E2E_PAIR_START_TIMEOUT", "240"))

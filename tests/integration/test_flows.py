@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 
 import httpx
-import msgspec
 import pytest
 
 from tests.conftest import serve_router
@@ -137,5 +136,6 @@ async def test_metrics_and_in_flight_return_to_zero(pair: Pair) -> None:
         assert router.prefill.in_flight() == 0 and router.decode.in_flight() == 0
     assert [r.status_code for r in rs] == [200] * 4, [r.text for r in rs]
     assert 'pdproxy_requests_total{mode="pull",route="/v1/completions",status="200"} 4.0' in metrics
+    assert "client_closed" not in metrics
     assert "pdproxy_prefill_latency_seconds_count" in metrics
     assert "pdproxy_time_to_first_byte_seconds_count" in metrics
