@@ -1,0 +1,140 @@
+"""The upstream HTTP/1.1 client against a real server: reuse, chunked bodies, abandoning
+a response closes its connection, backpressure on a slow reader, broken answers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import httptools
+import pytest
+from aiohttp import web
+
+from proxy.http11 import Client, ConnectFailed, ConnectionLost
+
+BIG_CHUNK = b"x" * 65536
+
+
+class Server:
+    def __init__(self) -> None:
+        self.peers: set[object] = set()  # one per TCP connection seen
+        self.stream_finished: asyncio.Event = asyncio.Event()
+        self.stream_aborted = asyncio.Event()
+        self.chunks_written = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/json", self.json)
+        app.router.add_get("/stream", self.stream)
+        app.router.add_get("/cut", self.cut)
+        return app
+
+    async def json(self, request: web.Request) -> web.Response:
+        self.peers.add(request.transport)
+        return web.json_response({"echo": (await request.read()).decode()})
+
+    async def stream(self, request: web.Request) -> web.StreamResponse:
+        self.peers.add(request.transport)
+        response = web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        try:
+            for _ in range(int(request.query.get("n", "3"))):
+                await response.write(BIG_CHUNK if request.query.get("big") else b"data: x\n\n")
+                self.chunks_written += 1
+            await response.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.stream_aborted.set()
+            raise
+        self.stream_finished.set()
+        return response
+
+    async def cut(self, request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Length": "100"})
+        await response.prepare(request)
+        await response.write(b"only part")
+        assert request.transport is not None
+        request.transport.close()
+        return response
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[tuple[Server, str]]:
+    state = Server()
+    runner = web.AppRunner(state.app(), handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield state, f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def fetch(client: Client, url: str, method: str = "GET", body: bytes = b"") -> tuple[int, bytes]:
+    pool, path = client.pool(url)
+    connection, response = await pool.request(method, path, body, {}, connect_timeout=5)
+    try:
+        await response.head
+        return response.status, await response.read()
+    finally:
+        pool.release(connection, response)
+
+
+async def test_keep_alive_reuses_one_connection(server: tuple[Server, str]) -> None:
+    state, url = server
+    client = Client()
+    for i in range(5):
+        status, body = await fetch(client, f"{url}/json", "POST", str(i).encode())
+        assert status == 200 and body == b'{"echo": "%d"}' % i
+    assert len(state.peers) == 1
+    client.close()
+
+
+async def test_chunked_body_is_decoded(server: tuple[Server, str]) -> None:
+    _, url = server
+    client = Client()
+    status, body = await fetch(client, f"{url}/stream?n=3")
+    assert status == 200 and body == b"data: x\n\n" * 3
+    client.close()
+
+
+async def test_abandoned_response_closes_its_connection(server: tuple[Server, str]) -> None:
+    state, url = server
+    client = Client()
+    pool, path = client.pool(f"{url}/stream?n=100000&big=1")
+    connection, response = await pool.request("GET", path, b"", {}, connect_timeout=5)
+    await response.head
+    await response.read_chunk()
+    pool.release(connection, response)  # the caller gives up mid-answer
+    assert connection.closed
+    async with asyncio.timeout(5):
+        await state.stream_aborted.wait()  # the server saw its client go
+    client.close()
+
+
+async def test_slow_reader_pauses_the_server(server: tuple[Server, str]) -> None:
+    state, url = server
+    client = Client()
+    pool, path = client.pool(f"{url}/stream?n=400&big=1")  # 25 MiB if nobody pushed back
+    connection, response = await pool.request("GET", path, b"", {}, connect_timeout=5)
+    await response.head
+    await asyncio.sleep(0.5)  # read nothing for a while
+    assert state.chunks_written < 200, "the server kept writing into an unread connection"
+    total = 0
+    while chunk := await response.read_chunk():
+        total += len(chunk)
+    assert total == 400 * len(BIG_CHUNK)
+    pool.release(connection, response)
+    client.close()
+
+
+async def test_cut_answer_and_refused_connection_raise(server: tuple[Server, str]) -> None:
+    _, url = server
+    client = Client()
+    with pytest.raises((ConnectionLost, httptools.HttpParserError)):
+        await fetch(client, f"{url}/cut")
+    with pytest.raises(ConnectFailed):
+        await fetch(client, "http://127.0.0.1:9/json")
+    client.close()
