@@ -19,7 +19,7 @@ from typing import Any
 from proxy.endpoints import Endpoint
 from proxy.errors import UpstreamError
 from proxy.metrics import RouterMetrics
-from proxy.protocol import PrefillCoordinates, coordinates_from_answer
+from proxy.protocol import PREFILL_KV_PARAMS, PrefillCoordinates, coordinates_from_answer
 from proxy.upstream import UpstreamClient
 
 logger = logging.getLogger("pdproxy.probe")
@@ -93,15 +93,8 @@ class CoordinateProber:
             "prompt": PROBE_PROMPT,
             "max_tokens": 1,
             "stream": False,
-            "kv_transfer_params": {
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-                "remote_engine_id": None,
-                "remote_block_ids": None,
-                "remote_host": None,
-                "remote_port": None,
-                "probe": True,  # our connector frees a probe's blocks at once
-            },
+            # `probe`: our connector frees a probe's blocks at once (stock ones ignore it).
+            "kv_transfer_params": {**PREFILL_KV_PARAMS, "probe": True},
         }
         try:
             answer = await self._client.post_json(

@@ -233,6 +233,17 @@ class PushDecodeKVParams(msgspec.Struct, kw_only=True, omit_defaults=False):
             raise ValueError("push kv_transfer_params need remote_request_id")
 
 
+# P's kv_transfer_params in both modes: keep the KV for a remote decode.
+PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
 def prefill_body(request: ClientRequest, *, transfer_id: str | None) -> dict[str, Any]:
     """P's leg: the client's body, one token, not streamed, asking P to keep the KV."""
     body = dict(request.body)
@@ -242,14 +253,7 @@ def prefill_body(request: ClientRequest, *, transfer_id: str | None) -> dict[str
         body["max_completion_tokens"] = 1
     for name in ("min_tokens", "stream_options"):
         body.pop(name, None)
-    params: dict[str, Any] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
+    params = dict(PREFILL_KV_PARAMS)
     if transfer_id is not None:
         params["transfer_id"] = transfer_id
         params["transfer_mode"] = Mode.PUSH.value

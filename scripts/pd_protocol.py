@@ -23,19 +23,11 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from proxy.protocol import PREFILL_KV_PARAMS  # P's leg params, in both modes
+
 JSON = dict[str, Any]
 
 MODEL = "tiny"
-
-# The P leg's kv_transfer_params, in both modes.
-PREFILL_KV_PARAMS: Mapping[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 # Keys P's answer carries in kv_transfer_params (pull and push alike; push answers lack
 # remote_blocks_expiry_time).
