@@ -8,10 +8,8 @@ in turn. `lease()` counts a request in flight and always gives it back.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import itertools
-from collections.abc import Iterator
 
 import msgspec
 
@@ -75,15 +73,30 @@ class Endpoint:
         self._healthy_gauge.set(1 if healthy else 0)
         return came_back
 
-    @contextlib.contextmanager
-    def lease(self) -> Iterator[Endpoint]:
-        self.in_flight += 1
-        self._in_flight_gauge.inc()
-        try:
-            yield self
-        finally:
-            self.in_flight -= 1
-            self._in_flight_gauge.dec()
+    def lease(self) -> Lease:
+        """`with endpoint.lease():` counts one request in flight for the block."""
+        return Lease(self)
+
+
+class Lease:
+    """A request in flight on an endpoint, always given back (a class, not a generator:
+    this is on every request's path)."""
+
+    __slots__ = ("_endpoint",)
+
+    def __init__(self, endpoint: Endpoint) -> None:
+        self._endpoint = endpoint
+
+    def __enter__(self) -> Endpoint:
+        e = self._endpoint
+        e.in_flight += 1
+        e._in_flight_gauge.inc()
+        return e
+
+    def __exit__(self, *exc_info: object) -> None:
+        e = self._endpoint
+        e.in_flight -= 1
+        e._in_flight_gauge.dec()
 
 
 class Cluster:

@@ -64,7 +64,8 @@ class Exchange:
                 self._upstream_failed(p, exc)
                 raise
         self.prefill_seconds = time.perf_counter() - started
-        self.router.metrics.prefill_latency.labels(self.mode).observe(self.prefill_seconds)
+        metrics = self.router.metrics
+        metrics.child(metrics.prefill_latency, self.mode).observe(self.prefill_seconds)
         if not isinstance(answer, dict):
             raise RouterError(f"prefill server {p.url} answered with non-object JSON")
         self.router.prober.observe(p, answer.get("kv_transfer_params"))
@@ -102,9 +103,8 @@ class Exchange:
 
     def _decode_first_byte(self, sent_at: float) -> None:
         self.decode_first_byte_seconds = time.perf_counter() - sent_at
-        self.router.metrics.decode_first_token.labels(self.mode).observe(
-            self.decode_first_byte_seconds
-        )
+        metrics = self.router.metrics
+        metrics.child(metrics.decode_first_token, self.mode).observe(self.decode_first_byte_seconds)
 
     def _upstream_failed(self, endpoint: Endpoint, exc: UpstreamError) -> None:
         self.router.metrics.upstream_errors.labels(
@@ -119,9 +119,9 @@ class Exchange:
         """Account for the exchange once, whatever happened: metrics and one log line."""
         metrics = self.router.metrics
         status = "client_closed" if client_left else str(down.status or (error.status if error else 0))
-        metrics.requests.labels(self.request.route.value, self.mode, status).inc()
+        metrics.child(metrics.requests, self.request.route.value, self.mode, status).inc()
         if down.first_byte_at is not None:
-            metrics.time_to_first_byte.labels(self.mode).observe(
+            metrics.child(metrics.time_to_first_byte, self.mode).observe(
                 down.first_byte_at - self.started_at
             )
         if client_left:

@@ -70,6 +70,15 @@ class Response:
             self._connection.resume_reading()
         return chunk
 
+    def body_if_complete(self) -> bytes | None:
+        """The whole body if it is all in already (no waiting), else None."""
+        if not self.complete or self.error is not None:
+            return None
+        body = b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        return body
+
     async def read(self) -> bytes:
         parts = []
         while chunk := await self.read_chunk():

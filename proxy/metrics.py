@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Latency buckets from 1 ms to 2 minutes: P/D TTFTs span that range on CPU and GPU.
@@ -14,6 +16,7 @@ _LATENCY_BUCKETS = (
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry
         self.requests = Counter(
             "pdproxy_requests",
@@ -84,6 +87,14 @@ class RouterMetrics:
             ["cluster", "reason"],
             registry=r,
         )
+
+    def child(self, metric: Counter | Gauge | Histogram, *labels: str) -> Any:
+        """`metric.labels(*labels)`, remembered: resolving labels is costly per request."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -70,8 +70,16 @@ class CoordinateProber:
 
     def observe(self, endpoint: Endpoint, p_params: Any) -> None:
         """Refresh a P's coordinates from the kv_transfer_params of any of its answers."""
+        known = endpoint.learned_coordinates
+        if (
+            known is not None
+            and isinstance(p_params, dict)
+            and p_params.get("remote_engine_id") == known.engine_id
+            and p_params.get("remote_port") == known.port
+        ):
+            return  # the usual case, checked without building anything
         seen = coordinates_from_answer(p_params)
-        if seen is None or seen == endpoint.learned_coordinates:
+        if seen is None or seen == known:
             return
         if endpoint.learned_coordinates is not None:
             logger.info(

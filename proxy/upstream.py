@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httptools
@@ -31,27 +31,30 @@ from proxy.http11 import Client, ConnectFailed, ConnectionLost, Response
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
-@contextlib.contextmanager
-def upstream_errors(endpoint: str, cluster: str, what: str) -> Iterator[None]:
-    """Map transport failures inside the block to UpstreamError, most specific first."""
-    try:
-        yield
-    except UpstreamError:
-        raise
-    except ConnectFailed as exc:
-        raise UpstreamConnectError(
+# What the transport raises when a server fails us (TimeoutError: our own bounds).
+TRANSPORT_ERRORS = (
+    ConnectFailed, TimeoutError, ConnectionLost, httptools.HttpParserError, msgspec.DecodeError,
+    OSError,
+)  # fmt: skip
+
+
+def upstream_error(exc: BaseException, endpoint: str, cluster: str, what: str) -> UpstreamError:
+    """The router's error for a transport failure, most specific first."""
+    if isinstance(exc, ConnectFailed):
+        return UpstreamConnectError(
             f"cannot connect to {cluster} server {endpoint}: {exc}", endpoint=endpoint, cluster=cluster
-        ) from exc
-    except TimeoutError as exc:
-        raise UpstreamTimeout(
+        )
+    if isinstance(exc, TimeoutError):
+        return UpstreamTimeout(
             f"{cluster} server {endpoint} did not answer {what} in time",
             endpoint=endpoint,
             cluster=cluster,
-        ) from exc
-    except (ConnectionLost, httptools.HttpParserError, msgspec.DecodeError, OSError) as exc:
-        raise UpstreamProtocolError(
-            f"{cluster} server {endpoint} broke off {what}: {exc}", endpoint=endpoint, cluster=cluster
-        ) from exc
+        )
+    return UpstreamProtocolError(
+        f"{cluster} server {endpoint} broke off {what}: {type(exc).__name__}: {exc}",
+        endpoint=endpoint,
+        cluster=cluster,
+    )
 
 
 class StreamedResponse:
@@ -68,17 +71,27 @@ class StreamedResponse:
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body chunks as they come; a silence longer than `stream_idle` is a timeout."""
         while True:
-            with upstream_errors(self._endpoint, self._cluster, "the rest of its answer"):
+            try:
                 async with asyncio.timeout(self._idle):
                     chunk = await self._response.read_chunk()
+            except TRANSPORT_ERRORS as exc:
+                raise self._error(exc, "the rest of its answer") from exc
             if not chunk:
                 return
             yield chunk
 
     async def read(self) -> bytes:
-        with upstream_errors(self._endpoint, self._cluster, "its answer"):
+        body = self._response.body_if_complete()
+        if body is not None:
+            return body  # the usual case for a whole answer: no timer needed
+        try:
             async with asyncio.timeout(self._idle):
                 return await self._response.read()
+        except TRANSPORT_ERRORS as exc:
+            raise self._error(exc, "its answer") from exc
+
+    def _error(self, exc: BaseException, what: str) -> UpstreamError:
+        return upstream_error(exc, self._endpoint, self._cluster, what)
 
 
 class UpstreamClient:
@@ -113,15 +126,17 @@ class UpstreamClient:
             "POST", url, msgspec.json.encode(body), {**_JSON_HEADERS, **headers},
             endpoint, cluster, timeout,
         )
-        with upstream_errors(endpoint, cluster, "its answer"):
+        try:
             return msgspec.json.decode(content)
+        except msgspec.DecodeError as exc:
+            raise upstream_error(exc, endpoint, cluster, "its answer") from exc
 
     async def _whole(
         self, method: str, url: str, body: bytes, headers: dict[str, str],
         endpoint: str, cluster: str, timeout: float,
     ) -> bytes:
         pool, path = self._http.pool(url)
-        with upstream_errors(endpoint, cluster, "its answer"):
+        try:
             async with asyncio.timeout(timeout):
                 connection, response = await pool.request(
                     method, path, body, headers, connect_timeout=self._timeouts.connect
@@ -131,6 +146,8 @@ class UpstreamClient:
                     content = await response.read()
                 finally:
                     pool.release(connection, response)
+        except TRANSPORT_ERRORS as exc:
+            raise upstream_error(exc, endpoint, cluster, "its answer") from exc
         _raise_for_status(response.status, content, endpoint, cluster)
         return content
 
@@ -147,15 +164,19 @@ class UpstreamClient:
         """POST and yield the open response once its headers are in (bounded by
         `first_token`). Error statuses raise UpstreamStatusError with the body."""
         pool, path = self._http.pool(url)
-        with upstream_errors(endpoint, cluster, "with its first byte"):
+        try:
             connection, response = await pool.request(
                 "POST", path, msgspec.json.encode(body), {**_JSON_HEADERS, **headers},
                 connect_timeout=self._timeouts.connect,
             )
+        except TRANSPORT_ERRORS as exc:
+            raise upstream_error(exc, endpoint, cluster, "with its first byte") from exc
         try:
-            with upstream_errors(endpoint, cluster, "with its first byte"):
+            try:
                 async with asyncio.timeout(self._timeouts.first_token):
                     await response.head
+            except TRANSPORT_ERRORS as exc:
+                raise upstream_error(exc, endpoint, cluster, "with its first byte") from exc
             streamed = StreamedResponse(
                 response, endpoint=endpoint, cluster=cluster, idle=self._timeouts.stream_idle
             )
