@@ -93,6 +93,9 @@ class Exchange:
                         if not down.started:
                             self._decode_first_byte(sent_at)
                             await down.start(answer.status, answer.content_type)
+                        if answer.at_end:  # the last chunk: send it with the end
+                            await down.end(chunk)
+                            return
                         await down.write(chunk)
                     if not down.started:
                         await down.start(answer.status, answer.content_type)

@@ -70,6 +70,24 @@ class Response:
             self._connection.resume_reading()
         return chunk
 
+    def chunk_if_ready(self) -> bytes | None:
+        """The next chunk if one is buffered, b"" if the body is over, None if we must
+        wait (then use `read_chunk`)."""
+        if self._chunks:
+            chunk = self._chunks.popleft()
+            self._buffered -= len(chunk)
+            if self._buffered < HIGH_WATER:
+                self._connection.resume_reading()
+            return chunk
+        if self.complete and self.error is None:
+            return b""
+        return None
+
+    @property
+    def at_end(self) -> bool:
+        """Every byte of the body has been handed out."""
+        return self.complete and not self._chunks
+
     def body_if_complete(self) -> bytes | None:
         """The whole body if it is all in already (no waiting), else None."""
         if not self.complete or self.error is not None:

@@ -71,14 +71,21 @@ class StreamedResponse:
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body chunks as they come; a silence longer than `stream_idle` is a timeout."""
         while True:
-            try:
-                async with asyncio.timeout(self._idle):
-                    chunk = await self._response.read_chunk()
-            except TRANSPORT_ERRORS as exc:
-                raise self._error(exc, "the rest of its answer") from exc
+            chunk = self._response.chunk_if_ready()  # no timer when data is already in
+            if chunk is None:
+                try:
+                    async with asyncio.timeout(self._idle):
+                        chunk = await self._response.read_chunk()
+                except TRANSPORT_ERRORS as exc:
+                    raise self._error(exc, "the rest of its answer") from exc
             if not chunk:
                 return
             yield chunk
+
+    @property
+    def at_end(self) -> bool:
+        """The whole body has been received and handed out."""
+        return self._response.at_end
 
     async def read(self) -> bytes:
         body = self._response.body_if_complete()
