@@ -1,0 +1,196 @@
+"""The push side channel's wire messages (msgpack over ZMQ), and their one codec.
+
+Who sends what, for one transfer (`transfer_id`, chosen by the router, names it on both
+sides; nothing else is matched):
+
+    D -> P  RegisterBlocks  D allocated blocks for the prompt: write the KV here.
+    P -> D  Ack             registered; here is P's layout. Or:
+    P -> D  Nack            refused (reason code); D falls back to pull or recompute.
+    P -> D  PushDone        P wrote every block and freed its own; D may decode.
+    P -> D  PushFailed      P could not write (or never will); D falls back.
+    D -> P  Abort           D's request is gone; P frees the blocks it holds for it.
+
+PushFailed may follow RegisterBlocks at any time, with or without an Ack before it.
+
+Every message carries `version`; `decode` refuses any other version before it reads the
+body, so a mixed deployment fails with a clear error instead of a misread field. Every
+message is validated when it is built, here or by the decoder, so a bad value never gets
+past this module. D's deadline travels as a lifetime (`ttl_s`), never as a clock reading:
+P and D do not share a clock; the receiver rebases it on its own monotonic clock.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import NewType, TypeAlias, get_args
+
+import msgspec
+
+# Protocol versions. Bump on any change to a message's fields, tags or meaning.
+#   1: RegisterBlocks, Ack, Nack, Abort, PushDone, PushFailed.
+PROTOCOL_VERSION = 1
+
+TransferId = NewType("TransferId", str)
+EngineId = NewType("EngineId", str)
+
+MAX_PORT = 65535
+
+
+class ProtocolError(ValueError):
+    """Bytes that are not a valid message of our protocol version, or a bad field value."""
+
+
+class NackReason(str, enum.Enum):
+    """Why P refused a registration (sent in `Nack`)."""
+
+    DUPLICATE = "duplicate"  # this transfer_id is already registered
+    BLOCK_SIZE_MISMATCH = "block_size_mismatch"
+    TP_MISMATCH = "tp_mismatch"  # tp sizes differ, or the rank is not P's rank
+    SHUTTING_DOWN = "shutting_down"
+
+
+class FailReason(str, enum.Enum):
+    """Why P will not complete an accepted push (sent in `PushFailed`)."""
+
+    WRITE_ERROR = "write_error"
+    HANDSHAKE_ERROR = "handshake_error"  # P could not reach D's agent
+    LAYOUT_MISMATCH = "layout_mismatch"  # P and D hold a different number of KV groups
+    EXPIRED = "expired"  # P's prefill did not finish before the deadline
+    SHUTTING_DOWN = "shutting_down"
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ProtocolError(message)
+
+
+def _require_id(value: str, field: str) -> None:
+    _require(bool(value), f"{field} must be a non-empty string")
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
+    version: int = PROTOCOL_VERSION
+    transfer_id: TransferId
+
+    def __post_init__(self) -> None:
+        _require_id(self.transfer_id, "transfer_id")
+
+
+class RegisterBlocks(_Message, frozen=True, kw_only=True, tag="register_blocks"):
+    """D -> P: D's blocks for this transfer, one list per KV-cache group."""
+
+    engine_id: EngineId
+    tp_size: int
+    tp_rank: int
+    block_ids: list[list[int]]
+    block_size: int
+    host: str  # D's side channel, for PushDone / PushFailed
+    port: int
+    ttl_s: float  # how long D keeps the blocks, from when it sent this
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require_id(self.engine_id, "engine_id")
+        _require(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+        _require(
+            0 <= self.tp_rank < self.tp_size,
+            f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}",
+        )
+        _require(len(self.block_ids) >= 1, "block_ids must hold at least one KV-cache group")
+        for group in self.block_ids:
+            bad = [block for block in group if block < 0]
+            _require(not bad, f"block ids must be >= 0, got {bad}")
+        _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require_id(self.host, "host")
+        _require(1 <= self.port <= MAX_PORT, f"port must be in 1..{MAX_PORT}, got {self.port}")
+        _require(
+            math.isfinite(self.ttl_s) and self.ttl_s > 0,
+            f"ttl_s must be a finite number > 0, got {self.ttl_s}",
+        )
+
+
+class Ack(_Message, frozen=True, kw_only=True, tag="ack"):
+    """P -> D: registration accepted; P's layout, for D's own checks and metrics."""
+
+    engine_id: EngineId
+    block_size: int
+    tp_size: int
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require_id(self.engine_id, "engine_id")
+        _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
+
+
+class Nack(_Message, frozen=True, kw_only=True, tag="nack"):
+    """P -> D: registration refused. `message` says what differed and what to change."""
+
+    reason: NackReason
+    message: str = ""
+
+
+class Abort(_Message, frozen=True, kw_only=True, tag="abort"):
+    """D -> P: D's request is gone; free whatever is held for this transfer."""
+
+
+class PushDone(_Message, frozen=True, kw_only=True, tag="push_done"):
+    """P -> D: every block is written and P freed its own; D's KV is complete."""
+
+
+class PushFailed(_Message, frozen=True, kw_only=True, tag="push_failed"):
+    """P -> D: P will not write this transfer; D falls back to pull or recompute."""
+
+    reason: FailReason
+    message: str = ""
+
+
+Message: TypeAlias = RegisterBlocks | Ack | Nack | Abort | PushDone | PushFailed
+
+MESSAGE_TYPES: frozenset[str] = frozenset(
+    str(cls.__struct_config__.tag) for cls in get_args(Message)
+)
+
+
+class _Header(msgspec.Struct):
+    """What `decode` reads first: enough to refuse another version or an unknown type."""
+
+    type: str
+    version: int
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_HEADER_DECODER = msgspec.msgpack.Decoder(_Header)
+_DECODER: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
+
+
+def encode(message: Message) -> bytes:
+    """Encode a message for the side channel: `decode(encode(m)) == m`."""
+    return _ENCODER.encode(message)
+
+
+def decode(data: bytes) -> Message:
+    """Decode and validate one message; raise `ProtocolError` for anything else.
+
+    Refused, in this order: bytes that are not a msgpack map with `type` and `version`,
+    another protocol version, an unknown type, then missing, mistyped or invalid fields.
+    """
+    try:
+        header = _HEADER_DECODER.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"malformed side-channel message: {exc}") from exc
+    if header.version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version mismatch: received a {header.type!r} message of version "
+            f"{header.version}, this side speaks version {PROTOCOL_VERSION}; run the same "
+            "connector release on P and D"
+        )
+    if header.type not in MESSAGE_TYPES:
+        raise ProtocolError(
+            f"unknown message type {header.type!r}; known: {sorted(MESSAGE_TYPES)}"
+        )
+    try:
+        return _DECODER.decode(data)
+    except msgspec.DecodeError as exc:  # ValidationError included, from __post_init__ too
+        raise ProtocolError(f"invalid {header.type!r} message: {exc}") from exc

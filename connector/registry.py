@@ -1,0 +1,362 @@
+"""P's push registry: matches D's block registrations with P's finished prefills.
+
+Who calls it: on P, the one thread that owns push state (the side channel's owner). It
+learns of D's registrations and aborts from the side channel, of finished prefills and
+WRITE results from the engine through queues, and calls `expire` on every wake-up (see
+`next_deadline`). The registry is NOT thread-safe, by design: it has one owner, so it
+needs no lock. It does no I/O; each method returns what the caller must do (answer D,
+start a WRITE, free P's blocks), so the caller's error paths stay visible.
+
+Matching is exact on `transfer_id` and works in either order: D may register before P's
+prefill finishes, or after. One registry serves one P side-channel endpoint. Push needs
+equal tensor-parallel sizes for now: D's rank r registers with P's rank r, and any other
+registration is refused (TP_MISMATCH); heterogeneous TP stays on pull.
+
+States of one transfer:
+
+    register                         prefill_finished
+  -----------> AWAITING_PREFILL -------------------------+
+                 | deadline: EXPIRED                     |
+                 | abort:    ABORTED                     v
+  -----------> AWAITING_REGISTRATION --register--> READY --write_started--> WRITING
+  prefill_       | deadline: EXPIRED               | abort: ABORTED         | write_done: DONE
+  finished       | abort:    ABORTED               | write_failed: FAILED   | write_failed: FAILED
+                                                                          | abort: ABORTED, once
+                                                                          |   the WRITE ends
+  A match whose KV-cache group counts differ goes straight to FAILED.
+
+DONE, FAILED, EXPIRED and ABORTED are terminal: the record is removed in the call that
+reaches them (nothing outlives its transfer) and a `Release` says to free P's blocks, if
+P holds any, and to tell D, if D registered and did not end it itself (abort).
+
+Deadlines use the caller's monotonic clock (`now`, seconds). A registration waits at most
+min(registration_ttl, D's ttl_s); a finished prefill waits for D at most unclaimed_ttl.
+READY and WRITING have no deadline here: the writer bounds them and reports the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass
+from typing import TypeAlias
+
+import msgspec
+
+from connector.messages import EngineId, FailReason, NackReason, RegisterBlocks, TransferId
+
+DEFAULT_REGISTRATION_TTL_S = 120.0
+DEFAULT_UNCLAIMED_TTL_S = 120.0
+
+BlockIds = list[list[int]]  # one list per KV-cache group
+
+
+class TransferState(enum.Enum):
+    AWAITING_PREFILL = "awaiting_prefill"
+    AWAITING_REGISTRATION = "awaiting_registration"
+    READY = "ready"
+    WRITING = "writing"
+    DONE = "done"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    ABORTED = "aborted"
+
+
+LIVE_STATES = (TransferState.AWAITING_PREFILL, TransferState.AWAITING_REGISTRATION,
+               TransferState.READY, TransferState.WRITING)
+
+
+class InvalidTransition(RuntimeError):
+    """The caller reported an event the transfer's state does not allow (a bug)."""
+
+
+class RegistryConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """P's layout, checked against each registration, and the two waiting deadlines."""
+
+    engine_id: EngineId
+    block_size: int
+    tp_size: int = 1
+    tp_rank: int = 0
+    registration_ttl: float = DEFAULT_REGISTRATION_TTL_S
+    unclaimed_ttl: float = DEFAULT_UNCLAIMED_TTL_S
+
+    def __post_init__(self) -> None:
+        if not self.engine_id:
+            raise ValueError("engine_id must be a non-empty string")
+        if self.block_size < 1 or self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(
+                f"need block_size >= 1, tp_size >= 1, 0 <= tp_rank < tp_size; got "
+                f"block_size={self.block_size}, tp_size={self.tp_size}, tp_rank={self.tp_rank}"
+            )
+        for name, ttl in (("registration_ttl", self.registration_ttl),
+                          ("unclaimed_ttl", self.unclaimed_ttl)):
+            if not (math.isfinite(ttl) and ttl > 0):
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {ttl}")
+
+
+# --- What the caller must do (the results of transitions) -------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ready:
+    """Both sides are known: start the WRITE of `block_ids` into the registration's."""
+
+    transfer_id: TransferId
+    registration: RegisterBlocks
+    block_ids: BlockIds  # P's
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """Accepted; the other side has not shown up yet (`state` says which)."""
+
+    transfer_id: TransferId
+    state: TransferState
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """Refused: answer a registration with a Nack; free `block_ids` if set (not kept)."""
+
+    transfer_id: TransferId
+    reason: NackReason
+    message: str
+    block_ids: BlockIds | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Release:
+    """A transfer ended in `state`. Free P's `block_ids` (if any) now; if `notify` is set,
+    tell that D: PushDone when DONE, else PushFailed with `reason`.
+
+    Where D may fall back to pulling from P, the caller may keep the blocks under its pull
+    lease instead of freeing them; either way, the registry no longer holds them."""
+
+    transfer_id: TransferId
+    state: TransferState
+    block_ids: BlockIds | None
+    notify: RegisterBlocks | None = None
+    reason: FailReason | None = None
+
+
+Outcome: TypeAlias = Ready | Waiting | Rejected | Release
+
+
+@dataclass(slots=True)
+class RegistryCounters:
+    registered: int = 0  # registrations accepted
+    prefills: int = 0  # finished prefills accepted
+    matched: int = 0  # pairs that became READY
+    done: int = 0
+    failed: int = 0
+    aborted: int = 0
+    expired_registrations: int = 0  # D registered, P never finished in time
+    expired_unclaimed: int = 0  # P finished, D never registered in time
+    duplicates: int = 0
+    rejected: int = 0  # registrations refused: block size or TP mismatch
+
+
+@dataclass(frozen=True, slots=True)
+class RegistrySnapshot:
+    by_state: dict[TransferState, int]  # live records only
+    counters: RegistryCounters
+
+    @property
+    def live(self) -> int:
+        return sum(self.by_state.values())
+
+
+@dataclass(slots=True)
+class _Transfer:
+    """One transfer's record; the registry's only per-transfer state."""
+
+    transfer_id: TransferId
+    state: TransferState
+    deadline: float | None  # monotonic; set only while awaiting the other side
+    registration: RegisterBlocks | None = None
+    block_ids: BlockIds | None = None  # P's, held from prefill_finished until released
+    abort_requested: bool = False  # D aborted during WRITING
+
+
+class PushRegistry:
+    """Usage sketch, on P's owner thread:
+
+        registry = PushRegistry(RegistryConfig(engine_id=eid, block_size=16))
+        outcome = registry.register(reg, now=time.monotonic())  # from D
+        outcome = registry.prefill_finished(tid, block_ids, now=time.monotonic())
+        if isinstance(outcome, Ready) and registry.write_started(outcome.transfer_id):
+            ...  # WRITE; later write_done(tid) or write_failed(tid, reason)
+        for release in registry.expire(time.monotonic()): ...
+    """
+
+    def __init__(self, config: RegistryConfig) -> None:
+        self.config = config
+        self._transfers: dict[TransferId, _Transfer] = {}  # live records only
+        self._counters = RegistryCounters()
+
+    # --- events from D (side channel) ----------------------------------------------------
+
+    def register(self, reg: RegisterBlocks, *, now: float) -> Outcome:
+        """D's registration. Ready or Waiting: send Ack. Rejected: send Nack."""
+        tid = reg.transfer_id
+        record = self._transfers.get(tid)
+        if record is not None and record.state is not TransferState.AWAITING_REGISTRATION:
+            self._counters.duplicates += 1
+            return Rejected(tid, NackReason.DUPLICATE, f"transfer {tid!r} is already registered")
+        refusal = self._check_layout(reg)
+        if refusal is not None:
+            self._counters.rejected += 1
+            held = self._transfers.pop(tid).block_ids if record is not None else None
+            return Rejected(tid, refusal[0], refusal[1], block_ids=held)
+        self._counters.registered += 1
+        if record is None:
+            deadline = now + min(self.config.registration_ttl, reg.ttl_s)
+            self._transfers[tid] = _Transfer(
+                tid, TransferState.AWAITING_PREFILL, deadline, registration=reg
+            )
+            return Waiting(tid, TransferState.AWAITING_PREFILL)
+        record.registration = reg
+        return self._match(record)
+
+    def abort(self, transfer_id: TransferId) -> Release | None:
+        """D's request is gone. None: nothing to free now (unknown id, or a WRITE is in
+        flight and its end will release the blocks)."""
+        record = self._transfers.get(transfer_id)
+        if record is None:
+            return None
+        if record.state is TransferState.WRITING:
+            record.abort_requested = True
+            return None
+        return self._end(record, TransferState.ABORTED)
+
+    # --- events from P's engine ----------------------------------------------------------
+
+    def prefill_finished(
+        self, transfer_id: TransferId, block_ids: BlockIds, *, now: float
+    ) -> Outcome:
+        """P computed the prompt and holds `block_ids` for it until a Release frees them."""
+        record = self._transfers.get(transfer_id)
+        if record is not None and record.state is not TransferState.AWAITING_PREFILL:
+            self._counters.duplicates += 1
+            return Rejected(
+                transfer_id, NackReason.DUPLICATE,
+                f"prefill for transfer {transfer_id!r} already finished; these blocks are "
+                "not kept", block_ids=block_ids,
+            )
+        self._counters.prefills += 1
+        if record is None:
+            self._transfers[transfer_id] = _Transfer(
+                transfer_id, TransferState.AWAITING_REGISTRATION,
+                now + self.config.unclaimed_ttl, block_ids=block_ids,
+            )
+            return Waiting(transfer_id, TransferState.AWAITING_REGISTRATION)
+        record.block_ids = block_ids
+        return self._match(record)
+
+    def write_started(self, transfer_id: TransferId) -> bool:
+        """False: the transfer is gone (aborted): do not start the WRITE."""
+        record = self._transfers.get(transfer_id)
+        if record is None:
+            return False
+        self._require(record, TransferState.READY, event="write_started")
+        record.state = TransferState.WRITING
+        return True
+
+    def write_done(self, transfer_id: TransferId) -> Release:
+        record = self._transfers.get(transfer_id)
+        if record is None:
+            raise InvalidTransition(f"write_done for unknown transfer {transfer_id!r}")
+        self._require(record, TransferState.WRITING, event="write_done")
+        return self._end(record, TransferState.DONE)
+
+    def write_failed(self, transfer_id: TransferId, reason: FailReason) -> Release | None:
+        """The WRITE failed, or could not start (from READY). None: already gone."""
+        record = self._transfers.get(transfer_id)
+        if record is None:
+            return None
+        self._require(record, TransferState.READY, TransferState.WRITING, event="write_failed")
+        return self._end(record, TransferState.FAILED, reason)
+
+    # --- time ----------------------------------------------------------------------------
+
+    def expire(self, now: float) -> list[Release]:
+        """End every waiting transfer whose deadline is <= `now`."""
+        due = [r for r in self._transfers.values() if r.deadline is not None and now >= r.deadline]
+        return [self._end(record, TransferState.EXPIRED, FailReason.EXPIRED) for record in due]
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline, for the owner's wake-up timer; None when none is set."""
+        deadlines = [r.deadline for r in self._transfers.values() if r.deadline is not None]
+        return min(deadlines, default=None)
+
+    # --- inspection ----------------------------------------------------------------------
+
+    def state_of(self, transfer_id: TransferId) -> TransferState | None:
+        record = self._transfers.get(transfer_id)
+        return None if record is None else record.state
+
+    def __len__(self) -> int:
+        return len(self._transfers)
+
+    def snapshot(self) -> RegistrySnapshot:
+        by_state = dict.fromkeys(LIVE_STATES, 0)
+        for record in self._transfers.values():
+            by_state[record.state] += 1
+        return RegistrySnapshot(by_state, dataclasses.replace(self._counters))
+
+    # --- internals -----------------------------------------------------------------------
+
+    def _check_layout(self, reg: RegisterBlocks) -> tuple[NackReason, str] | None:
+        local = self.config
+        if reg.block_size != local.block_size:
+            return NackReason.BLOCK_SIZE_MISMATCH, (
+                f"block size mismatch: decode {reg.block_size}, prefill {local.block_size}; "
+                "start P and D with the same --block-size"
+            )
+        if reg.tp_size != local.tp_size or reg.tp_rank != local.tp_rank:
+            return NackReason.TP_MISMATCH, (
+                f"tensor-parallel mismatch: decode tp {reg.tp_size} rank {reg.tp_rank}, "
+                f"prefill tp {local.tp_size} rank {local.tp_rank}; push needs equal tp sizes "
+                "and rank r to rank r (use pull for heterogeneous TP)"
+            )
+        return None
+
+    def _match(self, record: _Transfer) -> Ready | Release:
+        assert record.registration is not None and record.block_ids is not None
+        record.deadline = None
+        if len(record.block_ids) != len(record.registration.block_ids):
+            return self._end(record, TransferState.FAILED, FailReason.LAYOUT_MISMATCH)
+        record.state = TransferState.READY
+        self._counters.matched += 1
+        return Ready(record.transfer_id, record.registration, record.block_ids)
+
+    def _end(
+        self, record: _Transfer, state: TransferState, reason: FailReason | None = None
+    ) -> Release:
+        """Remove the record and say what to release; the one exit of every transfer."""
+        del self._transfers[record.transfer_id]
+        if record.abort_requested:
+            state, reason = TransferState.ABORTED, None
+        if state is TransferState.EXPIRED:
+            if record.state is TransferState.AWAITING_PREFILL:
+                self._counters.expired_registrations += 1
+            else:
+                self._counters.expired_unclaimed += 1
+        elif state is TransferState.DONE:
+            self._counters.done += 1
+        elif state is TransferState.FAILED:
+            self._counters.failed += 1
+        else:
+            self._counters.aborted += 1
+        # D hears of the end unless D itself ended it (abort).
+        notify = None if state is TransferState.ABORTED else record.registration
+        return Release(record.transfer_id, state, record.block_ids, notify, reason)
+
+    @staticmethod
+    def _require(record: _Transfer, *allowed: TransferState, event: str) -> None:
+        if record.state not in allowed:
+            raise InvalidTransition(
+                f"{event} for transfer {record.transfer_id!r} in state {record.state.name}; "
+                f"allowed only in {', '.join(s.name for s in allowed)}"
+            )

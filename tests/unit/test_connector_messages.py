@@ -1,0 +1,188 @@
+"""The push side channel's wire messages: round trips, and every refusal as ProtocolError."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+import pytest
+
+from connector.messages import (
+    MESSAGE_TYPES,
+    PROTOCOL_VERSION,
+    Abort,
+    Ack,
+    EngineId,
+    FailReason,
+    Message,
+    Nack,
+    NackReason,
+    ProtocolError,
+    PushDone,
+    PushFailed,
+    RegisterBlocks,
+    TransferId,
+    decode,
+    encode,
+)
+
+TID = TransferId("t-1")
+
+REGISTER_FIELDS: dict[str, Any] = {
+    "type": "register_blocks", "version": PROTOCOL_VERSION, "transfer_id": "t-1",
+    "engine_id": "d-engine", "tp_size": 2, "tp_rank": 1, "block_ids": [[0, 1, 2], [7]],
+    "block_size": 16, "host": "10.0.0.2", "port": 5601, "ttl_s": 30.0,
+}
+
+
+def register_blocks() -> RegisterBlocks:
+    fields = {k: v for k, v in REGISTER_FIELDS.items() if k not in ("type", "version")}
+    return RegisterBlocks(**fields)
+
+
+ONE_OF_EACH: list[Message] = [
+    register_blocks(),
+    Ack(transfer_id=TID, engine_id=EngineId("p"), block_size=16, tp_size=2),
+    Nack(transfer_id=TID, reason=NackReason.DUPLICATE, message="again"),
+    Abort(transfer_id=TID),
+    PushDone(transfer_id=TID),
+    PushFailed(transfer_id=TID, reason=FailReason.WRITE_ERROR, message="nixl"),
+]
+
+
+def raw(**fields: Any) -> bytes:
+    """A register_blocks message as a peer might send it, with some fields replaced
+    (a value of `...` removes the field)."""
+    merged = {**REGISTER_FIELDS, **fields}
+    return msgspec.msgpack.encode({k: v for k, v in merged.items() if v is not ...})
+
+
+@pytest.mark.parametrize("message", ONE_OF_EACH, ids=lambda m: str(m.__struct_config__.tag))
+def test_every_message_round_trips_with_its_type_and_version_on_the_wire(
+    message: Message,
+) -> None:
+    data = encode(message)
+    assert decode(data) == message
+    assert type(decode(data)) is type(message)
+    on_wire = msgspec.msgpack.decode(data)
+    assert on_wire["type"] == message.__struct_config__.tag
+    assert on_wire["version"] == PROTOCOL_VERSION
+
+
+def test_the_message_union_and_the_known_types_agree() -> None:
+    assert MESSAGE_TYPES == {message.__struct_config__.tag for message in ONE_OF_EACH}
+
+
+def test_a_peers_plain_map_decodes_and_ints_are_accepted_for_float_fields() -> None:
+    message = decode(raw(ttl_s=30))
+    assert message == register_blocks()
+    assert isinstance(message, RegisterBlocks) and isinstance(message.ttl_s, float)
+
+
+@pytest.mark.parametrize("data", [
+    pytest.param(b"", id="empty"),
+    pytest.param(b"\xc1", id="never-used-byte"),
+    pytest.param(encode(register_blocks())[:-3], id="truncated"),
+    pytest.param(msgspec.msgpack.encode([1, 2, 3]), id="array"),
+    pytest.param(msgspec.msgpack.encode(7), id="int"),
+    pytest.param(msgspec.msgpack.encode({"version": 1, "transfer_id": "t"}), id="no-type"),
+    pytest.param(raw(version=...), id="no-version"),
+    pytest.param(raw(version="1"), id="version-is-a-string"),
+    pytest.param(msgspec.json.encode(REGISTER_FIELDS), id="json-not-msgpack"),
+])
+def test_malformed_bytes_are_a_protocol_error(data: bytes) -> None:
+    with pytest.raises(ProtocolError, match="malformed"):
+        decode(data)
+
+
+def test_an_unknown_type_is_a_protocol_error_that_names_it() -> None:
+    with pytest.raises(ProtocolError, match="unknown message type 'hello'"):
+        decode(raw(type="hello"))
+
+
+@pytest.mark.parametrize("version", [0, PROTOCOL_VERSION + 1, -1])
+def test_another_version_is_refused_and_both_versions_are_named(version: int) -> None:
+    with pytest.raises(ProtocolError, match="version mismatch") as caught:
+        decode(raw(version=version))
+    assert f"version {version}," in str(caught.value)
+    assert f"speaks version {PROTOCOL_VERSION}" in str(caught.value)
+
+
+def test_another_version_is_refused_even_when_its_body_would_not_parse() -> None:
+    with pytest.raises(ProtocolError, match="version mismatch"):
+        decode(raw(version=PROTOCOL_VERSION + 1, port="a new shape", block_ids=...))
+
+
+INVALID_REGISTER_FIELDS = [
+    pytest.param({"transfer_id": ""}, "transfer_id", id="empty-transfer-id"),
+    pytest.param({"engine_id": ""}, "engine_id", id="empty-engine-id"),
+    pytest.param({"host": ""}, "host", id="empty-host"),
+    pytest.param({"tp_size": 0}, "tp_size", id="tp-size-0"),
+    pytest.param({"tp_rank": -1}, "tp_rank", id="negative-rank"),
+    pytest.param({"tp_rank": 2}, "tp_rank", id="rank-equals-tp-size"),
+    pytest.param({"block_ids": []}, "block_ids", id="no-kv-groups"),
+    pytest.param({"block_ids": [[1, -1]]}, "block ids", id="negative-block-id"),
+    pytest.param({"block_size": 0}, "block_size", id="block-size-0"),
+    pytest.param({"port": 0}, "port", id="port-0"),
+    pytest.param({"port": 65536}, "port", id="port-65536"),
+    pytest.param({"ttl_s": 0.0}, "ttl_s", id="ttl-0"),
+    pytest.param({"ttl_s": -1.0}, "ttl_s", id="ttl-negative"),
+    pytest.param({"ttl_s": math.inf}, "ttl_s", id="ttl-inf"),
+    pytest.param({"ttl_s": math.nan}, "ttl_s", id="ttl-nan"),
+]
+
+
+@pytest.mark.parametrize(("fields", "named"), INVALID_REGISTER_FIELDS)
+def test_each_invalid_field_is_refused_on_decode(fields: dict[str, Any], named: str) -> None:
+    with pytest.raises(ProtocolError, match="invalid 'register_blocks' message") as caught:
+        decode(raw(**fields))
+    assert named in str(caught.value)
+
+
+@pytest.mark.parametrize(("fields", "named"), INVALID_REGISTER_FIELDS)
+def test_each_invalid_field_is_refused_when_built_here_too(
+    fields: dict[str, Any], named: str
+) -> None:
+    values = {**msgspec.structs.asdict(register_blocks()), **fields}
+    with pytest.raises(ProtocolError, match=named):
+        RegisterBlocks(**values)
+
+
+@pytest.mark.parametrize("data", [
+    pytest.param(raw(port="5601"), id="port-is-a-string"),
+    pytest.param(raw(block_ids=[["a"]]), id="block-id-is-a-string"),
+    pytest.param(raw(block_ids=[1, 2]), id="block-ids-not-grouped"),
+    pytest.param(raw(engine_id=...), id="missing-engine-id"),
+    pytest.param(raw(tp_rank=True), id="bool-for-int"),
+    pytest.param(msgspec.msgpack.encode({"type": "nack", "version": 1, "transfer_id": "t",
+                                         "reason": "bored"}), id="unknown-nack-reason"),
+    pytest.param(msgspec.msgpack.encode({"type": "push_failed", "version": 1,
+                                         "transfer_id": "t"}), id="missing-fail-reason"),
+    pytest.param(msgspec.msgpack.encode({"type": "ack", "version": 1, "transfer_id": "t",
+                                         "engine_id": "p", "block_size": 0, "tp_size": 1}),
+                 id="ack-block-size-0"),
+    pytest.param(msgspec.msgpack.encode({"type": "ack", "version": 1, "transfer_id": "t",
+                                         "engine_id": "", "block_size": 16, "tp_size": 1}),
+                 id="ack-empty-engine-id"),
+    pytest.param(msgspec.msgpack.encode({"type": "ack", "version": 1, "transfer_id": "t",
+                                         "engine_id": "p", "block_size": 16, "tp_size": 0}),
+                 id="ack-tp-size-0"),
+    pytest.param(msgspec.msgpack.encode({"type": "abort", "version": 1, "transfer_id": ""}),
+                 id="abort-empty-transfer-id"),
+])
+def test_mistyped_missing_or_invalid_fields_are_a_protocol_error(data: bytes) -> None:
+    with pytest.raises(ProtocolError, match="invalid '"):
+        decode(data)
+
+
+def test_protocol_error_is_a_value_error_chained_to_its_cause() -> None:
+    with pytest.raises(ValueError) as caught:
+        decode(raw(port=0))
+    assert isinstance(caught.value, ProtocolError)
+    assert isinstance(caught.value.__cause__, msgspec.ValidationError)
+
+
+def test_messages_are_immutable() -> None:
+    with pytest.raises(AttributeError):
+        Abort(transfer_id=TID).transfer_id = TransferId("other")  # type: ignore[misc]
