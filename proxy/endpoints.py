@@ -15,7 +15,6 @@ import msgspec
 
 from proxy.config import EndpointConfig, Mode
 from proxy.errors import NoHealthyEndpoint
-from proxy.metrics import RouterMetrics
 from proxy.protocol import PrefillCoordinates
 
 BOTH_MODES = frozenset({Mode.PULL, Mode.PUSH})
@@ -27,7 +26,7 @@ class ClusterName(str, enum.Enum):
 
 
 class Endpoint:
-    def __init__(self, config: EndpointConfig, cluster: ClusterName, metrics: RouterMetrics):
+    def __init__(self, config: EndpointConfig, cluster: ClusterName) -> None:
         self.config = config
         self.url = config.url.rstrip("/")
         self.cluster = cluster
@@ -35,9 +34,6 @@ class Endpoint:
         self.healthy = True  # until a check or a failed connection says otherwise
         # For a P: coordinates learned from a probe or a P answer; None until known.
         self.learned_coordinates: PrefillCoordinates | None = None
-        self._in_flight_gauge = metrics.in_flight.labels(cluster.value, self.url)
-        self._healthy_gauge = metrics.endpoint_healthy.labels(cluster.value, self.url)
-        self._healthy_gauge.set(1)
 
     def __repr__(self) -> str:
         return f"Endpoint({self.cluster.value} {self.url}, in_flight={self.in_flight})"
@@ -70,7 +66,6 @@ class Endpoint:
         """Record a health result; True when the endpoint just came back."""
         came_back = healthy and not self.healthy
         self.healthy = healthy
-        self._healthy_gauge.set(1 if healthy else 0)
         return came_back
 
     def lease(self) -> Lease:
@@ -88,23 +83,19 @@ class Lease:
         self._endpoint = endpoint
 
     def __enter__(self) -> Endpoint:
-        e = self._endpoint
-        e.in_flight += 1
-        e._in_flight_gauge.inc()
-        return e
+        self._endpoint.in_flight += 1
+        return self._endpoint
 
     def __exit__(self, *exc_info: object) -> None:
-        e = self._endpoint
-        e.in_flight -= 1
-        e._in_flight_gauge.dec()
+        self._endpoint.in_flight -= 1
 
 
 class Cluster:
     def __init__(
-        self, name: ClusterName, configs: list[EndpointConfig], metrics: RouterMetrics
+        self, name: ClusterName, configs: list[EndpointConfig]
     ) -> None:
         self.name = name
-        self.endpoints = [Endpoint(c, name, metrics) for c in configs]
+        self.endpoints = [Endpoint(c, name) for c in configs]
         self._turn = itertools.count()
 
     def pick(self) -> Endpoint:

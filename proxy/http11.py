@@ -51,6 +51,16 @@ class Response:
         self._waiter: asyncio.Future[None] | None = None
         self.complete = False
         self.error: BaseException | None = None
+        # Monotonic time by which the next byte must arrive, enforced by the client's
+        # `Deadlines` sweep. `idle`, once set, pushes it that far ahead at every chunk.
+        self.deadline = float("inf")
+        self.idle: float | None = None
+
+    def expect_within(self, seconds: float, *, per_chunk: bool = False) -> None:
+        """Time out unless the next part comes within `seconds` (with `per_chunk`, each
+        chunk of the body restarts the clock)."""
+        self.deadline = time.monotonic() + seconds
+        self.idle = seconds if per_chunk else None
 
     async def read_chunk(self) -> bytes:
         """The next body chunk; b"" at the end. Raises the connection's error, if any."""
@@ -64,21 +74,24 @@ class Response:
                 await self._waiter
             finally:
                 self._waiter = None
+        return self._take()
+
+    def _take(self) -> bytes:
+        """Hand out the oldest buffered chunk. While we consume, the server is not late:
+        the idle clock restarts (a slow client must not time out a healthy server)."""
         chunk = self._chunks.popleft()
         self._buffered -= len(chunk)
         if self._buffered < HIGH_WATER:
             self._connection.resume_reading()
+        if self.idle is not None:
+            self.deadline = time.monotonic() + self.idle
         return chunk
 
     def chunk_if_ready(self) -> bytes | None:
         """The next chunk if one is buffered, b"" if the body is over, None if we must
         wait (then use `read_chunk`)."""
         if self._chunks:
-            chunk = self._chunks.popleft()
-            self._buffered -= len(chunk)
-            if self._buffered < HIGH_WATER:
-                self._connection.resume_reading()
-            return chunk
+            return self._take()
         if self.complete and self.error is None:
             return b""
         return None
@@ -106,6 +119,8 @@ class Response:
     # Called by the connection (the protocol's callbacks):
 
     def _feed(self, chunk: bytes) -> None:
+        if self.idle is not None:
+            self.deadline = time.monotonic() + self.idle
         self._chunks.append(chunk)
         self._buffered += len(chunk)
         if self._buffered >= HIGH_WATER:
@@ -223,8 +238,15 @@ class Pool:
     """Keep-alive connections to one server (host, port)."""
 
     def __init__(
-        self, host: str, port: int, *, ssl: bool, limit: asyncio.Semaphore | None
+        self,
+        host: str,
+        port: int,
+        *,
+        ssl: bool,
+        limit: asyncio.Semaphore | None,
+        deadlines: Deadlines,
     ) -> None:
+        self._deadlines = deadlines
         self.host = host
         self.port = port
         self._ssl = ssl
@@ -234,9 +256,17 @@ class Pool:
         self._limit = limit
 
     async def request(
-        self, method: str, path: str, body: bytes, headers: dict[str, str], *, connect_timeout: float
+        self,
+        method: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        *,
+        connect_timeout: float,
+        timeout: float,
     ) -> tuple[Connection, Response]:
-        """Send a request; return its connection and the response (head not yet awaited).
+        """Send a request; return its connection and the response (head not yet awaited),
+        which times out unless it comes within `timeout` (see `Response.expect_within`).
 
         The caller must `release(connection, response)` when done with the response."""
         connection = self._idle_connection()
@@ -262,7 +292,10 @@ class Pool:
         for name, value in headers.items():
             lines.append(f"{name}: {value}\r\n".encode("latin-1"))
         lines.append(b"\r\n")
-        return connection, connection.send(b"".join(lines), body)
+        response = connection.send(b"".join(lines), body)
+        response.expect_within(timeout)
+        self._deadlines.watch(response)
+        return connection, response
 
     def release(self, connection: Connection, response: Response) -> None:
         """Done with a response: an unfinished one closes its connection (which is how
@@ -296,12 +329,54 @@ class Pool:
         return None
 
 
+class Deadlines:
+    """Times out responses whose `deadline` passed, checking every `TICK_S`.
+
+    One timer for all requests instead of one per wait: arming an asyncio timer per
+    request was a tenth of the router's CPU. Precision is a tick, fine for limits given
+    in seconds. A timed-out response fails with TimeoutError and its connection closes
+    (the server then aborts the request)."""
+
+    TICK_S = 0.05
+
+    def __init__(self) -> None:
+        self._watched: set[Response] = set()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def watch(self, response: Response) -> None:
+        self._watched.add(response)
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(self.TICK_S, self._sweep)
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._watched.clear()
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for response in list(self._watched):
+            if response.complete or response.error is not None:
+                self._watched.discard(response)
+            elif response.deadline <= now:
+                self._watched.discard(response)
+                response._finish(TimeoutError("no answer within the time limit"))
+                response._connection.close()
+        self._timer = (
+            asyncio.get_running_loop().call_later(self.TICK_S, self._sweep)
+            if self._watched
+            else None
+        )
+
+
 class Client:
     """Pools by server, created as needed. `max_connections` (0 = none) caps them all."""
 
     def __init__(self, *, max_connections: int = 0) -> None:
         self._pools: dict[tuple[str, str, int], Pool] = {}
         self._limit = asyncio.Semaphore(max_connections) if max_connections > 0 else None
+        self._deadlines = Deadlines()
 
     def pool(self, url: str) -> tuple[Pool, str]:
         """The pool for an absolute http URL, and the URL's path (with query)."""
@@ -312,10 +387,13 @@ class Client:
         key = (parts.scheme, parts.hostname, parts.port or (443 if tls else 80))
         pool = self._pools.get(key)
         if pool is None:
-            pool = self._pools[key] = Pool(key[1], key[2], ssl=tls, limit=self._limit)
+            pool = self._pools[key] = Pool(
+                key[1], key[2], ssl=tls, limit=self._limit, deadlines=self._deadlines
+            )
         path = parts.path or "/"
         return pool, f"{path}?{parts.query}" if parts.query else path
 
     def close(self) -> None:
+        self._deadlines.close()
         for pool in self._pools.values():
             pool.close()

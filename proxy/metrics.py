@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 # Latency buckets from 1 ms to 2 minutes: P/D TTFTs span that range on CPU and GPU.
 _LATENCY_BUCKETS = (
@@ -45,18 +48,6 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.in_flight = Gauge(
-            "pdproxy_endpoint_in_flight",
-            "Requests in flight per upstream endpoint",
-            ["cluster", "endpoint"],
-            registry=r,
-        )
-        self.endpoint_healthy = Gauge(
-            "pdproxy_endpoint_healthy",
-            "1 when the endpoint passes its health checks, else 0",
-            ["cluster", "endpoint"],
-            registry=r,
-        )
         self.upstream_errors = Counter(
             "pdproxy_upstream_errors",
             "Failed upstream calls by endpoint and kind (connect, timeout, protocol, status)",
@@ -88,6 +79,11 @@ class RouterMetrics:
             registry=r,
         )
 
+    def watch_endpoints(self, endpoints: Callable[[], Iterable[Any]]) -> None:
+        """Report each endpoint's in-flight count and health, read when scraped (the
+        endpoints keep the numbers; nothing is updated per request)."""
+        self.registry.register(_EndpointCollector(endpoints))
+
     def child(self, metric: Counter | Gauge | Histogram, *labels: str) -> Any:
         """`metric.labels(*labels)`, remembered: resolving labels is costly per request."""
         key = (id(metric), labels)
@@ -98,3 +94,25 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _EndpointCollector(Collector):
+    def __init__(self, endpoints: Callable[[], Iterable[Any]]) -> None:
+        self._endpoints = endpoints
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        in_flight = GaugeMetricFamily(
+            "pdproxy_endpoint_in_flight",
+            "Requests in flight per upstream endpoint",
+            labels=["cluster", "endpoint"],
+        )
+        healthy = GaugeMetricFamily(
+            "pdproxy_endpoint_healthy",
+            "1 when the endpoint passes its health checks, else 0",
+            labels=["cluster", "endpoint"],
+        )
+        for e in self._endpoints():
+            in_flight.add_metric([e.cluster.value, e.url], e.in_flight)
+            healthy.add_metric([e.cluster.value, e.url], 1 if e.healthy else 0)
+        yield in_flight
+        yield healthy

@@ -39,8 +39,9 @@ class Router:
         self.config = config
         self.metrics = RouterMetrics()
         self.client = UpstreamClient(config.timeouts, config.limits)
-        self.prefill = Cluster(ClusterName.PREFILL, config.prefill, self.metrics)
-        self.decode = Cluster(ClusterName.DECODE, config.decode, self.metrics)
+        self.prefill = Cluster(ClusterName.PREFILL, config.prefill)
+        self.decode = Cluster(ClusterName.DECODE, config.decode)
+        self.metrics.watch_endpoints(lambda: self.prefill.endpoints + self.decode.endpoints)
         self.prober = CoordinateProber(
             self.client,
             self.metrics,

@@ -10,7 +10,6 @@ vLLM learns to abort the request. The transport is `http11` (keep-alive HTTP/1.1
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -60,22 +59,20 @@ def upstream_error(exc: BaseException, endpoint: str, cluster: str, what: str) -
 class StreamedResponse:
     """An open upstream response: status, content type, and its body as it arrives."""
 
-    def __init__(self, response: Response, *, endpoint: str, cluster: str, idle: float) -> None:
+    def __init__(self, response: Response, *, endpoint: str, cluster: str) -> None:
         self.status = response.status
         self.content_type = response.headers.get("content-type", "application/json")
         self._response = response
         self._endpoint = endpoint
         self._cluster = cluster
-        self._idle = idle
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body chunks as they come; a silence longer than `stream_idle` is a timeout."""
         while True:
-            chunk = self._response.chunk_if_ready()  # no timer when data is already in
+            chunk = self._response.chunk_if_ready()
             if chunk is None:
                 try:
-                    async with asyncio.timeout(self._idle):
-                        chunk = await self._response.read_chunk()
+                    chunk = await self._response.read_chunk()
                 except TRANSPORT_ERRORS as exc:
                     raise self._error(exc, "the rest of its answer") from exc
             if not chunk:
@@ -90,10 +87,9 @@ class StreamedResponse:
     async def read(self) -> bytes:
         body = self._response.body_if_complete()
         if body is not None:
-            return body  # the usual case for a whole answer: no timer needed
+            return body  # the usual case for a whole answer
         try:
-            async with asyncio.timeout(self._idle):
-                return await self._response.read()
+            return await self._response.read()
         except TRANSPORT_ERRORS as exc:
             raise self._error(exc, "its answer") from exc
 
@@ -144,15 +140,17 @@ class UpstreamClient:
     ) -> bytes:
         pool, path = self._http.pool(url)
         try:
-            async with asyncio.timeout(timeout):
-                connection, response = await pool.request(
-                    method, path, body, headers, connect_timeout=self._timeouts.connect
-                )
-                try:
-                    await response.head
+            connection, response = await pool.request(
+                method, path, body, headers, connect_timeout=self._timeouts.connect,
+                timeout=timeout,
+            )
+            try:
+                await response.head
+                content = response.body_if_complete()
+                if content is None:
                     content = await response.read()
-                finally:
-                    pool.release(connection, response)
+            finally:
+                pool.release(connection, response)
         except TRANSPORT_ERRORS as exc:
             raise upstream_error(exc, endpoint, cluster, "its answer") from exc
         _raise_for_status(response.status, content, endpoint, cluster)
@@ -174,19 +172,17 @@ class UpstreamClient:
         try:
             connection, response = await pool.request(
                 "POST", path, msgspec.json.encode(body), {**_JSON_HEADERS, **headers},
-                connect_timeout=self._timeouts.connect,
+                connect_timeout=self._timeouts.connect, timeout=self._timeouts.first_token,
             )
         except TRANSPORT_ERRORS as exc:
             raise upstream_error(exc, endpoint, cluster, "with its first byte") from exc
         try:
             try:
-                async with asyncio.timeout(self._timeouts.first_token):
-                    await response.head
+                await response.head
             except TRANSPORT_ERRORS as exc:
                 raise upstream_error(exc, endpoint, cluster, "with its first byte") from exc
-            streamed = StreamedResponse(
-                response, endpoint=endpoint, cluster=cluster, idle=self._timeouts.stream_idle
-            )
+            response.expect_within(self._timeouts.stream_idle, per_chunk=True)
+            streamed = StreamedResponse(response, endpoint=endpoint, cluster=cluster)
             if response.status >= 400:
                 _raise_for_status(response.status, await streamed.read(), endpoint, cluster)
             yield streamed

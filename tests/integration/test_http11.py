@@ -74,7 +74,7 @@ async def server() -> AsyncIterator[tuple[Server, str]]:
 
 async def fetch(client: Client, url: str, method: str = "GET", body: bytes = b"") -> tuple[int, bytes]:
     pool, path = client.pool(url)
-    connection, response = await pool.request(method, path, body, {}, connect_timeout=5)
+    connection, response = await pool.request(method, path, body, {}, connect_timeout=5, timeout=30)
     try:
         await response.head
         return response.status, await response.read()
@@ -104,7 +104,7 @@ async def test_abandoned_response_closes_its_connection(server: tuple[Server, st
     state, url = server
     client = Client()
     pool, path = client.pool(f"{url}/stream?n=100000&big=1")
-    connection, response = await pool.request("GET", path, b"", {}, connect_timeout=5)
+    connection, response = await pool.request("GET", path, b"", {}, connect_timeout=5, timeout=30)
     await response.head
     await response.read_chunk()
     pool.release(connection, response)  # the caller gives up mid-answer
@@ -118,7 +118,7 @@ async def test_slow_reader_pauses_the_server(server: tuple[Server, str]) -> None
     state, url = server
     client = Client()
     pool, path = client.pool(f"{url}/stream?n=400&big=1")  # 25 MiB if nobody pushed back
-    connection, response = await pool.request("GET", path, b"", {}, connect_timeout=5)
+    connection, response = await pool.request("GET", path, b"", {}, connect_timeout=5, timeout=30)
     await response.head
     await asyncio.sleep(0.5)  # read nothing for a while
     assert state.chunks_written < 200, "the server kept writing into an unread connection"
