@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import sys
 from pathlib import Path
@@ -105,8 +106,15 @@ def serve(config: RouterConfig) -> None:
         config.host, config.port, config.mode.value,
         ", ".join(e.url for e in config.prefill), ", ".join(e.url for e in config.decode),
     )
+    app = create_app(config)
+    # Fewer, later garbage collections: the request path makes many short-lived objects
+    # and almost no cycles; with the default threshold (700) the collector ran every
+    # few requests and showed in the p99.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
     uvicorn.run(
-        create_app(config),
+        app,
         host=config.host,
         port=config.port,
         loop="uvloop",
