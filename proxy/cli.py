@@ -121,5 +121,5 @@ def serve(config: RouterConfig) -> None:
         http="httptools",
         log_level=config.log_level,
         access_log=config.access_log,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=config.shutdown_grace,
     )

@@ -100,6 +100,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     probe_retry_interval: float = 10.0  # after a failed probe, wait this long to try again
     timeouts: Timeouts = Timeouts()
     limits: Limits = Limits()
+    shutdown_grace: float = 30.0  # on SIGTERM: stop accepting, let running requests finish this long
     log_level: str = "info"
     access_log: bool = False  # uvicorn's access log; the router logs one line per request
 
@@ -110,6 +111,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError("at least one decode endpoint is needed (--decode URL)")
         if not 0 < self.port < 65536:
             raise ValueError(f"port out of range: {self.port!r}")
+        if self.shutdown_grace < 0:
+            raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace!r}")
         if self.health_interval < 0:
             raise ValueError(f"health_interval must be >= 0, got {self.health_interval!r}")
         if self.log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
