@@ -100,7 +100,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     probe_retry_interval: float = 10.0  # after a failed probe, wait this long to try again
     timeouts: Timeouts = Timeouts()
     limits: Limits = Limits()
-    shutdown_grace: float = 30.0  # on SIGTERM: stop accepting, let running requests finish this long
+    shutdown_grace: int = 30  # seconds; on SIGTERM: stop accepting, let running requests finish this long
     log_level: str = "info"
     access_log: bool = False  # uvicorn's access log; the router logs one line per request
 

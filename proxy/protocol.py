@@ -60,10 +60,14 @@ def parse_request(
         raise body_too_large(len(raw), max_body_bytes)
     try:
         body = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:  # bad UTF-8 in a string: the latter
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # nested deeper than the interpreter's recursion limit
+        raise _nested_too_deep() from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    if _too_deep(raw, body):
+        raise _nested_too_deep()
 
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -95,6 +99,30 @@ def parse_request(
         request_id=_request_id(headers.get("x-request-id")),
         mode_override=_mode_override(headers.get("x-kv-transfer-mode")),
     )
+
+
+# Deeper bodies are refused: decoding one near the interpreter's recursion limit succeeds
+# at the edge, but encoding it again for a leg, a few frames deeper, raised RecursionError.
+MAX_JSON_DEPTH = 200
+
+
+def _too_deep(raw: bytes, body: dict[str, Any]) -> bool:
+    """Whether `body` nests lists and objects more than MAX_JSON_DEPTH levels deep."""
+    if raw.count(b"[") + raw.count(b"{") <= MAX_JSON_DEPTH:
+        return False  # each level opens a bracket: the usual case, no walk needed
+    stack: list[tuple[Any, int]] = [(body, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            return True
+        for child in value.values() if isinstance(value, dict) else value:
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
+
+
+def _nested_too_deep() -> InvalidRequest:
+    return InvalidRequest(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
 
 
 def body_too_large(size: int, limit: int) -> PayloadTooLarge:

@@ -126,12 +126,11 @@ class FlowResponse:
         except RouterError as exc:
             error.append(exc)
             await down.fail(exc)
-        except (OSError, RuntimeError) as exc:
-            if down.started:  # the client's connection broke while we wrote to it
+        except Exception as exc:
+            if down.started and isinstance(exc, (OSError, RuntimeError)):
+                # The client's connection broke while we wrote to it: nobody to tell.
                 error.append(RouterError(f"client connection lost: {exc}"))
                 return
-            raise
-        except Exception as exc:
             logger.exception("internal error in a flow")
             internal = RouterError(f"internal router error ({type(exc).__name__}); see its log")
             error.append(internal)
