@@ -25,7 +25,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.config import RouterConfig
-from proxy.errors import InvalidRequest, MethodNotAllowed, NotFound, RouterError, error_body
+from proxy.errors import (
+    InvalidRequest,
+    MethodNotAllowed,
+    NotFound,
+    RouterError,
+    error_body,
+    internal_error,
+)
 from proxy.protocol import Route, body_too_large, parse_request
 from proxy.router import Router
 
@@ -64,7 +71,7 @@ class RouterApp:
             response = _json_error(exc)
         except Exception as exc:
             logger.exception("unexpected error on POST %s", scope["path"])
-            response = _json_error(_internal(exc))
+            response = _json_error(internal_error(exc))
         await response(scope, receive, send)
 
 
@@ -135,10 +142,6 @@ def _json_error(error: RouterError) -> Response:
     )
 
 
-def _internal(exc: BaseException) -> RouterError:
-    return RouterError(f"internal router error ({type(exc).__name__}); see its log")
-
-
 def _install_error_handlers(app: FastAPI) -> None:
     json_error = _json_error
 
@@ -162,7 +165,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("unexpected error on %s %s", request.method, request.url.path)
-        return json_error(_internal(exc))
+        return json_error(internal_error(exc))
 
     app.add_exception_handler(RouterError, on_router_error)
     app.add_exception_handler(HTTPException, on_http_error)

@@ -124,6 +124,11 @@ class UpstreamStatusError(UpstreamError):
         return error_body(self.message, "upstream_error", self.status)
 
 
+def internal_error(exc: BaseException) -> RouterError:
+    """What a client is told of a bug: a 500 naming the exception type, no stack trace."""
+    return RouterError(f"internal router error ({type(exc).__name__}); see its log")
+
+
 def error_body(message: str, error_type: str, status: int, *, param: str | None = None) -> bytes:
     payload: dict[str, Any] = {
         "error": {"message": message, "type": error_type, "param": param, "code": status}

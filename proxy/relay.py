@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from starlette.types import Receive, Scope, Send
 
-from proxy.errors import RouterError, sse_error_event
+from proxy.errors import RouterError, internal_error, sse_error_event
 
 logger = logging.getLogger("pdproxy.relay")
 
@@ -132,7 +132,7 @@ class FlowResponse:
                 error.append(RouterError(f"client connection lost: {exc}"))
                 return
             logger.exception("internal error in a flow")
-            internal = RouterError(f"internal router error ({type(exc).__name__}); see its log")
+            internal = internal_error(exc)
             error.append(internal)
             await down.fail(internal)
 
