@@ -98,9 +98,10 @@ class Cluster:
         self.endpoints = [Endpoint(c, name) for c in configs]
         self._turn = itertools.count()
 
-    def pick(self) -> Endpoint:
-        """Fewest requests in flight among healthy endpoints; ties taken in turn."""
-        candidates = [e for e in self.endpoints if e.healthy]
+    def pick(self, *, exclude: Endpoint | None = None) -> Endpoint:
+        """Fewest requests in flight among healthy endpoints (other than `exclude`); ties
+        taken in turn."""
+        candidates = [e for e in self.endpoints if e.healthy and e is not exclude]
         if not candidates:
             raise NoHealthyEndpoint(
                 f"no healthy {self.name.value} server: all {len(self.endpoints)} failed "

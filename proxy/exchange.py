@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from proxy.endpoints import Endpoint
-from proxy.errors import RouterError, UpstreamConnectError, UpstreamError
+from proxy.endpoints import ClusterName, Endpoint
+from proxy.errors import NoHealthyEndpoint, RouterError, UpstreamConnectError, UpstreamError
 from proxy.modes import ModeDecision
 from proxy.protocol import ClientRequest
 from proxy.relay import Downstream
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     from proxy.router import Router
 
 logger = logging.getLogger("pdproxy.access")
+T = TypeVar("T")
 
 
 class Exchange:
@@ -45,6 +47,27 @@ class Exchange:
         self.note = ""  # a short remark for the access log (fallback, recompute, ...)
 
     # --- the legs ---------------------------------------------------------------------
+
+    async def retry_unreachable(self, cluster: ClusterName, leg: Callable[[], Awaitable[T]]) -> T:
+        """Run a leg; if its server refused the connection (so nothing reached it, nor the
+        client), run it once more on another healthy server of the same cluster."""
+        try:
+            return await leg()
+        except UpstreamConnectError as exc:
+            pool = self.router.prefill if cluster is ClusterName.PREFILL else self.router.decode
+            failed = self.prefill_endpoint if cluster is ClusterName.PREFILL else self.decode_endpoint
+            try:
+                other = pool.pick(exclude=failed)
+            except NoHealthyEndpoint:
+                raise exc from None
+            metrics = self.router.metrics
+            metrics.child(metrics.retries, cluster.value, "connect").inc()
+            self.note = f"retried_{cluster.value}:{failed.url}->{other.url}"
+            if cluster is ClusterName.PREFILL:
+                self.prefill_endpoint = other
+            else:
+                self.decode_endpoint = other
+            return await leg()
 
     async def prefill(self, body: dict[str, Any]) -> dict[str, Any]:
         """P's leg: one token, not streamed. Returns P's JSON answer."""

@@ -54,6 +54,12 @@ class RouterMetrics:
             ["cluster", "endpoint", "kind"],
             registry=r,
         )
+        self.retries = Counter(
+            "pdproxy_retries",
+            "Legs sent again to another endpoint before any byte reached the client",
+            ["cluster", "reason"],
+            registry=r,
+        )
         self.mode_fallbacks = Counter(
             "pdproxy_mode_fallbacks",
             "Requests that asked for a mode the chosen servers cannot do, and got another",

@@ -4,7 +4,8 @@
                  │   ◀── P's kv_transfer_params (engine, blocks, side channel)
                  └────▶ D (client's body + P's params) ──▶ answer relayed to the client
 
-The router is on the critical path: D starts only when P has answered.
+The router is on the critical path: D starts only when P has answered. A server that
+refuses the connection is replaced by another of its cluster, once (nothing was sent).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.config import MissingKVParams
+from proxy.endpoints import ClusterName
 from proxy.errors import KVTransferError
 from proxy.exchange import Exchange
 from proxy.protocol import prefill_body, pull_decode_body
@@ -19,8 +21,10 @@ from proxy.relay import Downstream
 
 
 async def run_pull(exchange: Exchange, down: Downstream) -> None:
-    answer = await exchange.prefill(prefill_body(exchange.request, transfer_id=None))
-    await exchange.relay_decode(decode_body(exchange, answer), down)
+    p_body = prefill_body(exchange.request, transfer_id=None)
+    answer = await exchange.retry_unreachable(ClusterName.PREFILL, lambda: exchange.prefill(p_body))
+    d_body = decode_body(exchange, answer)
+    await exchange.retry_unreachable(ClusterName.DECODE, lambda: exchange.relay_decode(d_body, down))
 
 
 def decode_body(exchange: Exchange, p_answer: dict[str, Any]) -> dict[str, Any]:

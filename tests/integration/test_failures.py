@@ -174,3 +174,22 @@ async def test_client_leaving_mid_stream_cancels_decode(pair: Pair) -> None:
                     break  # first token in: leave
         await pair.decode.until(lambda seen: seen[0].outcome == "cancelled")
         assert_nothing_in_flight(app)
+
+
+@pytest.mark.parametrize("cluster", ["prefill", "decode"])
+async def test_unreachable_server_is_replaced_before_any_byte(pair: Pair, cluster: str) -> None:
+    dead = "http://127.0.0.1:9"  # nothing listens: the connection is refused
+    config = {
+        "prefill": [dead, pair.p_url] if cluster == "prefill" else [pair.p_url],
+        "decode": [dead, pair.d_url] if cluster == "decode" else [pair.d_url],
+    }
+    async with serve_router(**config) as (url, app):
+        async with httpx.AsyncClient(base_url=url) as client:
+            rs = [await client.post("/v1/completions", json={**BODY, "stream": s}) for s in (False, True) * 2]
+            metrics = (await client.get("/metrics")).text
+        assert_nothing_in_flight(app)
+    assert [r.status_code for r in rs] == [200] * 4
+    alive = pair.prefill if cluster == "prefill" else pair.decode
+    assert len(alive.seen) == 4
+    # The dead server was tried (and replaced) at least once; ties are taken in turn.
+    assert f'pdproxy_retries_total{{cluster="{cluster}",reason="connect"}}' in metrics
