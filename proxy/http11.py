@@ -87,30 +87,13 @@ class Response:
             self.deadline = time.monotonic() + self.idle
         return chunk
 
-    def chunk_if_ready(self) -> bytes | None:
-        """The next chunk if one is buffered, b"" if the body is over, None if we must
-        wait (then use `read_chunk`)."""
-        if self._chunks:
-            return self._take()
-        if self.complete and self.error is None:
-            return b""
-        return None
-
     @property
     def at_end(self) -> bool:
         """Every byte of the body has been handed out."""
         return self.complete and not self._chunks
 
-    def body_if_complete(self) -> bytes | None:
-        """The whole body if it is all in already (no waiting), else None."""
-        if not self.complete or self.error is not None:
-            return None
-        body = b"".join(self._chunks)
-        self._chunks.clear()
-        self._buffered = 0
-        return body
-
     async def read(self) -> bytes:
+        """The rest of the body (at once when it is all in: the usual whole answer)."""
         parts = []
         while chunk := await self.read_chunk():
             parts.append(chunk)
