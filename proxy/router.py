@@ -95,12 +95,11 @@ class Router:
         if requested is not Mode.PULL and coordinates is None:
             coordinates = await self.prober.coordinates(prefill, request.model)
         decision = decide_mode(requested, coordinates)
+        exchange = Exchange(self, request, prefill=prefill, decode=decode, decision=decision)
         if decision.is_fallback:
             self.metrics.mode_fallbacks.labels(
                 decision.requested.value, decision.used.value, decision.reason
             ).inc()
-        exchange = Exchange(self, request, prefill=prefill, decode=decode, decision=decision)
-        if decision.is_fallback:
             exchange.note = f"mode_fallback:{decision.reason}"
 
         async def flow(down: Downstream) -> None:

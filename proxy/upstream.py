@@ -69,12 +69,10 @@ class StreamedResponse:
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body chunks as they come; a silence longer than `stream_idle` is a timeout."""
         while True:
-            chunk = self._response.chunk_if_ready()
-            if chunk is None:
-                try:
-                    chunk = await self._response.read_chunk()
-                except TRANSPORT_ERRORS as exc:
-                    raise self._error(exc, "the rest of its answer") from exc
+            try:
+                chunk = await self._response.read_chunk()  # no wait when one is buffered
+            except TRANSPORT_ERRORS as exc:
+                raise self._error(exc, "the rest of its answer") from exc
             if not chunk:
                 return
             yield chunk
@@ -85,9 +83,6 @@ class StreamedResponse:
         return self._response.at_end
 
     async def read(self) -> bytes:
-        body = self._response.body_if_complete()
-        if body is not None:
-            return body  # the usual case for a whole answer
         try:
             return await self._response.read()
         except TRANSPORT_ERRORS as exc:
@@ -112,7 +107,7 @@ class UpstreamClient:
     ) -> Any:
         """GET and decode the JSON answer (or only check the status: expect_json=False)."""
         content = await self._whole("GET", url, b"", {}, endpoint, cluster, timeout)
-        return msgspec.json.decode(content) if expect_json else None
+        return _decode_json(content, endpoint, cluster) if expect_json else None
 
     async def post_json(
         self,
@@ -129,10 +124,7 @@ class UpstreamClient:
             "POST", url, msgspec.json.encode(body), {**_JSON_HEADERS, **headers},
             endpoint, cluster, timeout,
         )
-        try:
-            return msgspec.json.decode(content)
-        except msgspec.DecodeError as exc:
-            raise upstream_error(exc, endpoint, cluster, "its answer") from exc
+        return _decode_json(content, endpoint, cluster)
 
     async def _whole(
         self, method: str, url: str, body: bytes, headers: dict[str, str],
@@ -146,9 +138,7 @@ class UpstreamClient:
             )
             try:
                 await response.head
-                content = response.body_if_complete()
-                if content is None:
-                    content = await response.read()
+                content = await response.read()
             finally:
                 pool.release(connection, response)
         except TRANSPORT_ERRORS as exc:
@@ -190,6 +180,13 @@ class UpstreamClient:
             # On any exit, cancellation included: a finished answer's connection is
             # reused, an unfinished one is closed so that the server aborts the request.
             pool.release(connection, response)
+
+
+def _decode_json(content: bytes, endpoint: str, cluster: str) -> Any:
+    try:
+        return msgspec.json.decode(content)
+    except msgspec.DecodeError as exc:
+        raise upstream_error(exc, endpoint, cluster, "its answer") from exc
 
 
 def _raise_for_status(status: int, content: bytes, endpoint: str, cluster: str) -> None:
