@@ -1,8 +1,26 @@
 """Our vLLM KV connector: one NIXL connector that does pull and push per request.
 
-Built so far, pure logic with no vLLM or NIXL import: `connector.messages` (the push side
-channel's typed wire messages and codec) and `connector.registry` (P's registry matching
-D's block registrations with finished prefills). The connector class itself is its own
-issue; until then, run P and D with stock vLLM connectors: `NixlConnector` (pull) or
-`NixlPushConnector` (push); the router works with both.
+vLLM loads it with `"kv_connector": "NixlDualConnector", "kv_connector_module_path":
+"connector"` (see `connector.connector`). The pieces, each its own module:
+
+- `messages`: the push side channel's typed wire messages and their codec.
+- `registry`: P's registry, matching D's registrations with finished prefills.
+- `channel`: the side channel's ZMQ sockets and threads, on P and on D.
+- `config`: our keys in `kv_connector_extra_config`, checked at start.
+- `scheduler`, `worker`, `metadata`: the vLLM connector halves and what passes between.
+
+`messages`, `registry`, `channel` and `config` do not import vLLM; the class itself is
+imported on first use, so they stay cheap to import and test.
 """
+
+from typing import Any
+
+__all__ = ["NixlDualConnector"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "NixlDualConnector":
+        from connector.connector import NixlDualConnector
+
+        return NixlDualConnector
+    raise AttributeError(f"module 'connector' has no attribute {name!r}")

@@ -5,12 +5,15 @@ sides; nothing else is matched):
 
     D -> P  RegisterBlocks  D allocated blocks for the prompt: write the KV here.
     P -> D  Ack             registered; here is P's layout. Or:
-    P -> D  Nack            refused (reason code); D falls back to pull or recompute.
-    P -> D  PushDone        P wrote every block and freed its own; D may decode.
+    P -> D  Nack            refused (reason code); D falls back to recompute.
+    P -> D  PushDone        P wrote every block and freed its own.
     P -> D  PushFailed      P could not write (or never will); D falls back.
-    D -> P  Abort           D's request is gone; P frees the blocks it holds for it.
+    D -> P  Abort           D's request is gone; P frees the blocks it holds for it and
+                            answers PushFailed(aborted) once nothing more will be written.
+    D -> P  Ping            D still waits on this P; P answers Pong at once (liveness).
 
-PushFailed may follow RegisterBlocks at any time, with or without an Ack before it.
+PushFailed may follow RegisterBlocks at any time, with or without an Ack before it. D
+learns that its KV arrived from the WRITE's own NIXL notification, not from PushDone.
 
 Every message carries `version`; `decode` refuses any other version before it reads the
 body, so a mixed deployment fails with a clear error instead of a misread field. Every
@@ -28,7 +31,7 @@ from typing import NewType, TypeAlias, get_args
 import msgspec
 
 # Protocol versions. Bump on any change to a message's fields, tags or meaning.
-#   1: RegisterBlocks, Ack, Nack, Abort, PushDone, PushFailed.
+#   1: RegisterBlocks, Ack, Nack, Abort, PushDone, PushFailed, Ping, Pong.
 PROTOCOL_VERSION = 1
 
 TransferId = NewType("TransferId", str)
@@ -47,6 +50,7 @@ class NackReason(str, enum.Enum):
     DUPLICATE = "duplicate"  # this transfer_id is already registered
     BLOCK_SIZE_MISMATCH = "block_size_mismatch"
     TP_MISMATCH = "tp_mismatch"  # tp sizes differ, or the rank is not P's rank
+    PREFILL_ABORTED = "prefill_aborted"  # P's request for it already ended without KV
     SHUTTING_DOWN = "shutting_down"
 
 
@@ -56,7 +60,9 @@ class FailReason(str, enum.Enum):
     WRITE_ERROR = "write_error"
     HANDSHAKE_ERROR = "handshake_error"  # P could not reach D's agent
     LAYOUT_MISMATCH = "layout_mismatch"  # P and D hold a different number of KV groups
-    EXPIRED = "expired"  # P's prefill did not finish before the deadline
+    EXPIRED = "expired"  # the other side did not show up before the deadline
+    ABORTED = "aborted"  # D aborted; nothing more will be written into its blocks
+    PREFILL_ABORTED = "prefill_aborted"  # P's request ended without its KV (cancelled)
     SHUTTING_DOWN = "shutting_down"
 
 
@@ -71,27 +77,38 @@ def _require_id(value: str, field: str) -> None:
 
 class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     version: int = PROTOCOL_VERSION
+
+
+class _TransferMessage(_Message, frozen=True, kw_only=True):
     transfer_id: TransferId
 
     def __post_init__(self) -> None:
         _require_id(self.transfer_id, "transfer_id")
 
 
-class RegisterBlocks(_Message, frozen=True, kw_only=True, tag="register_blocks"):
-    """D -> P: D's blocks for this transfer, one list per KV-cache group."""
+class RegisterBlocks(_TransferMessage, frozen=True, kw_only=True, tag="register_blocks"):
+    """D -> P: D's blocks for this transfer, one list per KV-cache group.
+
+    D's scheduler speaks for all of D's ranks (`tp_rank` 0 of `tp_size`); P's rank r
+    writes D's rank r. `request_id` is D's engine request id: the WRITE's NIXL
+    notification names it. `host`/`port` are D's NIXL side channel (vLLM's handshake
+    listener), where P's workers fetch D's agent metadata before they WRITE. Replies go
+    back over the same ZMQ connection, addressed by D's `engine_id`."""
 
     engine_id: EngineId
+    request_id: str
     tp_size: int
     tp_rank: int
     block_ids: list[list[int]]
     block_size: int
-    host: str  # D's side channel, for PushDone / PushFailed
+    host: str
     port: int
     ttl_s: float  # how long D keeps the blocks, from when it sent this
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _require_id(self.engine_id, "engine_id")
+        _require_id(self.request_id, "request_id")
         _require(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
         _require(
             0 <= self.tp_rank < self.tp_size,
@@ -110,7 +127,7 @@ class RegisterBlocks(_Message, frozen=True, kw_only=True, tag="register_blocks")
         )
 
 
-class Ack(_Message, frozen=True, kw_only=True, tag="ack"):
+class Ack(_TransferMessage, frozen=True, kw_only=True, tag="ack"):
     """P -> D: registration accepted; P's layout, for D's own checks and metrics."""
 
     engine_id: EngineId
@@ -124,29 +141,37 @@ class Ack(_Message, frozen=True, kw_only=True, tag="ack"):
         _require(self.tp_size >= 1, f"tp_size must be >= 1, got {self.tp_size}")
 
 
-class Nack(_Message, frozen=True, kw_only=True, tag="nack"):
+class Nack(_TransferMessage, frozen=True, kw_only=True, tag="nack"):
     """P -> D: registration refused. `message` says what differed and what to change."""
 
     reason: NackReason
     message: str = ""
 
 
-class Abort(_Message, frozen=True, kw_only=True, tag="abort"):
+class Abort(_TransferMessage, frozen=True, kw_only=True, tag="abort"):
     """D -> P: D's request is gone; free whatever is held for this transfer."""
 
 
-class PushDone(_Message, frozen=True, kw_only=True, tag="push_done"):
+class PushDone(_TransferMessage, frozen=True, kw_only=True, tag="push_done"):
     """P -> D: every block is written and P freed its own; D's KV is complete."""
 
 
-class PushFailed(_Message, frozen=True, kw_only=True, tag="push_failed"):
+class PushFailed(_TransferMessage, frozen=True, kw_only=True, tag="push_failed"):
     """P -> D: P will not write this transfer; D falls back to pull or recompute."""
 
     reason: FailReason
     message: str = ""
 
 
-Message: TypeAlias = RegisterBlocks | Ack | Nack | Abort | PushDone | PushFailed
+class Ping(_Message, frozen=True, kw_only=True, tag="ping"):
+    """D -> P: are you there? Sent while D waits on this P."""
+
+
+class Pong(_Message, frozen=True, kw_only=True, tag="pong"):
+    """P -> D: yes (answered by P's side-channel thread, whatever its engine is doing)."""
+
+
+Message: TypeAlias = RegisterBlocks | Ack | Nack | Abort | PushDone | PushFailed | Ping | Pong
 
 MESSAGE_TYPES: frozenset[str] = frozenset(
     str(cls.__struct_config__.tag) for cls in get_args(Message)

@@ -1,16 +1,23 @@
 """P's push registry: matches D's block registrations with P's finished prefills.
 
-Who calls it: on P, the one thread that owns push state (the side channel's owner). It
-learns of D's registrations and aborts from the side channel, of finished prefills and
-WRITE results from the engine through queues, and calls `expire` on every wake-up (see
-`next_deadline`). The registry is NOT thread-safe, by design: it has one owner, so it
-needs no lock. It does no I/O; each method returns what the caller must do (answer D,
-start a WRITE, free P's blocks), so the caller's error paths stay visible.
+Who calls it: on P, the one thread that owns push state (the side channel's thread, see
+`connector.channel`). It learns of D's registrations and aborts from the side channel, of
+finished prefills and WRITE results from the engine through a queue, and calls `expire`
+on every wake-up (see `next_deadline`). The registry is NOT thread-safe, by design: it
+has one owner, so it needs no lock. It does no I/O; each method returns what the caller
+must do (answer D, start a WRITE, free P's blocks), so the caller's error paths stay
+visible.
 
 Matching is exact on `transfer_id` and works in either order: D may register before P's
-prefill finishes, or after. One registry serves one P side-channel endpoint. Push needs
-equal tensor-parallel sizes for now: D's rank r registers with P's rank r, and any other
-registration is refused (TP_MISMATCH); heterogeneous TP stays on pull.
+prefill finishes, or after. One registry serves one P engine; D's scheduler registers
+for all of D's ranks at once (`tp_rank` 0). Push needs equal tensor-parallel sizes for
+now (P's rank r writes D's rank r); any other registration is refused (TP_MISMATCH), so
+heterogeneous TP stays on pull.
+
+An end that comes before its transfer is known leaves a tombstone for `unclaimed_ttl`:
+D's abort before P's prefill finished (the prefill's blocks are then freed the moment it
+finishes, not after a deadline), and P's request ending without KV before D registered
+(D's registration is then refused at once, and D recomputes instead of waiting).
 
 States of one transfer:
 
@@ -27,7 +34,8 @@ States of one transfer:
 
 DONE, FAILED, EXPIRED and ABORTED are terminal: the record is removed in the call that
 reaches them (nothing outlives its transfer) and a `Release` says to free P's blocks, if
-P holds any, and to tell D, if D registered and did not end it itself (abort).
+P holds any, and to tell D, if D registered: PushDone, or PushFailed with the reason
+(`aborted` answers D's own Abort, once nothing more will be written into its blocks).
 
 Deadlines use the caller's monotonic clock (`now`, seconds). A registration waits at most
 min(registration_ttl, D's ttl_s); a finished prefill waits for D at most unclaimed_ttl.
@@ -45,6 +53,8 @@ from typing import TypeAlias
 import msgspec
 
 from connector.messages import EngineId, FailReason, NackReason, RegisterBlocks, TransferId
+
+RequestId: TypeAlias = str  # P's engine request id, which holds P's blocks
 
 DEFAULT_REGISTRATION_TTL_S = 120.0
 DEFAULT_UNCLAIMED_TTL_S = 120.0
@@ -105,6 +115,7 @@ class Ready:
     transfer_id: TransferId
     registration: RegisterBlocks
     block_ids: BlockIds  # P's
+    request_id: RequestId  # P's
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +134,7 @@ class Rejected:
     reason: NackReason
     message: str
     block_ids: BlockIds | None = None
+    request_id: RequestId | None = None  # P's request holding `block_ids`
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +150,7 @@ class Release:
     block_ids: BlockIds | None
     notify: RegisterBlocks | None = None
     reason: FailReason | None = None
+    request_id: RequestId | None = None  # P's request holding `block_ids`
 
 
 Outcome: TypeAlias = Ready | Waiting | Rejected | Release
@@ -176,7 +189,15 @@ class _Transfer:
     deadline: float | None  # monotonic; set only while awaiting the other side
     registration: RegisterBlocks | None = None
     block_ids: BlockIds | None = None  # P's, held from prefill_finished until released
+    request_id: RequestId | None = None  # P's request that holds block_ids
     abort_requested: bool = False  # D aborted during WRITING
+
+
+class _Tombstone(enum.Enum):
+    """Why a transfer ended before the registry knew it (see the module docstring)."""
+
+    D_ABORTED = "d_aborted"
+    PREFILL_ABORTED = "prefill_aborted"
 
 
 class PushRegistry:
@@ -184,7 +205,7 @@ class PushRegistry:
 
         registry = PushRegistry(RegistryConfig(engine_id=eid, block_size=16))
         outcome = registry.register(reg, now=time.monotonic())  # from D
-        outcome = registry.prefill_finished(tid, block_ids, now=time.monotonic())
+        outcome = registry.prefill_finished(tid, block_ids, request_id=rid, now=...)
         if isinstance(outcome, Ready) and registry.write_started(outcome.transfer_id):
             ...  # WRITE; later write_done(tid) or write_failed(tid, reason)
         for release in registry.expire(time.monotonic()): ...
@@ -193,6 +214,7 @@ class PushRegistry:
     def __init__(self, config: RegistryConfig) -> None:
         self.config = config
         self._transfers: dict[TransferId, _Transfer] = {}  # live records only
+        self._tombstones: dict[TransferId, tuple[_Tombstone, float]] = {}  # cause, deadline
         self._counters = RegistryCounters()
 
     # --- events from D (side channel) ----------------------------------------------------
@@ -200,6 +222,11 @@ class PushRegistry:
     def register(self, reg: RegisterBlocks, *, now: float) -> Outcome:
         """D's registration. Ready or Waiting: send Ack. Rejected: send Nack."""
         tid = reg.transfer_id
+        if self._tombstones.get(tid, (None,))[0] is _Tombstone.PREFILL_ABORTED:
+            del self._tombstones[tid]
+            self._counters.rejected += 1
+            return Rejected(tid, NackReason.PREFILL_ABORTED,
+                            f"P's request for transfer {tid!r} ended without its KV")
         record = self._transfers.get(tid)
         if record is not None and record.state is not TransferState.AWAITING_REGISTRATION:
             self._counters.duplicates += 1
@@ -207,8 +234,10 @@ class PushRegistry:
         refusal = self._check_layout(reg)
         if refusal is not None:
             self._counters.rejected += 1
-            held = self._transfers.pop(tid).block_ids if record is not None else None
-            return Rejected(tid, refusal[0], refusal[1], block_ids=held)
+            if record is None:
+                return Rejected(tid, refusal[0], refusal[1])
+            del self._transfers[tid]
+            return Rejected(tid, refusal[0], refusal[1], record.block_ids, record.request_id)
         self._counters.registered += 1
         if record is None:
             deadline = now + min(self.config.registration_ttl, reg.ttl_s)
@@ -219,40 +248,60 @@ class PushRegistry:
         record.registration = reg
         return self._match(record)
 
-    def abort(self, transfer_id: TransferId) -> Release | None:
-        """D's request is gone. None: nothing to free now (unknown id, or a WRITE is in
-        flight and its end will release the blocks)."""
+    def abort(self, transfer_id: TransferId, *, now: float) -> Release | None:
+        """D's request is gone. None: nothing to do now (a WRITE is in flight and its end
+        will release; or the id is unknown, and a tombstone frees a late prefill at once:
+        the caller answers D itself)."""
         record = self._transfers.get(transfer_id)
         if record is None:
+            self._tombstones[transfer_id] = (_Tombstone.D_ABORTED, now + self.config.unclaimed_ttl)
             return None
         if record.state is TransferState.WRITING:
             record.abort_requested = True
             return None
-        return self._end(record, TransferState.ABORTED)
+        return self._end(record, TransferState.ABORTED, FailReason.ABORTED)
 
     # --- events from P's engine ----------------------------------------------------------
 
     def prefill_finished(
-        self, transfer_id: TransferId, block_ids: BlockIds, *, now: float
+        self, transfer_id: TransferId, block_ids: BlockIds, *, request_id: RequestId,
+        now: float,
     ) -> Outcome:
-        """P computed the prompt and holds `block_ids` for it until a Release frees them."""
+        """P's request `request_id` computed the prompt and holds `block_ids` for it until
+        a Release frees them."""
         record = self._transfers.get(transfer_id)
         if record is not None and record.state is not TransferState.AWAITING_PREFILL:
             self._counters.duplicates += 1
             return Rejected(
                 transfer_id, NackReason.DUPLICATE,
                 f"prefill for transfer {transfer_id!r} already finished; these blocks are "
-                "not kept", block_ids=block_ids,
+                "not kept", block_ids, request_id,
             )
         self._counters.prefills += 1
         if record is None:
-            self._transfers[transfer_id] = _Transfer(
+            record = _Transfer(
                 transfer_id, TransferState.AWAITING_REGISTRATION,
-                now + self.config.unclaimed_ttl, block_ids=block_ids,
+                now + self.config.unclaimed_ttl, block_ids=block_ids, request_id=request_id,
             )
+            self._transfers[transfer_id] = record
+            if self._tombstones.pop(transfer_id, (None,))[0] is _Tombstone.D_ABORTED:
+                return self._end(record, TransferState.ABORTED)
             return Waiting(transfer_id, TransferState.AWAITING_REGISTRATION)
         record.block_ids = block_ids
+        record.request_id = request_id
         return self._match(record)
+
+    def prefill_aborted(self, transfer_id: TransferId, *, now: float) -> Release | None:
+        """P's request ended without its KV (cancelled, or failed). A waiting D is told at
+        once; one that registers later is refused (see the tombstones)."""
+        record = self._transfers.get(transfer_id)
+        if record is None:
+            self._tombstones[transfer_id] = (
+                _Tombstone.PREFILL_ABORTED, now + self.config.unclaimed_ttl)
+            return None
+        if record.state is not TransferState.AWAITING_PREFILL:
+            return None  # its prefill already finished: the KV is held and may be written
+        return self._end(record, TransferState.FAILED, FailReason.PREFILL_ABORTED)
 
     def write_started(self, transfer_id: TransferId) -> bool:
         """False: the transfer is gone (aborted): do not start the WRITE."""
@@ -282,12 +331,15 @@ class PushRegistry:
 
     def expire(self, now: float) -> list[Release]:
         """End every waiting transfer whose deadline is <= `now`."""
+        for tid in [t for t, (_, deadline) in self._tombstones.items() if now >= deadline]:
+            del self._tombstones[tid]
         due = [r for r in self._transfers.values() if r.deadline is not None and now >= r.deadline]
         return [self._end(record, TransferState.EXPIRED, FailReason.EXPIRED) for record in due]
 
     def next_deadline(self) -> float | None:
         """The earliest deadline, for the owner's wake-up timer; None when none is set."""
         deadlines = [r.deadline for r in self._transfers.values() if r.deadline is not None]
+        deadlines.extend(deadline for _, deadline in self._tombstones.values())
         return min(deadlines, default=None)
 
     # --- inspection ----------------------------------------------------------------------
@@ -329,7 +381,8 @@ class PushRegistry:
             return self._end(record, TransferState.FAILED, FailReason.LAYOUT_MISMATCH)
         record.state = TransferState.READY
         self._counters.matched += 1
-        return Ready(record.transfer_id, record.registration, record.block_ids)
+        assert record.request_id is not None
+        return Ready(record.transfer_id, record.registration, record.block_ids, record.request_id)
 
     def _end(
         self, record: _Transfer, state: TransferState, reason: FailReason | None = None
@@ -337,7 +390,7 @@ class PushRegistry:
         """Remove the record and say what to release; the one exit of every transfer."""
         del self._transfers[record.transfer_id]
         if record.abort_requested:
-            state, reason = TransferState.ABORTED, None
+            state, reason = TransferState.ABORTED, FailReason.ABORTED
         if state is TransferState.EXPIRED:
             if record.state is TransferState.AWAITING_PREFILL:
                 self._counters.expired_registrations += 1
@@ -349,9 +402,10 @@ class PushRegistry:
             self._counters.failed += 1
         else:
             self._counters.aborted += 1
-        # D hears of the end unless D itself ended it (abort).
-        notify = None if state is TransferState.ABORTED else record.registration
-        return Release(record.transfer_id, state, record.block_ids, notify, reason)
+        # D hears of every end of a transfer it registered, its own abort included: D
+        # frees its blocks only once P says nothing more will be written into them.
+        return Release(record.transfer_id, state, record.block_ids, record.registration,
+                       reason, record.request_id)
 
     @staticmethod
     def _require(record: _Transfer, *allowed: TransferState, event: str) -> None:

@@ -70,11 +70,16 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     side_channel_port: int | None = None
     tp_size: int | None = None
     transfer_modes: list[Mode] | None = None
+    # Our connector's push side channel on this P (its kv_connector_extra_config
+    # push_port); learned from P's answers when not given.
+    push_port: int | None = None
 
     def __post_init__(self) -> None:
         validate_url(self.url)
-        if self.side_channel_port is not None and not 0 < self.side_channel_port < 65536:
-            raise ValueError(f"side_channel_port out of range: {self.side_channel_port!r}")
+        for name in ("side_channel_port", "push_port"):
+            port = getattr(self, name)
+            if port is not None and not 0 < port < 65536:
+                raise ValueError(f"{name} out of range: {port!r}")
         if self.tp_size is not None and self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size!r}")
 

@@ -51,6 +51,8 @@ class Endpoint:
                 port=c.side_channel_port,
                 tp_size=learned.tp_size if learned else 1,
                 transfer_modes=learned.transfer_modes if learned else BOTH_MODES,
+                push_host=learned.push_host if learned else None,
+                push_port=learned.push_port if learned else None,
             )
         elif learned is not None:
             base = learned
@@ -59,6 +61,8 @@ class Endpoint:
         return msgspec.structs.replace(
             base,
             tp_size=c.tp_size or base.tp_size,
+            push_port=c.push_port or base.push_port,
+            push_host=base.push_host or (c.side_channel_host if c.push_port else None),
             transfer_modes=frozenset(c.transfer_modes) if c.transfer_modes else base.transfer_modes,
         )
 

@@ -224,6 +224,10 @@ class PrefillCoordinates(msgspec.Struct, frozen=True, kw_only=True):
     port: int
     tp_size: int = 1
     transfer_modes: frozenset[Mode] = frozenset({Mode.PULL})
+    # Our connector's push side channel (D registers its blocks there); None for stock
+    # vLLM connectors, whose push goes through NIXL notifications instead.
+    push_host: str | None = None
+    push_port: int | None = None
 
 
 class PullKVParams(msgspec.Struct, kw_only=True):
@@ -249,6 +253,8 @@ class PushDecodeKVParams(msgspec.Struct, kw_only=True, omit_defaults=False):
     do_remote_prefill: bool = True
     do_remote_decode: bool = False
     transfer_mode: str = "push"
+    push_host: str | None = None
+    push_port: int | None = None
 
     def __post_init__(self) -> None:
         if not self.remote_engine_id or not self.remote_host or not self.transfer_id:
@@ -314,9 +320,14 @@ def push_decode_body(
         tp_size=coordinates.tp_size,
         transfer_id=transfer_id,
         remote_request_id=request.route.request_id_prefix + request.request_id,
+        push_host=coordinates.push_host,
+        push_port=coordinates.push_port,
     )
     body = dict(request.body)
-    body["kv_transfer_params"] = msgspec.to_builtins(params)
+    kv_params = msgspec.to_builtins(params)
+    if coordinates.push_port is None:  # a stock P: no side channel of ours to name
+        del kv_params["push_host"], kv_params["push_port"]
+    body["kv_transfer_params"] = kv_params
     return body
 
 
@@ -333,12 +344,16 @@ def coordinates_from_answer(p_params: Any) -> PrefillCoordinates | None:
     if not isinstance(engine_id, str) or not isinstance(host, str) or not isinstance(port, int):
         return None
     tp_size = p_params.get("tp_size", 1)
+    push_host, push_port = p_params.get("push_host"), p_params.get("push_port")
+    has_push_channel = isinstance(push_port, int) and 0 < push_port < 65536
     return PrefillCoordinates(
         engine_id=engine_id,
         host=host,
         port=port,
         tp_size=tp_size if isinstance(tp_size, int) and tp_size > 0 else 1,
         transfer_modes=_modes_of(p_params),
+        push_host=push_host if has_push_channel and isinstance(push_host, str) else None,
+        push_port=push_port if has_push_channel else None,
     )
 
 

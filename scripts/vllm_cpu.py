@@ -42,7 +42,9 @@ from typing import Literal
 
 Role = Literal["prefill", "decode"]
 
-CONNECTORS = ("NixlConnector", "NixlPullConnector", "NixlPushConnector")
+# Ours first: it does pull and push per request (module `connector` of this project).
+DUAL_CONNECTOR = "NixlDualConnector"
+CONNECTORS = (DUAL_CONNECTOR, "NixlConnector", "NixlPullConnector", "NixlPushConnector")
 SERVED_MODEL_NAME = "tiny"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "tiny-model"
@@ -66,12 +68,17 @@ def free_port() -> int:
 
 
 def kv_transfer_config(connector: str, **extra_config: object) -> str:
-    """The `--kv-transfer-config` JSON for a stock NIXL connector on CPU."""
+    """The `--kv-transfer-config` JSON for a NIXL connector on CPU: vLLM's, or ours (which
+    also needs its module, a `push_port`, and recomputes a prompt whose push failed)."""
     config: dict[str, object] = {
         "kv_connector": connector,
         "kv_role": "kv_both",
         "kv_buffer_device": "cpu",
     }
+    if connector == DUAL_CONNECTOR:
+        config["kv_connector_module_path"] = "connector"
+        config["kv_load_failure_policy"] = "recompute"
+        extra_config.setdefault("push_port", free_port())
     if extra_config:
         config["kv_connector_extra_config"] = extra_config
     return json.dumps(config)

@@ -18,6 +18,8 @@ from connector.messages import (
     Message,
     Nack,
     NackReason,
+    Ping,
+    Pong,
     ProtocolError,
     PushDone,
     PushFailed,
@@ -31,7 +33,7 @@ TID = TransferId("t-1")
 
 REGISTER_FIELDS: dict[str, Any] = {
     "type": "register_blocks", "version": PROTOCOL_VERSION, "transfer_id": "t-1",
-    "engine_id": "d-engine", "tp_size": 2, "tp_rank": 1, "block_ids": [[0, 1, 2], [7]],
+    "engine_id": "d-engine", "request_id": "cmpl-d-1", "tp_size": 2, "tp_rank": 1, "block_ids": [[0, 1, 2], [7]],
     "block_size": 16, "host": "10.0.0.2", "port": 5601, "ttl_s": 30.0,
 }
 
@@ -48,7 +50,11 @@ ONE_OF_EACH: list[Message] = [
     Abort(transfer_id=TID),
     PushDone(transfer_id=TID),
     PushFailed(transfer_id=TID, reason=FailReason.WRITE_ERROR, message="nixl"),
+    Ping(),
+    Pong(),
 ]
+
+TRANSFER_MESSAGES: list[Message] = [m for m in ONE_OF_EACH if not isinstance(m, (Ping, Pong))]
 
 
 def raw(**fields: Any) -> bytes:
@@ -72,6 +78,51 @@ def test_every_message_round_trips_with_its_type_and_version_on_the_wire(
 
 def test_the_message_union_and_the_known_types_agree() -> None:
     assert MESSAGE_TYPES == {message.__struct_config__.tag for message in ONE_OF_EACH}
+    assert {"ping", "pong"} <= MESSAGE_TYPES
+
+
+@pytest.mark.parametrize("message", [Ping(), Pong()], ids=["ping", "pong"])
+def test_ping_and_pong_round_trip_and_carry_only_their_type_and_version(
+    message: Message,
+) -> None:
+    data = encode(message)
+    assert msgspec.msgpack.decode(data) == {
+        "type": message.__struct_config__.tag, "version": PROTOCOL_VERSION}
+    decoded = decode(data)
+    assert decoded == message and type(decoded) is type(message)
+    assert not hasattr(decoded, "transfer_id"), "liveness names no transfer"
+
+
+@pytest.mark.parametrize("kind", ["ping", "pong"])
+def test_a_ping_or_pong_of_another_version_is_refused(kind: str) -> None:
+    data = msgspec.msgpack.encode({"type": kind, "version": PROTOCOL_VERSION + 1})
+    with pytest.raises(ProtocolError, match=f"received a '{kind}' message of version"):
+        decode(data)
+
+
+@pytest.mark.parametrize("message", TRANSFER_MESSAGES,
+                         ids=lambda m: str(m.__struct_config__.tag))
+def test_every_transfer_message_refuses_an_empty_transfer_id(message: Message) -> None:
+    values = {**msgspec.structs.asdict(message), "transfer_id": ""}
+    with pytest.raises(ProtocolError, match="transfer_id must be a non-empty string"):
+        type(message)(**values)
+
+
+@pytest.mark.parametrize("message", [
+    *(PushFailed(transfer_id=TID, reason=reason) for reason in FailReason),
+    *(Nack(transfer_id=TID, reason=reason) for reason in NackReason),
+], ids=lambda m: f"{m.__struct_config__.tag}-{m.reason.value}")
+def test_every_reason_round_trips(message: Message) -> None:
+    assert decode(encode(message)) == message
+
+
+def test_the_abort_reasons_are_on_the_wire_as_their_names() -> None:
+    assert FailReason.ABORTED.value == "aborted"
+    assert FailReason.PREFILL_ABORTED.value == "prefill_aborted"
+    assert NackReason.PREFILL_ABORTED.value == "prefill_aborted"
+    on_wire = msgspec.msgpack.decode(encode(
+        Nack(transfer_id=TID, reason=NackReason.PREFILL_ABORTED)))
+    assert on_wire["reason"] == "prefill_aborted"
 
 
 def test_a_peers_plain_map_decodes_and_ints_are_accepted_for_float_fields() -> None:
@@ -117,6 +168,7 @@ def test_another_version_is_refused_even_when_its_body_would_not_parse() -> None
 INVALID_REGISTER_FIELDS = [
     pytest.param({"transfer_id": ""}, "transfer_id", id="empty-transfer-id"),
     pytest.param({"engine_id": ""}, "engine_id", id="empty-engine-id"),
+    pytest.param({"request_id": ""}, "request_id", id="empty-request-id"),
     pytest.param({"host": ""}, "host", id="empty-host"),
     pytest.param({"tp_size": 0}, "tp_size", id="tp-size-0"),
     pytest.param({"tp_rank": -1}, "tp_rank", id="negative-rank"),
@@ -154,6 +206,8 @@ def test_each_invalid_field_is_refused_when_built_here_too(
     pytest.param(raw(block_ids=[["a"]]), id="block-id-is-a-string"),
     pytest.param(raw(block_ids=[1, 2]), id="block-ids-not-grouped"),
     pytest.param(raw(engine_id=...), id="missing-engine-id"),
+    pytest.param(raw(request_id=...), id="missing-request-id"),
+    pytest.param(raw(request_id=7), id="request-id-is-an-int"),
     pytest.param(raw(tp_rank=True), id="bool-for-int"),
     pytest.param(msgspec.msgpack.encode({"type": "nack", "version": 1, "transfer_id": "t",
                                          "reason": "bored"}), id="unknown-nack-reason"),

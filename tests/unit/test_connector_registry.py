@@ -1,5 +1,5 @@
 """P's push registry: matching in either order, exact ids, duplicates, deadlines, aborts,
-WRITE results, and that every path leaves nothing behind."""
+tombstones, WRITE results, and that every path leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from connector.registry import (
 )
 
 T1 = TransferId("t-1")
+P_REQ = "p-req-1"  # P's request holding P_BLOCKS
 P_BLOCKS = [[10, 11, 12], [20]]
 D_BLOCKS = [[0, 1, 2], [5]]
 REG_TTL, UNCLAIMED_TTL = 60.0, 20.0
@@ -37,17 +38,25 @@ def registry(**overrides: Any) -> PushRegistry:
 
 
 def reg(transfer_id: str = T1, **overrides: Any) -> RegisterBlocks:
-    fields = {"transfer_id": transfer_id, "engine_id": "d", "tp_size": 2, "tp_rank": 1,
+    fields = {"transfer_id": transfer_id, "engine_id": "d", "request_id": "d-req",
+              "tp_size": 2, "tp_rank": 1,
               "block_ids": D_BLOCKS, "block_size": 16, "host": "10.0.0.2", "port": 5601,
               "ttl_s": 300.0, **overrides}
     return RegisterBlocks(**fields)
 
 
 def assert_empty(r: PushRegistry) -> None:
-    """Nothing leaked: no live record, every state count back to zero."""
+    """Nothing leaked: no live record, every state count back to zero, no deadline left
+    (a tombstone's included)."""
     snapshot = r.snapshot()
     assert len(r) == 0 and snapshot.live == 0
     assert snapshot.by_state == dict.fromkeys(LIVE_STATES, 0)
+    assert r.next_deadline() is None
+
+
+def finish(r: PushRegistry, transfer_id: str = T1, *, now: float = 0.0,
+           blocks: list[list[int]] = P_BLOCKS, request_id: str = P_REQ) -> Any:
+    return r.prefill_finished(TransferId(transfer_id), blocks, request_id=request_id, now=now)
 
 
 def counters(**nonzero: int) -> RegistryCounters:
@@ -62,12 +71,12 @@ def to_awaiting_prefill(r: PushRegistry) -> None:
 
 
 def to_awaiting_registration(r: PushRegistry) -> None:
-    assert r.prefill_finished(T1, P_BLOCKS, now=0.0) == Waiting(T1, S.AWAITING_REGISTRATION)
+    assert finish(r) == Waiting(T1, S.AWAITING_REGISTRATION)
 
 
 def to_ready(r: PushRegistry) -> None:
     to_awaiting_prefill(r)
-    assert r.prefill_finished(T1, P_BLOCKS, now=1.0) == Ready(T1, reg(), P_BLOCKS)
+    assert finish(r, now=1.0) == Ready(T1, reg(), P_BLOCKS, P_REQ)
 
 
 def to_writing(r: PushRegistry) -> None:
@@ -91,16 +100,16 @@ def test_a_registration_and_a_finished_prefill_match_in_either_order(d_first: bo
     r = registry()
     if d_first:
         first = r.register(reg(), now=0.0)
-        second = r.prefill_finished(T1, P_BLOCKS, now=1.0)
+        second = finish(r, now=1.0)
     else:
-        first = r.prefill_finished(T1, P_BLOCKS, now=0.0)
+        first = finish(r, now=0.0)
         second = r.register(reg(), now=1.0)
     waiting = S.AWAITING_PREFILL if d_first else S.AWAITING_REGISTRATION
     assert first == Waiting(T1, waiting)
-    assert second == Ready(T1, reg(), P_BLOCKS)
+    assert second == Ready(T1, reg(), P_BLOCKS, P_REQ)
     assert r.state_of(T1) is S.READY and r.next_deadline() is None
     assert r.write_started(T1) is True
-    assert r.write_done(T1) == Release(T1, S.DONE, P_BLOCKS, notify=reg())
+    assert r.write_done(T1) == Release(T1, S.DONE, P_BLOCKS, notify=reg(), request_id=P_REQ)
     assert_empty(r)
     assert r.snapshot().counters == counters(registered=1, prefills=1, matched=1, done=1)
 
@@ -109,8 +118,7 @@ def test_a_registration_and_a_finished_prefill_match_in_either_order(d_first: bo
 def test_only_the_exact_transfer_id_matches(other: str) -> None:
     r = registry()
     to_awaiting_prefill(r)
-    assert r.prefill_finished(TransferId(other), P_BLOCKS, now=0.0) == Waiting(
-        TransferId(other), S.AWAITING_REGISTRATION)
+    assert finish(r, other) == Waiting(TransferId(other), S.AWAITING_REGISTRATION)
     assert r.snapshot().by_state[S.AWAITING_PREFILL] == 1
     assert r.snapshot().by_state[S.AWAITING_REGISTRATION] == 1
     assert r.snapshot().counters.matched == 0
@@ -122,12 +130,12 @@ def test_a_match_with_another_number_of_kv_groups_fails_and_tells_d(d_first: boo
     one_group = reg(block_ids=[[0, 1, 2]])
     if d_first:
         r.register(one_group, now=0.0)
-        outcome = r.prefill_finished(T1, P_BLOCKS, now=0.0)
+        outcome = finish(r)
     else:
-        r.prefill_finished(T1, P_BLOCKS, now=0.0)
+        finish(r)
         outcome = r.register(one_group, now=0.0)
     assert outcome == Release(T1, S.FAILED, P_BLOCKS, notify=one_group,
-                              reason=FailReason.LAYOUT_MISMATCH)
+                              reason=FailReason.LAYOUT_MISMATCH, request_id=P_REQ)
     assert_empty(r)
     assert r.snapshot().counters.failed == 1
 
@@ -151,9 +159,9 @@ def test_a_second_finished_prefill_is_a_duplicate_whose_blocks_come_back(
 ) -> None:
     r = registry()
     STATES[state](r)
-    assert r.prefill_finished(T1, [[99]], now=2.0) == Rejected(
+    assert finish(r, now=2.0, blocks=[[99]], request_id="p-req-2") == Rejected(
         T1, NackReason.DUPLICATE, f"prefill for transfer {T1!r} already finished; these "
-        "blocks are not kept", block_ids=[[99]])
+        "blocks are not kept", block_ids=[[99]], request_id="p-req-2")
     assert r.state_of(T1) is state and r.snapshot().counters.duplicates == 1
 
 
@@ -175,6 +183,7 @@ def test_an_incompatible_registration_is_refused_with_both_values(
     assert isinstance(outcome, Rejected) and outcome.reason is reason
     assert named in outcome.message
     assert outcome.block_ids == (P_BLOCKS if p_finished else None)
+    assert outcome.request_id == (P_REQ if p_finished else None)
     assert_empty(r)
     assert r.snapshot().counters.rejected == 1 and r.snapshot().counters.registered == 0
 
@@ -203,12 +212,12 @@ def test_a_registration_expires_at_its_deadline_and_not_before(
 
 def test_an_unclaimed_prefill_expires_at_its_deadline_and_frees_ps_blocks() -> None:
     r = registry()
-    r.prefill_finished(T1, P_BLOCKS, now=100.0)
+    finish(r, now=100.0)
     deadline = 100.0 + UNCLAIMED_TTL
     assert r.next_deadline() == deadline
     assert r.expire(deadline - 1e-6) == []
     assert r.expire(deadline) == [Release(T1, S.EXPIRED, P_BLOCKS, notify=None,
-                                          reason=FailReason.EXPIRED)]
+                                          reason=FailReason.EXPIRED, request_id=P_REQ)]
     assert_empty(r)
     assert r.snapshot().counters == counters(prefills=1, expired_unclaimed=1)
 
@@ -216,7 +225,7 @@ def test_an_unclaimed_prefill_expires_at_its_deadline_and_frees_ps_blocks() -> N
 def test_expiry_ends_only_the_transfers_that_are_due() -> None:
     r = registry()
     r.register(reg("early"), now=0.0)  # due at REG_TTL
-    r.prefill_finished(TransferId("late"), P_BLOCKS, now=REG_TTL)  # due at REG_TTL + 20
+    finish(r, "late", now=REG_TTL)  # due at REG_TTL + 20
     to_writing(r)  # T1: no deadline while writing
     assert [x.transfer_id for x in r.expire(REG_TTL)] == ["early"]
     assert r.next_deadline() == REG_TTL + UNCLAIMED_TTL
@@ -227,17 +236,19 @@ def test_expiry_ends_only_the_transfers_that_are_due() -> None:
 # --- aborts and WRITE results ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("state", "freed"), [
-    pytest.param(S.AWAITING_PREFILL, None, id="awaiting-prefill"),
-    pytest.param(S.AWAITING_REGISTRATION, P_BLOCKS, id="awaiting-registration"),
-    pytest.param(S.READY, P_BLOCKS, id="ready"),
+@pytest.mark.parametrize(("state", "freed", "notify", "request_id"), [
+    pytest.param(S.AWAITING_PREFILL, None, reg(), None, id="awaiting-prefill"),
+    pytest.param(S.AWAITING_REGISTRATION, P_BLOCKS, None, P_REQ, id="awaiting-registration"),
+    pytest.param(S.READY, P_BLOCKS, reg(), P_REQ, id="ready"),
 ])
-def test_an_abort_frees_exactly_the_blocks_held(
-    state: TransferState, freed: list[list[int]] | None
+def test_an_abort_frees_exactly_the_blocks_held_and_answers_a_registered_d(
+    state: TransferState, freed: list[list[int]] | None, notify: RegisterBlocks | None,
+    request_id: str | None,
 ) -> None:
     r = registry()
     STATES[state](r)
-    assert r.abort(T1) == Release(T1, S.ABORTED, freed, notify=None)
+    assert r.abort(T1, now=2.0) == Release(T1, S.ABORTED, freed, notify=notify,
+                                           reason=FailReason.ABORTED, request_id=request_id)
     assert_empty(r)
     assert r.snapshot().counters.aborted == 1
     assert r.write_started(T1) is False, "an aborted transfer is not written"
@@ -247,23 +258,139 @@ def test_an_abort_frees_exactly_the_blocks_held(
     pytest.param(lambda r: r.write_done(T1), id="write-done"),
     pytest.param(lambda r: r.write_failed(T1, FailReason.WRITE_ERROR), id="write-failed"),
 ])
-def test_an_abort_during_a_write_frees_when_the_write_ends_and_tells_no_one(
+def test_an_abort_during_a_write_frees_when_the_write_ends_and_answers_d_aborted(
     write_ends: Callable[[PushRegistry], Release | None],
 ) -> None:
     r = registry()
     to_writing(r)
-    assert r.abort(T1) is None, "P's blocks are still being read: not freed yet"
+    assert r.abort(T1, now=2.0) is None, "P's blocks are still being read: not freed yet"
     assert r.state_of(T1) is S.WRITING
-    assert write_ends(r) == Release(T1, S.ABORTED, P_BLOCKS, notify=None)
+    assert r.next_deadline() is None, "no tombstone for a known transfer"
+    assert write_ends(r) == Release(T1, S.ABORTED, P_BLOCKS, notify=reg(),
+                                    reason=FailReason.ABORTED, request_id=P_REQ)
     assert_empty(r)
-    assert r.snapshot().counters.aborted == 1 and r.snapshot().counters.done == 0
+    c = r.snapshot().counters
+    assert (c.aborted, c.done, c.failed) == (1, 0, 0)
 
 
-def test_an_abort_for_an_unknown_transfer_does_nothing() -> None:
+# --- tombstones: an end that comes before its transfer is known ------------------------------
+
+
+def test_an_abort_for_an_unknown_transfer_returns_nothing_and_leaves_only_a_tombstone() -> None:
     r = registry()
-    assert r.abort(T1) is None
-    assert_empty(r)
+    assert r.abort(T1, now=5.0) is None
+    assert len(r) == 0 and r.snapshot().live == 0
+    assert r.next_deadline() == 5.0 + UNCLAIMED_TTL
     assert r.snapshot().counters == counters()
+
+
+@pytest.mark.parametrize("late", [0.0, UNCLAIMED_TTL - 1e-6], ids=["at-once", "just-in-time"])
+def test_an_abort_before_the_prefill_frees_the_late_prefill_at_once(late: float) -> None:
+    r = registry()
+    r.abort(T1, now=10.0)
+    assert finish(r, now=10.0 + late) == Release(T1, S.ABORTED, P_BLOCKS, notify=None,
+                                                 reason=None, request_id=P_REQ)
+    assert_empty(r)
+    assert r.snapshot().counters == counters(prefills=1, aborted=1)
+    assert finish(r, now=11.0 + late) == Waiting(T1, S.AWAITING_REGISTRATION), (
+        "the tombstone is used up")
+
+
+def test_an_abort_tombstone_frees_only_its_own_transfer() -> None:
+    r = registry()
+    r.abort(T1, now=0.0)
+    assert finish(r, "t-2") == Waiting(TransferId("t-2"), S.AWAITING_REGISTRATION)
+    assert finish(r, T1) == Release(T1, S.ABORTED, P_BLOCKS, request_id=P_REQ)
+    assert r.state_of(TransferId("t-2")) is S.AWAITING_REGISTRATION
+
+
+def test_a_prefill_aborted_tells_a_waiting_d_at_once() -> None:
+    r = registry()
+    to_awaiting_prefill(r)
+    assert r.prefill_aborted(T1, now=3.0) == Release(
+        T1, S.FAILED, None, notify=reg(), reason=FailReason.PREFILL_ABORTED, request_id=None)
+    assert_empty(r)
+    assert r.snapshot().counters == counters(registered=1, failed=1)
+    assert r.expire(1e9) == [], "nothing is left to expire"
+
+
+@pytest.mark.parametrize("state", [S.AWAITING_REGISTRATION, S.READY, S.WRITING])
+def test_a_prefill_aborted_after_its_prefill_finished_changes_nothing(
+    state: TransferState,
+) -> None:
+    r = registry()
+    STATES[state](r)
+    before = r.snapshot()
+    assert r.prefill_aborted(T1, now=3.0) is None
+    assert r.state_of(T1) is state and r.snapshot() == before
+
+
+@pytest.mark.parametrize("late", [0.0, UNCLAIMED_TTL - 1e-6], ids=["at-once", "just-in-time"])
+def test_a_prefill_aborted_before_registration_refuses_the_later_registration(
+    late: float,
+) -> None:
+    r = registry()
+    assert r.prefill_aborted(T1, now=10.0) is None
+    assert len(r) == 0 and r.next_deadline() == 10.0 + UNCLAIMED_TTL
+    outcome = r.register(reg(), now=10.0 + late)
+    assert isinstance(outcome, Rejected)
+    assert outcome == Rejected(T1, NackReason.PREFILL_ABORTED, outcome.message)
+    assert T1 in outcome.message and "without its KV" in outcome.message
+    assert_empty(r)
+    assert r.snapshot().counters == counters(rejected=1)
+    assert r.register(reg(), now=11.0 + late) == Waiting(T1, S.AWAITING_PREFILL), (
+        "the tombstone is used up")
+
+
+def test_a_prefill_aborted_tombstone_wins_over_a_layout_refusal() -> None:
+    r = registry()
+    r.prefill_aborted(T1, now=0.0)
+    outcome = r.register(reg(block_size=32), now=0.0)
+    assert isinstance(outcome, Rejected) and outcome.reason is NackReason.PREFILL_ABORTED
+    assert r.snapshot().counters == counters(rejected=1)
+
+
+# Each tombstone's cause, and the event it would change: (leave it, then the event).
+TOMBSTONES = [
+    pytest.param(lambda r, now: r.abort(T1, now=now),
+                 lambda r, now: finish(r, now=now),
+                 Waiting(T1, S.AWAITING_REGISTRATION), id="abort-then-prefill"),
+    pytest.param(lambda r, now: r.prefill_aborted(T1, now=now),
+                 lambda r, now: r.register(reg(), now=now),
+                 Waiting(T1, S.AWAITING_PREFILL), id="prefill-aborted-then-register"),
+]
+
+
+@pytest.mark.parametrize(("leave", "event", "normal"), TOMBSTONES)
+def test_a_tombstone_expires_after_unclaimed_ttl_and_a_later_event_is_normal(
+    leave: Callable[[PushRegistry, float], object],
+    event: Callable[[PushRegistry, float], object], normal: Waiting,
+) -> None:
+    r = registry()
+    assert leave(r, 100.0) is None
+    deadline = 100.0 + UNCLAIMED_TTL
+    assert r.expire(deadline - 1e-6) == []
+    assert r.next_deadline() == deadline, "not purged before its deadline"
+    assert r.expire(deadline) == [], "a tombstone ends no transfer"
+    assert r.next_deadline() is None, "purged at its deadline"
+    assert event(r, deadline + 1.0) == normal
+    c = r.snapshot().counters
+    assert (c.aborted, c.rejected) == (0, 0)
+
+
+@pytest.mark.parametrize("leave", [p.values[0] for p in TOMBSTONES],
+                         ids=[p.id for p in TOMBSTONES])
+def test_next_deadline_includes_a_tombstone(
+    leave: Callable[[PushRegistry, float], object],
+) -> None:
+    r = registry()
+    r.register(reg("later"), now=50.0)  # due at 50 + REG_TTL = 110
+    assert r.next_deadline() == 50.0 + REG_TTL
+    leave(r, 10.0)  # due at 10 + UNCLAIMED_TTL = 30: the earliest
+    assert r.next_deadline() == 10.0 + UNCLAIMED_TTL
+    assert r.expire(10.0 + UNCLAIMED_TTL) == []
+    assert r.next_deadline() == 50.0 + REG_TTL
+    assert r.state_of(TransferId("later")) is S.AWAITING_PREFILL
 
 
 @pytest.mark.parametrize("state", [S.READY, S.WRITING])
@@ -271,7 +398,8 @@ def test_a_failed_or_never_started_write_frees_and_tells_d(state: TransferState)
     r = registry()
     STATES[state](r)
     assert r.write_failed(T1, FailReason.HANDSHAKE_ERROR) == Release(
-        T1, S.FAILED, P_BLOCKS, notify=reg(), reason=FailReason.HANDSHAKE_ERROR)
+        T1, S.FAILED, P_BLOCKS, notify=reg(), reason=FailReason.HANDSHAKE_ERROR,
+        request_id=P_REQ)
     assert_empty(r)
     assert r.snapshot().counters.failed == 1
     assert r.write_failed(T1, FailReason.WRITE_ERROR) is None, "already gone"
@@ -319,15 +447,17 @@ def test_many_transfers_on_every_path_leave_nothing_behind() -> None:
     for i in range(50):
         tid = TransferId(f"t{i}")
         r.register(reg(tid), now=0.0)
-        r.prefill_finished(tid, P_BLOCKS, now=0.0)
+        finish(r, tid, request_id=f"p{i}")
         r.write_started(tid)
         if i % 2:
             r.write_done(tid)
         else:
             r.write_failed(tid, FailReason.WRITE_ERROR)
-        r.prefill_finished(TransferId(f"u{i}"), P_BLOCKS, now=0.0)
+        finish(r, f"u{i}", request_id=f"q{i}")
         r.register(reg(f"v{i}"), now=0.0)
-    r.abort(TransferId("u0"))
+    r.abort(TransferId("u0"), now=0.0)
+    r.abort(TransferId("w0"), now=0.0)  # unknown: a tombstone, purged by expire
+    r.prefill_aborted(TransferId("x0"), now=0.0)  # unknown: a tombstone too
     r.expire(1e9)
     assert_empty(r)
     c = r.snapshot().counters

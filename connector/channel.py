@@ -1,0 +1,590 @@
+"""The push side channel: ZMQ between D's scheduler and P's scheduler, one thread each.
+
+P runs a `PrefillChannel`: a ROUTER socket on its push port and a thread that owns P's
+`PushRegistry`. D's registrations, aborts and pings arrive on the socket; P's engine
+reports finished prefills and WRITE results through `PrefillChannel`'s methods (a queue
+and a wake-up pipe, never a lock). What the engine must do next, start a WRITE or free a
+prefill's blocks, comes back from `take_actions`, which the engine calls every step.
+
+D runs a `DecodeChannel`: one DEALER socket per P (identity: D's engine id, so P's
+answers find their way back) and a thread that sends registrations, aborts and pings and
+watches the answers and the deadlines. D's engine learns which pushes failed from
+`take_failures` (it then recomputes those prompts, or frees the blocks of an aborted
+request); a push that succeeds is known to D's workers from the WRITE's own NIXL
+notification, and D's engine then calls `forget`.
+
+ZMQ sockets are used only by the channel's thread. Every wait is bounded: the thread
+wakes at the earliest deadline it holds, or at least every `_MAX_SLEEP_S`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from connector.messages import (
+    Abort,
+    Ack,
+    EngineId,
+    FailReason,
+    Message,
+    Nack,
+    Ping,
+    Pong,
+    ProtocolError,
+    PushDone,
+    PushFailed,
+    RegisterBlocks,
+    TransferId,
+    decode,
+    encode,
+)
+from connector.registry import (
+    BlockIds,
+    PushRegistry,
+    Ready,
+    Rejected,
+    Release,
+    RequestId,
+    TransferState,
+    Waiting,
+)
+
+logger = logging.getLogger("vllm.pd_connector.channel")
+
+_MAX_SLEEP_S = 1.0
+_JOIN_TIMEOUT_S = 5.0
+
+
+class _Wakeup:
+    """A pipe any thread may write a byte to, to wake the channel thread's poll."""
+
+    def __init__(self) -> None:
+        self.read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self._write_fd, False)
+
+    def set(self) -> None:
+        try:
+            os.write(self._write_fd, b"x")
+        except BlockingIOError:
+            pass  # the pipe is full: a wake-up is already pending
+
+    def clear(self) -> None:
+        try:
+            while os.read(self.read_fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        os.close(self.read_fd)
+        os.close(self._write_fd)
+
+
+class _ChannelThread:
+    """Start/stop of one owned thread that polls its sockets and the wake-up pipe."""
+
+    name = "pd-push-channel"
+
+    def __init__(self) -> None:
+        self._wakeup = _Wakeup()
+        self._events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._context = zmq.Context()
+        # Events posted (by the engine thread) and handled (by the channel thread): each
+        # counter has one writer, so unequal counts safely mean "work not yet seen".
+        self._posted = 0
+        self._handled = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run_logged, name=self.name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        if self._thread is not None:
+            self._thread.join(_JOIN_TIMEOUT_S)
+            if self._thread.is_alive():
+                logger.warning("%s thread did not stop within %.0f s", self.name, _JOIN_TIMEOUT_S)
+            self._thread = None
+        self._context.term()
+        self._wakeup.close()
+
+    def _post(self, *event: Any) -> None:
+        """From any thread: hand the channel thread an event and wake it."""
+        self._posted += 1
+        self._events.put(event)
+        self._wakeup.set()
+
+    def _events_pending(self) -> bool:
+        return self._posted != self._handled
+
+    def _run_logged(self) -> None:
+        try:
+            self._run()
+        except Exception:
+            logger.exception("%s thread died; pushes through this server now fail", self.name)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _poll(self, poller: zmq.Poller, deadline: float | None) -> dict[Any, int]:
+        sleep = _MAX_SLEEP_S if deadline is None else deadline - time.monotonic()
+        timeout_ms = int(max(0.0, min(_MAX_SLEEP_S, sleep)) * 1000)
+        ready = dict(poller.poll(timeout_ms))
+        if self._wakeup.read_fd in ready:
+            self._wakeup.clear()
+        return ready
+
+    def _drain_events(self) -> list[tuple[Any, ...]]:
+        events = []
+        while True:
+            try:
+                events.append(self._events.get_nowait())
+            except queue.Empty:
+                return events
+
+
+# --- P -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StartWrite:
+    """P's engine: WRITE `block_ids` (P's, held by P's `request_id`) into D's blocks."""
+
+    transfer_id: TransferId
+    request_id: RequestId
+    block_ids: BlockIds
+    registration: RegisterBlocks
+
+
+@dataclass(frozen=True, slots=True)
+class FreeBlocks:
+    """P's engine: free the blocks P's `request_id` holds; no WRITE will read them."""
+
+    transfer_id: TransferId
+    request_id: RequestId
+    why: str
+
+
+PrefillAction = StartWrite | FreeBlocks
+
+
+class PrefillChannel(_ChannelThread):
+    """P's side channel: the ROUTER socket, the registry, and the engine's two queues."""
+
+    name = "pd-push-prefill"
+
+    def __init__(self, registry: PushRegistry, bind_host: str, port: int) -> None:
+        super().__init__()
+        self.registry = registry
+        self.address = f"tcp://{bind_host}:{port}"
+        self._actions: queue.SimpleQueue[PrefillAction] = queue.SimpleQueue()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        try:
+            self._socket.bind(self.address)
+        except zmq.ZMQError as exc:
+            self._socket.close()
+            self._context.term()
+            raise OSError(
+                f"cannot listen for push registrations on {self.address}: {exc}; choose "
+                "another kv_connector_extra_config.push_port"
+            ) from exc
+        # Written by the channel thread, read by the engine thread (has_pending_work).
+        self.live_transfers = 0
+
+    # --- engine thread -----------------------------------------------------------------
+
+    def prefill_finished(self, transfer_id: TransferId, request_id: RequestId,
+                         block_ids: BlockIds) -> None:
+        self._post("finished", transfer_id, request_id, block_ids)
+
+    def prefill_aborted(self, transfer_id: TransferId) -> None:
+        self._post("aborted", transfer_id)
+
+    def write_ended(self, transfer_id: TransferId, error: str | None) -> None:
+        self._post("written", transfer_id, error)
+
+    def take_actions(self) -> list[PrefillAction]:
+        actions = []
+        while True:
+            try:
+                actions.append(self._actions.get_nowait())
+            except queue.Empty:
+                return actions
+
+    def has_pending_work(self) -> bool:
+        """True while a transfer is alive or an event is unhandled: P's engine must keep
+        stepping, or it would sleep through the action that ends the transfer."""
+        return self._events_pending() or self.live_transfers > 0 or not self._actions.empty()
+
+    # --- channel thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wakeup.read_fd, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                ready = self._poll(poller, self.registry.next_deadline())
+                if self._socket in ready:
+                    self._read_socket()
+                events = self._drain_events()
+                for event in events:
+                    self._on_engine_event(*event)
+                for release in self.registry.expire(time.monotonic()):
+                    self._released(release)
+                self.live_transfers = len(self.registry)
+                self._handled += len(events)  # after live_transfers: see has_pending_work
+        finally:
+            self._socket.close()
+
+    def _read_socket(self) -> None:
+        while True:
+            try:
+                identity, payload = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except ValueError:
+                continue  # not [identity, payload]: not one of ours
+            try:
+                message = decode(payload)
+            except ProtocolError as exc:
+                logger.warning("push side channel: refused a message from %r: %s",
+                               identity, exc)
+                continue
+            self._on_message(identity, message)
+
+    def _on_message(self, identity: bytes, message: Message) -> None:
+        now = time.monotonic()
+        if isinstance(message, Ping):
+            self._send(identity, Pong())
+        elif isinstance(message, RegisterBlocks):
+            self._on_outcome(self.registry.register(message, now=now), registration=message)
+        elif isinstance(message, Abort):
+            tid = message.transfer_id
+            release = self.registry.abort(tid, now=now)
+            if release is not None:
+                self._released(release)
+            elif self.registry.state_of(tid) is None:
+                # Nothing here (yet) for this transfer: nothing will be written into D's
+                # blocks, so D may free them now.
+                self._send(identity, PushFailed(transfer_id=tid, reason=FailReason.ABORTED))
+            logger.info("push %s: D aborted", tid)
+        else:
+            logger.warning("push side channel: unexpected %s from %r",
+                           type(message).__name__, identity)
+
+    def _on_engine_event(self, kind: str, transfer_id: TransferId, *args: Any) -> None:
+        now = time.monotonic()
+        if kind == "finished":
+            request_id, block_ids = args
+            outcome = self.registry.prefill_finished(
+                transfer_id, block_ids, request_id=request_id, now=now)
+            self._on_outcome(outcome, registration=None)
+        elif kind == "aborted":
+            release = self.registry.prefill_aborted(transfer_id, now=now)
+            if release is not None:
+                self._released(release)
+        elif kind == "written":
+            (error,) = args
+            if self.registry.state_of(transfer_id) is not TransferState.WRITING:
+                return  # gone already (cannot happen: a WRITING transfer has no deadline)
+            if error is None:
+                self._released(self.registry.write_done(transfer_id), freed_by_engine=True)
+            else:
+                release = self.registry.write_failed(transfer_id, FailReason.WRITE_ERROR)
+                if release is not None:
+                    self._released(release, freed_by_engine=True, message=error)
+
+    def _on_outcome(self, outcome: Any, registration: RegisterBlocks | None) -> None:
+        """Act on what the registry said about a registration or a finished prefill."""
+        if registration is not None and isinstance(outcome, (Waiting, Ready)):
+            config = self.registry.config
+            self._send(registration.engine_id.encode(), Ack(
+                transfer_id=registration.transfer_id, engine_id=config.engine_id,
+                block_size=config.block_size, tp_size=config.tp_size))
+        if isinstance(outcome, Ready):
+            self.registry.write_started(outcome.transfer_id)
+            self._actions.put(StartWrite(outcome.transfer_id, outcome.request_id,
+                                         outcome.block_ids, outcome.registration))
+            logger.debug("push %s: matched, WRITE requested", outcome.transfer_id)
+        elif isinstance(outcome, Rejected):
+            logger.warning("push %s refused: %s", outcome.transfer_id, outcome.message)
+            if registration is not None:
+                self._send(registration.engine_id.encode(), Nack(
+                    transfer_id=outcome.transfer_id, reason=outcome.reason,
+                    message=outcome.message))
+            if outcome.request_id is not None:
+                self._actions.put(FreeBlocks(outcome.transfer_id, outcome.request_id,
+                                             outcome.reason.value))
+        elif isinstance(outcome, Release):
+            self._released(outcome)
+
+    def _released(self, release: Release, *, freed_by_engine: bool = False,
+                  message: str = "") -> None:
+        """A transfer ended: free P's blocks (unless the engine's WRITE path did) and
+        tell D, if D registered."""
+        if release.request_id is not None and release.block_ids is not None \
+                and not freed_by_engine:
+            self._actions.put(FreeBlocks(release.transfer_id, release.request_id,
+                                         release.state.value))
+        if release.notify is not None:
+            to = release.notify.engine_id.encode()
+            if release.state is TransferState.DONE:
+                self._send(to, PushDone(transfer_id=release.transfer_id))
+            else:
+                reason = release.reason or FailReason.WRITE_ERROR
+                self._send(to, PushFailed(transfer_id=release.transfer_id, reason=reason,
+                                          message=message))
+        level = logging.DEBUG if release.state is TransferState.DONE else logging.INFO
+        logger.log(level, "push %s ended: %s%s", release.transfer_id, release.state.value,
+                   f" ({release.reason.value})" if release.reason else "")
+
+    def _send(self, identity: bytes, message: Message) -> None:
+        try:
+            self._socket.send_multipart([identity, encode(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.warning("push side channel: could not send %s to %r: %s",
+                           type(message).__name__, identity, exc)
+
+
+# --- D -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PushFailure:
+    """D's engine: the push for D's `request_id` will not arrive (`why`)."""
+
+    request_id: str
+    transfer_id: TransferId
+    why: str
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One push D waits for."""
+
+    registration: RegisterBlocks
+    peer: str  # P's push side channel, tcp://host:port
+    deadline: float  # no Ack by then (or no answer to our Abort): give up
+    acked: bool = False
+    aborting: bool = False
+
+
+@dataclass(slots=True)
+class _Peer:
+    socket: zmq.Socket[Any]
+    last_heard: float
+    last_ping: float = 0.0
+    transfers: set[TransferId] = field(default_factory=set)
+
+
+class DecodeChannel(_ChannelThread):
+    """D's side channel: a socket per P, the pushes D waits for, and their deadlines."""
+
+    name = "pd-push-decode"
+
+    def __init__(self, engine_id: EngineId, *, ack_timeout: float, ping_interval: float,
+                 peer_timeout: float, registration_ttl: float) -> None:
+        super().__init__()
+        self.engine_id = engine_id
+        self.ack_timeout = ack_timeout
+        self.ping_interval = ping_interval
+        self.peer_timeout = peer_timeout
+        self.registration_ttl = registration_ttl
+        self._failures: queue.SimpleQueue[PushFailure] = queue.SimpleQueue()
+        # Owned by the channel thread:
+        self._pending: dict[TransferId, _Pending] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._poller = zmq.Poller()
+        # Written by the channel thread, read by the engine thread (has_pending_work).
+        self.waiting = 0
+
+    # --- engine thread -----------------------------------------------------------------
+
+    def register(self, peer: str, registration: RegisterBlocks) -> None:
+        self._post("register", peer, registration)
+
+    def abort(self, transfer_id: TransferId, peer: str | None = None) -> None:
+        """D's request is gone: tell P, and report the push failed (so D frees its
+        blocks) once P says nothing more will be written, or P cannot be reached.
+
+        With `peer`, for a transfer D never registered: only tell that P (so it frees
+        what it holds at once), and wait for nothing."""
+        self._post("abort", transfer_id, peer)
+
+    def forget(self, transfer_id: TransferId) -> None:
+        """The push arrived (D's workers saw the WRITE's notification)."""
+        self._post("forget", transfer_id)
+
+    def take_failures(self) -> list[PushFailure]:
+        failures = []
+        while True:
+            try:
+                failures.append(self._failures.get_nowait())
+            except queue.Empty:
+                return failures
+
+    def has_pending_work(self) -> bool:
+        return self._events_pending() or self.waiting > 0 or not self._failures.empty()
+
+    # --- channel thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._poller.register(self._wakeup.read_fd, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                ready = self._poll(self._poller, self._next_deadline())
+                events = self._drain_events()
+                for event in events:
+                    self._on_engine_event(*event)
+                for address, peer in list(self._peers.items()):
+                    if peer.socket in ready:
+                        self._read_peer(address, peer)
+                self._check_time(time.monotonic())
+                self.waiting = len(self._pending)
+                self._handled += len(events)
+        finally:
+            for peer in self._peers.values():
+                peer.socket.close()
+
+    def _on_engine_event(self, kind: str, *args: Any) -> None:
+        now = time.monotonic()
+        if kind == "register":
+            address, registration = args
+            peer = self._peer(address, now)
+            tid = registration.transfer_id
+            self._pending[tid] = _Pending(registration, address, now + self.ack_timeout)
+            peer.transfers.add(tid)
+            self._send(peer, registration)
+        elif kind == "abort":
+            tid, address = args
+            pending = self._pending.get(tid)
+            if pending is None and address is not None:
+                self._send(self._peer(address, now), Abort(transfer_id=tid))
+                return
+            if pending is None or pending.aborting:
+                return
+            pending.aborting = True
+            pending.deadline = now + self.ack_timeout
+            self._send(self._peers[pending.peer], Abort(transfer_id=tid))
+        elif kind == "forget":
+            (tid,) = args
+            self._drop(tid)
+
+    def _peer(self, address: str, now: float) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is None:
+            sock = self._context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, self.engine_id.encode())
+            sock.connect(address)
+            self._poller.register(sock, zmq.POLLIN)
+            peer = _Peer(sock, last_heard=now)
+            self._peers[address] = peer
+        elif not peer.transfers:
+            peer.last_heard = now  # idle until now: its silence so far means nothing
+        return peer
+
+    def _read_peer(self, address: str, peer: _Peer) -> None:
+        while True:
+            try:
+                payload = peer.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            peer.last_heard = time.monotonic()
+            try:
+                message = decode(payload)
+            except ProtocolError as exc:
+                logger.warning("push side channel: refused a message from %s: %s", address, exc)
+                continue
+            self._on_message(message)
+
+    def _on_message(self, message: Message) -> None:
+        if isinstance(message, Pong):
+            return
+        tid = getattr(message, "transfer_id", None)
+        pending = self._pending.get(tid) if tid is not None else None
+        if pending is None:
+            return  # already over here (done, failed or timed out)
+        if isinstance(message, Ack):
+            pending.acked = True
+            if not pending.aborting:
+                pending.deadline = time.monotonic() + min(
+                    self.registration_ttl, pending.registration.ttl_s)
+        elif isinstance(message, Nack):
+            self._fail(pending, f"P refused the registration: {message.reason.value}: "
+                                f"{message.message}")
+        elif isinstance(message, PushFailed):
+            self._fail(pending, f"P will not write: {message.reason.value}"
+                                f"{': ' + message.message if message.message else ''}")
+        elif isinstance(message, PushDone) and not pending.aborting:
+            pass  # D's workers learn it from the WRITE's notification, then `forget`
+
+    def _check_time(self, now: float) -> None:
+        for pending in [p for p in self._pending.values() if now >= p.deadline]:
+            if pending.aborting:
+                why = "P did not answer the abort in time"
+            elif not pending.acked:
+                why = f"P did not acknowledge the registration within {self.ack_timeout:g} s"
+            else:
+                why = "the push did not arrive before the registration's deadline"
+            self._fail(pending, why)
+        for address, peer in self._peers.items():
+            if not peer.transfers:
+                continue
+            if now - peer.last_heard >= self.peer_timeout:
+                for tid in list(peer.transfers):
+                    self._fail(self._pending[tid],
+                               f"P at {address} silent for {now - peer.last_heard:.1f} s")
+            elif now - peer.last_ping >= self.ping_interval:
+                peer.last_ping = now
+                self._send(peer, Ping())
+
+    def _next_deadline(self) -> float | None:
+        deadlines = [p.deadline for p in self._pending.values()]
+        deadlines.extend(peer.last_ping + self.ping_interval
+                         for peer in self._peers.values() if peer.transfers)
+        return min(deadlines, default=None)
+
+    def _fail(self, pending: _Pending, why: str) -> None:
+        reg = pending.registration
+        self._failures.put(PushFailure(reg.request_id, reg.transfer_id, why))
+        self._drop(reg.transfer_id)
+        log = logger.info if pending.aborting else logger.warning
+        log("push %s for request %s %s: %s", reg.transfer_id, reg.request_id,
+            "released" if pending.aborting else "failed", why)
+
+    def _drop(self, tid: TransferId) -> None:
+        pending = self._pending.pop(tid, None)
+        if pending is not None:
+            self._peers[pending.peer].transfers.discard(tid)
+
+    def _send(self, peer: _Peer, message: Message) -> None:
+        try:
+            peer.socket.send(encode(message), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.warning("push side channel: could not send %s: %s",
+                           type(message).__name__, exc)
+
+
+__all__ = [
+    "DecodeChannel",
+    "FreeBlocks",
+    "PrefillAction",
+    "PrefillChannel",
+    "PushFailure",
+    "StartWrite",
+]

@@ -1,0 +1,87 @@
+"""The dual connector's own settings, read from `kv_connector_extra_config`.
+
+    --kv-transfer-config '{"kv_connector": "NixlDualConnector",
+                           "kv_connector_module_path": "connector",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"push_port": 5700}}'
+
+Only the keys below are ours; every other key in `kv_connector_extra_config` is left to
+vLLM's NIXL code (for example `kv_lease_duration`, the pull lease). Values are checked
+when the server starts, so a typo fails the start with a clear message, not a request.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+MAX_PORT = 65535
+
+# The keys this module owns inside kv_connector_extra_config.
+KEYS = (
+    "push_port",
+    "push_host",
+    "registration_ttl",
+    "unclaimed_ttl",
+    "ack_timeout",
+    "ping_interval",
+    "peer_timeout",
+)
+
+
+class ConfigError(ValueError):
+    """A bad value in kv_connector_extra_config for the dual connector."""
+
+
+class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
+    # P's push side channel (ZMQ) listens here; D connects to the one each P advertises
+    # in its answers. Required: no port is derived by hashing or offsets, so an operator
+    # always knows which port to open. Plus the data-parallel index, like vLLM's own
+    # side-channel port.
+    push_port: int
+    # Address P advertises to D for its push side channel, and binds. None: vLLM's
+    # VLLM_NIXL_SIDE_CHANNEL_HOST (the host its NIXL handshake listener advertises).
+    push_host: str | None = None
+    # P: how long a registration waits for P's prefill, and a finished prefill waits for
+    # D's registration, before both are dropped (seconds).
+    registration_ttl: float = 120.0
+    unclaimed_ttl: float = 120.0
+    # D: how long to wait for P's Ack to a registration (and for P's answer to an Abort)
+    # before giving up on the push and recomputing the prompt locally.
+    ack_timeout: float = 5.0
+    # D: while it waits on a P, it pings that P this often, and gives up on every push
+    # from it when P has said nothing for peer_timeout (P died or is unreachable).
+    ping_interval: float = 1.0
+    peer_timeout: float = 3.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.push_port <= MAX_PORT:
+            raise ConfigError(f"push_port must be in 1..{MAX_PORT}, got {self.push_port}")
+        if self.push_host is not None and not self.push_host:
+            raise ConfigError("push_host must be a non-empty host name or address")
+        for name in ("registration_ttl", "unclaimed_ttl", "ack_timeout", "ping_interval",
+                     "peer_timeout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value}")
+        if self.peer_timeout <= self.ping_interval:
+            raise ConfigError(
+                f"peer_timeout ({self.peer_timeout}) must be longer than ping_interval "
+                f"({self.ping_interval}), or a live P would be taken for dead"
+            )
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> DualConfig:
+        """Our keys from `kv_connector_extra_config`; raise ConfigError with the reason."""
+        ours = {key: value for key, value in (extra or {}).items() if key in KEYS}
+        if "push_port" not in ours:
+            raise ConfigError(
+                "NixlDualConnector needs kv_connector_extra_config.push_port: the port of "
+                "this server's push side channel (each P and D server its own)"
+            )
+        try:
+            return msgspec.convert(ours, cls, strict=False)
+        except msgspec.ValidationError as exc:
+            raise ConfigError(f"bad NixlDualConnector setting: {exc}") from exc

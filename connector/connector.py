@@ -1,0 +1,56 @@
+"""`NixlDualConnector`: the class vLLM loads. One NIXL connector, pull or push per request.
+
+    --kv-transfer-config '{"kv_connector": "NixlDualConnector",
+                           "kv_connector_module_path": "connector",
+                           "kv_role": "kv_both",
+                           "kv_load_failure_policy": "recompute",
+                           "kv_connector_extra_config": {"push_port": 5700}}'
+
+The same class runs on P and D. Like vLLM's own NIXL connectors, this facade only picks
+the scheduler-side or worker-side object for its role and forwards to it; the work is in
+`connector.scheduler` (pull per vLLM, push per request) and `connector.worker`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+
+from connector.metadata import PushReport
+from connector.scheduler import DualScheduler
+from connector.worker import DualWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+class NixlDualConnector(NixlBaseConnector):
+    """Pull (vLLM's READ path) or push (WRITE, registered over our side channel), chosen
+    per request by `kv_transfer_params["transfer_mode"]`; pull when it is absent."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = DualScheduler(vllm_config, self.engine_id,
+                                                     kv_cache_config)
+        elif role == KVConnectorRole.WORKER:
+            self.connector_worker = DualWorker(vllm_config, self.engine_id, kv_cache_config)
+        else:
+            raise ValueError(f"unsupported KV connector role: {role}")
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert isinstance(self.connector_worker, DualWorker)
+        assert isinstance(self._connector_metadata, NixlConnectorMetadata)
+        self.connector_worker.start_load_kv(self._connector_metadata)
+
+    def build_connector_worker_meta(self) -> PushReport | None:
+        if not isinstance(self.connector_worker, DualWorker):
+            return None
+        return self.connector_worker.take_report()

@@ -1,0 +1,223 @@
+"""The dual connector's scheduler side: vLLM's pull scheduler, plus push per request.
+
+A request is a push when its kv_transfer_params say `"transfer_mode": "push"` (the
+router sets it on both legs, with the same `transfer_id`); anything else is vLLM's pull,
+unchanged. The push part, on each side:
+
+- P (`do_remote_decode`): when the prefill finishes, its blocks are handed to the push
+  registry (through `PrefillChannel`) instead of vLLM's pull lease. The registry matches
+  them with D's registration and asks for a WRITE (`PushStep.jobs`), or says to free them
+  (`PushStep.release`: D aborted, nobody registered in time, a duplicate...).
+- D (`do_remote_prefill`): once blocks are allocated, D registers them with P over the
+  side channel (`DecodeChannel`) and waits, like a pull, in WAITING_FOR_REMOTE_KVS. Its
+  workers finish the receive on the WRITE's NIXL notification; if the push fails instead
+  (P refused, failed, went silent), the receive is failed (`PushStep.failed`) and vLLM
+  recomputes the prompt locally (with `kv_load_failure_policy: "recompute"`).
+
+Every P answer also says what this P can do (`transfer_modes`) and where its push side
+channel is (`push_host`, `push_port`), which the router passes on to D. A probe (the
+router's one-token prefill that asks for these coordinates, `"probe": true`) frees its
+blocks at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+    NixlPullConnectorScheduler,
+)
+
+from connector.channel import DecodeChannel, FreeBlocks, PrefillChannel, StartWrite
+from connector.config import DualConfig
+from connector.messages import EngineId, RegisterBlocks, TransferId
+from connector.metadata import PushJob, PushReport, PushStep
+from connector.registry import PushRegistry, RegistryConfig
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.utils import BlockIds
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("vllm.pd_connector.scheduler")
+
+TRANSFER_MODES = ["pull", "push"]
+
+
+def is_push(params: dict[str, Any] | None) -> bool:
+    return bool(params) and params.get("transfer_mode") == "push"  # type: ignore[union-attr]
+
+
+class DualScheduler(NixlPullConnectorScheduler):
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        assert vllm_config.kv_transfer_config is not None
+        config = DualConfig.from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config)
+        self.push_host = config.push_host or self.side_channel_host
+        self.push_port = config.push_port + vllm_config.parallel_config.data_parallel_index
+        self.registration_ttl = config.registration_ttl
+        registry = PushRegistry(RegistryConfig(
+            engine_id=EngineId(engine_id), block_size=self.block_size,
+            tp_size=self.transfer_tp_size, registration_ttl=config.registration_ttl,
+            unclaimed_ttl=config.unclaimed_ttl))
+        self.prefill_channel = PrefillChannel(registry, self.push_host, self.push_port)
+        self.decode_channel = DecodeChannel(
+            EngineId(engine_id), ack_timeout=config.ack_timeout,
+            ping_interval=config.ping_interval, peer_timeout=config.peer_timeout,
+            registration_ttl=config.registration_ttl)
+        self.prefill_channel.start()
+        self.decode_channel.start()
+        # D: pushes this engine waits for, by D's request id; and what the next step
+        # tells the workers about them.
+        self._incoming: dict[str, TransferId] = {}
+        self._step = PushStep()
+        logger.info("dual connector: modes %s; push side channel on %s:%d",
+                    ",".join(TRANSFER_MODES), self.push_host, self.push_port)
+
+    # --- D: register allocated blocks with P ---------------------------------------------
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if not (is_push(params) and params and params.get("do_remote_prefill")):
+            super().update_state_after_alloc(request, blocks, num_external_tokens)
+            return
+        params["do_remote_prefill"] = False  # register once, even after a preemption
+        rid = request.request_id
+        tid = TransferId(str(params.get("transfer_id") or ""))
+        peer = self._push_peer(params)
+        if num_external_tokens <= 0:
+            # Every prompt block was in D's prefix cache: nothing to receive. P's blocks
+            # are freed by telling P we will not take them.
+            if tid and peer:
+                self.decode_channel.abort(tid, peer=peer)
+            return
+        local = self.get_exchange_clipped_blocks(blocks.get_unhashed_block_ids_all_groups())
+        params["remote_block_ids"] = []  # vLLM's recv bookkeeping wants the key
+        self._reqs_need_recv[rid] = (request, local, (), True)
+        self._step.recv.add(rid)
+        if not tid or peer is None:
+            logger.warning("push for request %s lacks transfer_id or P's push_port (is P "
+                           "running the dual connector?); computing the prompt here", rid)
+            self._step.failed.add(rid)
+            return
+        self.decode_channel.register(peer, RegisterBlocks(
+            transfer_id=tid, engine_id=EngineId(self.engine_id), request_id=rid,
+            tp_size=self.transfer_tp_size, tp_rank=0,
+            block_ids=[list(group) for group in local], block_size=self.block_size,
+            host=self.side_channel_host, port=self.side_channel_port,
+            ttl_s=self.registration_ttl))
+        self._incoming[rid] = tid
+
+    @staticmethod
+    def _push_peer(params: dict[str, Any]) -> str | None:
+        host, port = params.get("push_host") or params.get("remote_host"), params.get("push_port")
+        if not isinstance(host, str) or not isinstance(port, int) or not 0 < port < 65536:
+            return None
+        return f"tcp://{host}:{port}"
+
+    # --- both: a request ends ---------------------------------------------------------
+
+    def request_finished(
+        self, request: Request, block_ids: BlockIds
+    ) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params
+        if is_push(params) and params and not params.get("do_remote_decode"):
+            return self._decode_push_finished(request, params)
+        delay_free, answer = super().request_finished(request, block_ids)
+        if not params or not params.get("do_remote_decode"):
+            return delay_free, answer
+        rid = request.request_id
+        if is_push(params):
+            tid = TransferId(str(params.get("transfer_id") or ""))
+            if not delay_free or not tid or answer is None:
+                if tid:
+                    self.prefill_channel.prefill_aborted(tid)
+                return delay_free, answer
+            # The push registry holds these blocks now, not vLLM's pull lease.
+            self._stop_pull_lease(rid)
+            self.prefill_channel.prefill_finished(tid, rid, answer["remote_block_ids"])
+            answer["transfer_mode"] = "push"
+        elif params.get("probe") and delay_free:
+            self._stop_pull_lease(rid)  # nobody will read a probe's KV
+            delay_free = False
+        if answer is not None:
+            answer.update(transfer_modes=TRANSFER_MODES, push_host=self.push_host,
+                          push_port=self.push_port)
+        return delay_free, answer
+
+    def _stop_pull_lease(self, request_id: str) -> None:
+        self._reqs_need_send.pop(request_id, None)
+        self._reqs_not_processed.add(request_id)
+
+    def _decode_push_finished(
+        self, request: Request, params: dict[str, Any]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """D's push request ended. If it still waits for P's WRITE (the client left),
+        tell P; D's blocks are freed when P confirms nothing more will be written."""
+        tid = self._incoming.pop(request.request_id, None)
+        if tid is not None:
+            self.decode_channel.abort(tid)
+        elif params.get("do_remote_prefill"):
+            # Ended before it was ever scheduled: no registration; P may hold the KV.
+            params["do_remote_prefill"] = False
+            peer, tid = self._push_peer(params), params.get("transfer_id")
+            if peer and tid:
+                self.decode_channel.abort(TransferId(str(tid)), peer=peer)
+        return False, None
+
+    # --- both: each step ----------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = super().build_connector_meta(scheduler_output)
+        step, self._step = self._step, PushStep()
+        for failure in self.decode_channel.take_failures():
+            self._incoming.pop(failure.request_id, None)
+            step.failed.add(failure.request_id)
+        for action in self.prefill_channel.take_actions():
+            if isinstance(action, StartWrite):
+                reg = action.registration
+                step.jobs.append(PushJob(
+                    transfer_id=action.transfer_id, request_id=action.request_id,
+                    block_ids=action.block_ids, decode_engine_id=reg.engine_id,
+                    decode_request_id=reg.request_id, decode_host=reg.host,
+                    decode_port=reg.port, decode_tp_size=reg.tp_size,
+                    decode_block_ids=reg.block_ids))
+            elif isinstance(action, FreeBlocks):
+                step.release.add(action.request_id)
+        meta.push = step  # type: ignore[attr-defined]
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        super().update_connector_output(connector_output)
+        for rid in connector_output.finished_recving or ():
+            tid = self._incoming.pop(rid, None)
+            if tid is not None:
+                self.decode_channel.forget(tid)
+        report = connector_output.kv_connector_worker_meta
+        if isinstance(report, PushReport):
+            for tid, end in report.ended.items():
+                self.prefill_channel.write_ended(tid, end.error)
+                if end.error is None:
+                    logger.debug("push %s: %d blocks written in %.1f ms", tid, end.blocks,
+                                 end.seconds * 1000)
+                else:
+                    logger.warning("push %s: WRITE failed: %s", tid, end.error)
+
+    def has_pending_push_work(self) -> bool:
+        return self.prefill_channel.has_pending_work() or self.decode_channel.has_pending_work()
+
+    def shutdown(self) -> None:
+        super().shutdown()  # type: ignore[no-untyped-call]
+        self.prefill_channel.stop()
+        self.decode_channel.stop()

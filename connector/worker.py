@@ -1,0 +1,225 @@
+"""The dual connector's worker side: vLLM's pull worker, plus the push WRITE path.
+
+Pull requests go through vLLM's `NixlPullConnectorWorker` untouched (READ, notify P).
+Push adds, per step (`PushStep`, from the scheduler):
+
+- D: `recv` requests wait, without a READ, for the WRITE's notification
+  (`"<D request id>:<P's world size>"`); `failed` ones are failed at once (vLLM then
+  recomputes, or frees an aborted request's blocks).
+- P: each job performs the NIXL handshake with D's agent if none is cached yet (vLLM's
+  own, on its background executor), then WRITEs this rank's share of the blocks with
+  vLLM's push descriptor code; when every WRITE handle is done (or failed), the request
+  is reported finished sending, which frees P's blocks, and the outcome goes back to the
+  scheduler in a `PushReport`. `release` requests are reported finished at once.
+
+No extra thread: WRITEs are started from `start_load_kv` and polled in
+`get_transfer_results`, once per engine step (the scheduler keeps P's engine stepping
+while any push is alive).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+    NixlConnectorMetadata,
+    RemoteMeta,
+    ReqMeta,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
+    NixlPullConnectorWorker,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
+    NixlPushConnectorWorker,
+)
+
+from connector.messages import TransferId
+from connector.metadata import PushEnd, PushJob, PushReport, PushStep
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = logging.getLogger("vllm.pd_connector.worker")
+
+
+class DualWorker(NixlPullConnectorWorker):
+    # vLLM's push worker turns one request's blocks into per-rank WRITE descriptors
+    # (TP mapping, block-size ratios, prefix caching, MLA replication). We reuse that
+    # code as is; it needs `_sending_transfers`, its lock and `_send_failures`, set below.
+    _xfer_blocks_for_req = NixlPushConnectorWorker._xfer_blocks_for_req
+    _xfer_blocks = NixlPushConnectorWorker._xfer_blocks
+
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        # P: WRITE handles by P's request id, as vLLM's push code fills them.
+        self._sending_transfers: defaultdict[str, list[int]] = defaultdict(list)
+        self._sending_transfers_lock = threading.Lock()
+        self._send_failures: set[str] = set()
+        # P: jobs being written, by P's request id; jobs whose handshake just finished.
+        self._writing: dict[str, tuple[PushJob, float]] = {}
+        self._handshaken: queue.SimpleQueue[tuple[PushJob, BaseException | None]] = (
+            queue.SimpleQueue())
+        self._released: set[str] = set()  # P: report finished sending next time
+        self._ended: dict[TransferId, PushEnd] = {}  # P: for the next PushReport
+        # D: requests that wait for a WRITE, and how many notifications each has had.
+        self._awaiting_push: dict[str, int] = {}
+
+    # --- each step: the scheduler's orders ------------------------------------------------
+
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        step: PushStep = getattr(metadata, "push", None) or PushStep()
+        for rid in step.recv:  # D: wait for P's WRITE; vLLM's pull must not READ these
+            meta = metadata.reqs_to_recv.pop(rid)
+            meta.local_physical_block_ids = self._logical_to_kernel_block_ids(
+                meta.local_block_ids, self._physical_blocks_per_logical_kv_block)
+            self._recving_metadata[rid] = meta
+            self._awaiting_push[rid] = 0
+        for rid in step.failed:
+            if self._awaiting_push.pop(rid, None) is not None:
+                self._failed_recv_reqs.put(rid)
+        super().start_load_kv(metadata)
+        for job in step.jobs:
+            self._start_job(job)
+        while True:
+            try:
+                job, error = self._handshaken.get_nowait()
+            except queue.Empty:
+                break
+            if error is None:
+                self._write(job)
+            else:
+                self._end(job, f"handshake with D failed: {error}", time.perf_counter())
+        self._released.update(step.release)
+
+    # --- P: the WRITE ---------------------------------------------------------------------
+
+    def _start_job(self, job: PushJob) -> None:
+        future = self._ensure_handshake(
+            job.decode_engine_id, job.decode_host, job.decode_port, job.decode_tp_size)
+        if future is None:
+            self._write(job)
+            return
+        self._writing[job.request_id] = (job, time.perf_counter())
+
+        def handshake_done(f: Future[Any], job: PushJob = job) -> None:
+            self._handshaken.put((job, f.exception()))
+
+        future.add_done_callback(handshake_done)
+
+    def _write(self, job: PushJob) -> None:
+        started = self._writing.get(job.request_id, (job, time.perf_counter()))[1]
+        self._writing[job.request_id] = (job, started)
+        local = [list(group) for group in job.block_ids]
+        meta = ReqMeta(
+            local_block_ids=local,
+            local_physical_block_ids=self._logical_to_kernel_block_ids(
+                local, self._physical_blocks_per_logical_kv_block),
+            tp_size=self.world_size,
+            remote=RemoteMeta(
+                block_ids=[list(group) for group in job.decode_block_ids], host="", port=0,
+                engine_id=job.decode_engine_id, request_id=job.decode_request_id),
+        )
+        self._engine_last_active[job.decode_engine_id] = time.perf_counter()
+        try:
+            self._xfer_blocks_for_req(job.request_id, meta)  # type: ignore[misc]
+        except Exception as exc:  # a layout vLLM's push code refuses, or NIXL itself
+            logger.exception("push %s: WRITE could not start", job.transfer_id)
+            self._end(job, f"WRITE could not start: {exc}", started)
+            return
+        with self._sending_transfers_lock:
+            submitted = bool(self._sending_transfers.get(job.request_id))
+        if not submitted:
+            self._end(job, "WRITE could not start (see the log above)", started)
+
+    def _end(self, job: PushJob, error: str | None, started: float) -> None:
+        """The job is over on this rank: free P's blocks and report the outcome."""
+        self._writing.pop(job.request_id, None)
+        self._released.add(job.request_id)
+        blocks = sum(len(group) for group in job.block_ids)
+        self._ended[job.transfer_id] = PushEnd(error, time.perf_counter() - started, blocks)
+
+    # --- each step: what finished ------------------------------------------------------
+
+    def get_transfer_results(self) -> KVConnectorTransferResults:
+        results = super().get_transfer_results()
+        with self._sending_transfers_lock:
+            done, failed = self._pop_done_transfers(self._sending_transfers)
+            self._send_failures.update(failed)
+            ended = {rid: rid in self._send_failures for rid in done}
+            self._send_failures.difference_update(done)
+        for rid, was_failed in ended.items():
+            entry = self._writing.get(rid)
+            if entry is not None:
+                self._end(entry[0], "WRITE failed" if was_failed else None, entry[1])
+        if self._released:
+            results.finished_sending.update(self._released)
+            self._released.clear()
+        return results
+
+    def _get_new_notifs(self) -> set[str]:
+        """NIXL notifications: a WRITE into D's blocks is complete (D, push), or D has
+        read P's blocks (P, pull: vLLM's accounting). Heartbeats extend pull leases."""
+        assert self.transfer_topo is not None
+        read_by_d: set[str] = set()
+        for notifs in self.nixl_wrapper.get_new_notifs().values():
+            for notif in notifs:
+                msg = notif.decode("utf-8")
+                if msg.startswith("HB:"):
+                    self._handle_heartbeat(msg[3:])
+                    continue
+                req_id, count = msg.rsplit(":", 1)
+                if req_id in self._awaiting_push:
+                    self._push_arrived(req_id, int(count))
+                else:
+                    self._pull_read_done(req_id, int(count), read_by_d)
+        return read_by_d
+
+    def _push_arrived(self, req_id: str, producer_world_size: int) -> None:
+        """D: one of P's ranks finished its WRITE. With P's tp > D's, several do."""
+        meta = self._recving_metadata[req_id]
+        expected = meta.pp_size * max(1, producer_world_size // self.world_size)
+        self._awaiting_push[req_id] += 1
+        if self._awaiting_push[req_id] >= expected:
+            del self._awaiting_push[req_id]
+            # No READ handle of ours: an empty entry lets vLLM report the receive done.
+            self._recving_transfers.setdefault(req_id, [])
+
+    def _pull_read_done(self, req_id: str, expected: int, done: set[str]) -> None:
+        """P: D finished reading `req_id` (pull). Same accounting as vLLM's pull worker."""
+        if req_id not in self._reqs_to_send and req_id not in self._reqs_to_process:
+            self.xfer_stats.record_notification_after_expiry()  # type: ignore[no-untyped-call]
+            logger.error("KV blocks of unknown request %s were read by a decode worker; "
+                         "they may have expired", req_id)
+            return
+        self.expected_consumer_notifications_by_req[req_id] = expected
+        self.consumer_notification_counts_by_req[req_id] += 1
+        if self.consumer_notification_counts_by_req[req_id] == expected:
+            done.add(req_id)
+            del self.consumer_notification_counts_by_req[req_id]
+            del self.expected_consumer_notifications_by_req[req_id]
+            self._reqs_to_process.remove(req_id)
+            self._reqs_to_send.pop(req_id, None)
+
+    def take_report(self) -> PushReport | None:
+        if not self._ended:
+            return None
+        report, self._ended = PushReport(self._ended), {}
+        return report
+
+    def shutdown(self) -> None:
+        with self._sending_transfers_lock:
+            for handles in self._sending_transfers.values():
+                for handle in handles:
+                    self._try_release_xfer_handle("shutdown", handle)
+            self._sending_transfers.clear()
+        super().shutdown()
