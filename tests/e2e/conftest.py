@@ -2,7 +2,8 @@
 
 - `tiny_model`: the tiny Llama model, built once into `.cache/tiny-model` (git-ignored).
 - `pull_pair` / `push_pair`: a running P/D pair with stock `NixlConnector` /
-  `NixlPushConnector`.
+  `NixlPushConnector`; `dual_pair`: one with our `NixlDualConnector` on both (pull or
+  push per request), with short push deadlines so expiry tests finish quickly.
 - `proxy_for(pair, mode)`: the router (`python -m proxy serve`) in front of a pair.
 
 Only one pair runs at a time. Two pairs are four servers, and each server's NIXL
@@ -10,8 +11,8 @@ progress thread spins about a core even when idle: on a 2-core machine they woul
 starve each other (memory, ~2.6 GiB per server, would fit). So a session-scoped
 `PairManager` owns the single running pair: asking for the other kind stops the running
 one first. To start each kind once per session, the tests that use a pair are reordered
-(stably): all `pull_pair` users first, then all `push_pair` users. A test cannot use
-both pairs.
+(stably): all `pull_pair` users first, then `push_pair` users, then `dual_pair` users.
+A test cannot use two pairs.
 
 Nothing here skips. If vLLM or NIXL is missing or a server does not come up, the
 fixture fails with the server's log tail: an e2e run that silently tests nothing is
@@ -52,7 +53,11 @@ PAIR_START_TIMEOUT_S = float(os.environ.get("E2E_PAIR_START_TIMEOUT", "240"))
 PROXY_START_TIMEOUT_S = 120.0
 PULL = "NixlConnector"
 PUSH = "NixlPushConnector"
-_PAIR_FIXTURES = {"pull_pair": PULL, "push_pair": PUSH}
+DUAL = "NixlDualConnector"
+# Our connector's deadlines in the e2e pair: short, so the expiry tests take seconds.
+DUAL_EXTRA_CONFIG = {"registration_ttl": 8.0, "unclaimed_ttl": 8.0, "ack_timeout": 3.0,
+                     "ping_interval": 0.5, "peer_timeout": 2.0}
+_EXTRA_CONFIG: dict[str, dict[str, object]] = {DUAL: DUAL_EXTRA_CONFIG}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -61,7 +66,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     Only the positions those tests already hold are permuted, so every other test keeps
     its place and order.
     """
-    rank = {"pull_pair": 0, "push_pair": 1}
+    rank = {"pull_pair": 0, "push_pair": 1, "dual_pair": 2}
     positions = []
     for index, item in enumerate(items):
         used = [rank[name] for name in getattr(item, "fixturenames", ()) if name in rank]
@@ -106,7 +111,7 @@ class PairManager:
     @contextlib.contextmanager
     def lease(self, connector: str, test_id: str) -> Iterator[Pair]:
         if self._leased_by == test_id and self._pair and self._pair.connector != connector:
-            pytest.fail("a test cannot use pull_pair and push_pair at the same time")
+            pytest.fail("a test cannot use two pairs at the same time")
         current = self._ensure(connector)
         self._leased_by = test_id
         try:
@@ -132,6 +137,7 @@ class PairManager:
                     connector,
                     model_dir=self._model_dir,
                     log_dir=self._log_dir,
+                    kv_extra_config=_EXTRA_CONFIG.get(connector),
                     start_timeout_s=PAIR_START_TIMEOUT_S,
                 )
             )
@@ -173,6 +179,13 @@ def pull_pair(pair_manager: PairManager, request: pytest.FixtureRequest) -> Iter
 def push_pair(pair_manager: PairManager, request: pytest.FixtureRequest) -> Iterator[Pair]:
     """A running P/D pair with stock `NixlPushConnector` (push)."""
     with pair_manager.lease(PUSH, request.node.nodeid) as running:
+        yield running
+
+
+@pytest.fixture
+def dual_pair(pair_manager: PairManager, request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """A running P/D pair with our `NixlDualConnector` on both servers."""
+    with pair_manager.lease(DUAL, request.node.nodeid) as running:
         yield running
 
 

@@ -1,0 +1,195 @@
+"""Our `NixlDualConnector` on real vLLM CPU servers: one P/D pair, pull or push per request.
+
+Through the router: the same pair serves pull and push, chosen per request by header;
+greedy tokens equal one server's; D's metrics show the prompt came over KV transfer; and
+afterwards neither server holds a KV block. Then the connector's own promises, each with
+both servers' KV usage back to zero afterwards: a probe holds nothing on P; a prefill no
+D claims is freed at its deadline; a registration P never serves, a client that leaves
+mid-push, and a P killed after D registered each end within seconds, the first and last
+with an answer computed by D itself (the push fell back to recompute).
+
+The pair's push deadlines are short (`DUAL_EXTRA_CONFIG`); the P-killing test runs last
+and closes the pair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import httpx
+import pytest
+
+from scripts.pd_protocol import KV_USAGE, metric, prefill_leg, probe_body, push_decode_leg
+from scripts.vllm_cpu import Pair
+from tests.e2e.conftest import DUAL_EXTRA_CONFIG, PairManager, ProxyFactory
+from tests.e2e.vllm_client import (
+    CHAT,
+    COMPLETIONS,
+    TIMEOUT,
+    decode,
+    external_kv_tokens,
+    get_metrics,
+    make_body,
+    reference_tokens,
+    wait_for_metric,
+)
+
+pytestmark = pytest.mark.e2e
+
+UNCLAIMED_TTL_S = float(DUAL_EXTRA_CONFIG["unclaimed_ttl"])  # type: ignore[arg-type]
+REGISTRATION_TTL_S = float(DUAL_EXTRA_CONFIG["registration_ttl"])  # type: ignore[arg-type]
+
+
+async def kv_usage(client: httpx.AsyncClient, url: str) -> float:
+    return metric(await get_metrics(client, url), KV_USAGE)
+
+
+async def assert_nothing_held(client: httpx.AsyncClient, running: Pair, within_s: float = 10) -> None:
+    for name, url in (("P", running.prefill_url), ("D", running.decode_url)):
+        samples = await wait_for_metric(client, url, lambda s: metric(s, KV_USAGE) == 0.0,
+                                        timeout_s=within_s)
+        assert metric(samples, KV_USAGE) == 0.0, f"{name} still holds KV blocks"
+
+
+async def wait_until_held(client: httpx.AsyncClient, url: str, timeout_s: float = 10) -> None:
+    samples = await wait_for_metric(client, url, lambda s: metric(s, KV_USAGE) > 0.0,
+                                    timeout_s=timeout_s)
+    assert metric(samples, KV_USAGE) > 0.0, f"{url} never allocated the request's blocks"
+
+
+async def coordinates(client: httpx.AsyncClient, running: Pair) -> dict[str, Any]:
+    """P's answer to a probe: its coordinates, capabilities and push side channel."""
+    resp = await client.post(running.prefill_url + COMPLETIONS,
+                             json={**probe_body(), "kv_transfer_params": {
+                                 **probe_body()["kv_transfer_params"], "probe": True}})
+    assert resp.status_code == 200, resp.text
+    params: dict[str, Any] = resp.json()["kv_transfer_params"]
+    return params
+
+
+def push_to_d(body: dict[str, Any], p_params: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """D's push leg for `body`, naming P's push side channel; and its request id."""
+    request_id = f"e2e-dual-{uuid.uuid4().hex[:12]}"
+    leg = push_decode_leg(body, p_params, request_id=request_id)
+    leg["kv_transfer_params"].update(transfer_mode="push", push_host=p_params["push_host"],
+                                     push_port=p_params["push_port"])
+    return leg, request_id
+
+
+# --- through the router: the same pair, both modes ------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT], ids=["completions", "chat"])
+async def test_one_pair_serves_pull_and_push_chosen_per_request(
+    dual_pair: Pair, proxy_for: ProxyFactory, path: str, stream: bool
+) -> None:
+    router_url = proxy_for(dual_pair, "pull")
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        for mode in ("push", "pull"):
+            body = make_body(path)
+            mode_seen = await client.post(
+                router_url + COMPLETIONS, json={**make_body(COMPLETIONS), "max_tokens": 2},
+                headers={"X-KV-Transfer-Mode": mode})
+            assert mode_seen.status_code == 200, mode_seen.text
+            assert mode_seen.headers["x-kv-transfer-mode"] == mode, "the router fell back"
+            before = await get_metrics(client, dual_pair.decode_url)
+            tokens, prompt_tokens = await decode(
+                client, router_url + path, body, stream=stream,
+                headers={"X-KV-Transfer-Mode": mode})
+            after = await wait_for_metric(
+                client, dual_pair.decode_url,
+                lambda s, b=before, n=prompt_tokens: external_kv_tokens(s) - external_kv_tokens(b) >= n)
+            assert external_kv_tokens(after) - external_kv_tokens(before) == prompt_tokens, (
+                f"{mode}: D did not get the whole prompt's KV by transfer")
+            assert tokens == await reference_tokens(client, dual_pair.decode_url, path, body), (
+                f"{mode}: tokens differ from one server's")
+        await assert_nothing_held(client, dual_pair)
+
+
+async def test_p_answers_say_it_can_push_and_where(dual_pair: Pair) -> None:
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        params = await coordinates(client, dual_pair)
+        assert params["transfer_modes"] == ["pull", "push"]
+        assert params["push_host"] == "127.0.0.1"
+        assert isinstance(params["push_port"], int) and 0 < params["push_port"] < 65536
+        # A probe's block is freed at once (stock connectors hold it for the 30 s lease).
+        await assert_nothing_held(client, dual_pair, within_s=3)
+
+
+# --- the connector's deadlines and failure paths ----------------------------------------------
+
+
+async def test_a_prefill_no_d_claims_is_freed_at_its_deadline(dual_pair: Pair) -> None:
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        leg = prefill_leg(make_body(COMPLETIONS), transfer_id=f"e2e-unclaimed-{uuid.uuid4().hex}",
+                          transfer_mode="push")
+        resp = await client.post(dual_pair.prefill_url + COMPLETIONS, json=leg)
+        assert resp.status_code == 200, resp.text
+        finished = time.monotonic()
+        assert resp.json()["kv_transfer_params"]["transfer_mode"] == "push"
+        assert await kv_usage(client, dual_pair.prefill_url) > 0, "P did not keep the KV for D"
+        await assert_nothing_held(client, dual_pair, within_s=UNCLAIMED_TTL_S + 5)
+        assert time.monotonic() - finished >= UNCLAIMED_TTL_S - 1, "freed before its deadline"
+
+
+async def test_a_registration_p_never_serves_falls_back_to_recompute(dual_pair: Pair) -> None:
+    """D registers; P is alive but never gets the prompt: at the registration deadline P
+    says so, and D computes the prompt itself. The answer is still right."""
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        p_params = await coordinates(client, dual_pair)
+        body = make_body(COMPLETIONS)
+        leg, request_id = push_to_d(body, p_params)
+        started = time.monotonic()
+        tokens, _ = await decode(client, dual_pair.decode_url + COMPLETIONS, leg, stream=False,
+                                 headers={"X-Request-Id": request_id})
+        waited = time.monotonic() - started
+        assert REGISTRATION_TTL_S - 1 <= waited <= REGISTRATION_TTL_S + 10, waited
+        assert tokens == await reference_tokens(client, dual_pair.decode_url, COMPLETIONS, body)
+        await assert_nothing_held(client, dual_pair)
+
+
+async def test_a_client_that_leaves_mid_push_frees_ds_blocks(dual_pair: Pair) -> None:
+    """D registered and waits for P's WRITE; the client leaves: D tells P, P confirms
+    nothing will be written, and D frees the blocks, well before any deadline."""
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        p_params = await coordinates(client, dual_pair)
+        leg, request_id = push_to_d(make_body(COMPLETIONS), p_params)
+        waiting = asyncio.create_task(client.post(
+            dual_pair.decode_url + COMPLETIONS, json=leg, headers={"X-Request-Id": request_id}))
+        await wait_until_held(client, dual_pair.decode_url)
+        waiting.cancel()
+        left = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await assert_nothing_held(client, dual_pair, within_s=10)
+        assert time.monotonic() - left < REGISTRATION_TTL_S - 2, "freed only by the deadline"
+
+
+async def test_p_killed_after_d_registered_ends_ds_wait_within_seconds(
+    dual_pair: Pair, pair_manager: PairManager
+) -> None:
+    """Runs last among the dual pair's tests: it kills P, then closes the pair."""
+    try:
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            p_params = await coordinates(client, dual_pair)
+            body = make_body(COMPLETIONS)
+            expected = await reference_tokens(client, dual_pair.decode_url, COMPLETIONS, body)
+            leg, request_id = push_to_d(body, p_params)
+            waiting = asyncio.create_task(decode(
+                client, dual_pair.decode_url + COMPLETIONS, leg, stream=False,
+                headers={"X-Request-Id": request_id}))
+            await wait_until_held(client, dual_pair.decode_url)
+            dual_pair.prefill.stop(timeout_s=5)
+            killed = time.monotonic()
+            tokens, _ = await asyncio.wait_for(waiting, timeout=30)
+            assert time.monotonic() - killed < 10, "D waited on a dead P for too long"
+            assert tokens == expected, "D's own computation differs from one server's"
+            samples = await wait_for_metric(client, dual_pair.decode_url,
+                                            lambda s: metric(s, KV_USAGE) == 0.0)
+            assert metric(samples, KV_USAGE) == 0.0, "D still holds KV blocks"
+    finally:
+        pair_manager.close()

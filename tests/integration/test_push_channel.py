@@ -1,0 +1,508 @@
+"""The push side channel over real ZMQ on 127.0.0.1: P's `PrefillChannel` and D's
+`DecodeChannel` in either order, refusals, WRITE results, aborts and tombstones, P dying
+under a waiting D, deadlines on both sides, bad frames, and clean stops."""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import msgspec
+import pytest
+import zmq
+
+from connector.channel import (
+    DecodeChannel,
+    FreeBlocks,
+    PrefillAction,
+    PrefillChannel,
+    PushFailure,
+    StartWrite,
+)
+from connector.messages import (
+    Ack,
+    EngineId,
+    Ping,
+    Pong,
+    RegisterBlocks,
+    TransferId,
+    decode,
+    encode,
+)
+from connector.registry import PushRegistry, RegistryConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+HOST = "127.0.0.1"
+P_ENGINE = EngineId("engine-p0")
+BLOCK_SIZE = 16
+P_REQ = "p-req-1"  # P's request, holding P_BLOCKS
+P_BLOCKS = [[10, 11, 12]]
+D_BLOCKS = [[0, 1, 2]]
+SOON = 1.0  # "at once": far below every TTL these tests leave at its default (120 s)
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Callable[[], T], timeout: float, what: str) -> T:
+    """Poll every 10 ms until `predicate()` is truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.01)
+
+
+def wait_actions(p: PrefillChannel, timeout: float = 2.0, count: int = 1) -> list[PrefillAction]:
+    got: list[PrefillAction] = []
+
+    def enough() -> bool:
+        got.extend(p.take_actions())
+        return len(got) >= count
+
+    wait_for(enough, timeout, f"{count} action(s) from P (got {got})")
+    return got
+
+
+def wait_failures(d: DecodeChannel, timeout: float = 2.0, count: int = 1) -> list[PushFailure]:
+    got: list[PushFailure] = []
+
+    def enough() -> bool:
+        got.extend(d.take_failures())
+        return len(got) >= count
+
+    wait_for(enough, timeout, f"{count} failure(s) on D (got {got})")
+    return got
+
+
+def registration(d: DecodeChannel, tid: str, **overrides: Any) -> RegisterBlocks:
+    """D's registration; its engine_id is D's socket identity, so P's answers reach D."""
+    fields: dict[str, Any] = {
+        "transfer_id": TransferId(tid), "engine_id": d.engine_id, "request_id": f"d-{tid}",
+        "tp_size": 1, "tp_rank": 0, "block_ids": D_BLOCKS, "block_size": BLOCK_SIZE,
+        "host": HOST, "port": 5601, "ttl_s": 30.0, **overrides,
+    }
+    return RegisterBlocks(**fields)
+
+
+class Channels:
+    """Makes started channels, and stops every one a test did not stop itself."""
+
+    def __init__(self) -> None:
+        self._running: list[PrefillChannel | DecodeChannel] = []
+        self._count = 0
+
+    def prefill(self, port: int | None = None, **config: Any) -> PrefillChannel:
+        values: dict[str, Any] = {"engine_id": P_ENGINE, "block_size": BLOCK_SIZE, **config}
+        channel = PrefillChannel(PushRegistry(RegistryConfig(**values)), HOST,
+                                 free_port() if port is None else port)
+        channel.start()
+        self._running.append(channel)
+        return channel
+
+    def decode(self, **timeouts: float) -> DecodeChannel:
+        self._count += 1
+        values = {"ack_timeout": 2.0, "ping_interval": 0.2, "peer_timeout": 3.0,
+                  "registration_ttl": 30.0, **timeouts}
+        channel = DecodeChannel(EngineId(f"engine-d{self._count}"), **values)
+        channel.start()
+        self._running.append(channel)
+        return channel
+
+    def stop(self, channel: PrefillChannel | DecodeChannel) -> None:
+        self._running.remove(channel)
+        channel.stop()
+
+    def stop_all(self) -> None:
+        while self._running:
+            self.stop(self._running[-1])
+
+
+@pytest.fixture
+def channels() -> Iterator[Channels]:
+    made = Channels()
+    try:
+        yield made
+    finally:
+        made.stop_all()
+
+
+@pytest.fixture
+def raw_dealer() -> Iterator[Callable[[str, bytes], zmq.Socket[Any]]]:
+    """A bare DEALER (its own context) to speak to P's ROUTER byte for byte."""
+    context = zmq.Context()
+    sockets: list[zmq.Socket[Any]] = []
+
+    def connect(address: str, identity: bytes) -> zmq.Socket[Any]:
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.connect(address)
+        sockets.append(sock)
+        return sock
+
+    try:
+        yield connect
+    finally:
+        for sock in sockets:
+            sock.close()
+        context.term()
+
+
+def receive(sock: zmq.Socket[Any], timeout: float = 2.0) -> Any:
+    assert sock.poll(int(timeout * 1000), zmq.POLLIN), f"nothing received within {timeout} s"
+    return decode(sock.recv(zmq.NOBLOCK))
+
+
+def assert_acked(d: DecodeChannel, registered_at: float) -> None:
+    """D holds no failure past its ack_timeout: P's Ack arrived (else D would have failed
+    the push with "P did not acknowledge")."""
+    time.sleep(max(0.0, registered_at + d.ack_timeout + 0.3 - time.monotonic()))
+    assert d.take_failures() == []
+    assert d.has_pending_work(), "D still waits for the WRITE"
+
+
+# --- matching, in either order -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("d_first", [True, False], ids=["register-first", "prefill-first"])
+def test_registration_and_finished_prefill_start_one_write(
+    channels: Channels, d_first: bool
+) -> None:
+    p = channels.prefill()
+    d = channels.decode(ack_timeout=0.5)
+    reg = registration(d, "t-1")
+    tid = reg.transfer_id
+    first: Callable[[], None] = (lambda: d.register(p.address, reg)) if d_first else (
+        lambda: p.prefill_finished(tid, P_REQ, P_BLOCKS))
+    second: Callable[[], None] = (lambda: p.prefill_finished(tid, P_REQ, P_BLOCKS)) \
+        if d_first else (lambda: d.register(p.address, reg))
+    first()
+    wait_for(lambda: len(p.registry) == 1, 2.0, "P holds the first half")
+    assert p.take_actions() == [], "half a transfer starts nothing"
+    assert p.has_pending_work()
+    registered_at = time.monotonic()
+    second()
+
+    (action,) = wait_actions(p)
+    assert action == StartWrite(tid, P_REQ, P_BLOCKS, reg), action
+    assert action.registration.engine_id == d.engine_id
+    assert_acked(d, registered_at)
+    assert p.take_actions() == [], "one StartWrite per transfer"
+    snapshot = p.registry.snapshot()
+    assert snapshot.live == 1 and snapshot.counters.matched == 1
+
+    d.forget(tid)
+    wait_for(lambda: not d.has_pending_work(), 5.0, "D stops waiting once it forgets")
+    assert d.take_failures() == []
+
+
+def test_a_block_size_mismatch_is_nacked_and_d_fails_the_push(channels: Channels) -> None:
+    p = channels.prefill()
+    d = channels.decode()
+    reg = registration(d, "t-1", block_size=BLOCK_SIZE * 2)
+    started = time.monotonic()
+    d.register(p.address, reg)
+    (failure,) = wait_failures(d, timeout=2.0)
+    assert time.monotonic() - started < 2.0
+    assert failure.request_id == reg.request_id and failure.transfer_id == reg.transfer_id
+    assert "block_size_mismatch" in failure.why and "block size mismatch" in failure.why, failure
+    assert f"decode {BLOCK_SIZE * 2}, prefill {BLOCK_SIZE}" in failure.why, failure
+    wait_for(lambda: not d.has_pending_work(), 2.0, "D no longer waits")
+    assert len(p.registry) == 0 and p.registry.snapshot().counters.rejected == 1
+    assert p.take_actions() == []
+
+
+# --- WRITE results --------------------------------------------------------------------------
+
+
+def start_write(channels: Channels, **decode_timeouts: float) -> tuple[
+        PrefillChannel, DecodeChannel, RegisterBlocks]:
+    p = channels.prefill()
+    d = channels.decode(**decode_timeouts)
+    reg = registration(d, "t-1")
+    d.register(p.address, reg)
+    p.prefill_finished(reg.transfer_id, P_REQ, P_BLOCKS)
+    (action,) = wait_actions(p)
+    assert isinstance(action, StartWrite) and action.transfer_id == reg.transfer_id
+    return p, d, reg
+
+
+def test_a_failed_write_fails_the_push_on_d(channels: Channels) -> None:
+    p, d, reg = start_write(channels)
+    p.write_ended(reg.transfer_id, "boom")
+    (failure,) = wait_failures(d)
+    assert failure.request_id == reg.request_id and failure.transfer_id == reg.transfer_id
+    assert "P will not write" in failure.why and "write_error" in failure.why, failure
+    assert "boom" in failure.why, failure
+    wait_for(lambda: not p.has_pending_work(), 2.0, "P is idle")
+    assert p.take_actions() == [], "the engine's WRITE path frees P's blocks itself"
+    assert len(p.registry) == 0 and p.registry.snapshot().counters.failed == 1
+    wait_for(lambda: not d.has_pending_work(), 2.0, "D no longer waits")
+
+
+def test_a_successful_write_fails_nothing_and_empties_p(channels: Channels) -> None:
+    p, d, reg = start_write(channels)
+    p.write_ended(reg.transfer_id, None)
+    wait_for(lambda: p.registry.snapshot().counters.done == 1, 2.0, "P counts the push done")
+    wait_for(lambda: not p.has_pending_work(), 2.0, "P is idle")
+    assert len(p.registry) == 0 and p.registry.snapshot().live == 0
+    assert p.take_actions() == [], "the engine's WRITE path frees P's blocks itself"
+    time.sleep(0.3)  # time for a (wrong) PushFailed to reach D
+    assert d.take_failures() == []
+    assert d.has_pending_work(), "D waits for the WRITE's own notification, not PushDone"
+    d.forget(reg.transfer_id)
+    wait_for(lambda: not d.has_pending_work(), 5.0, "D stops waiting once it forgets")
+
+
+def test_an_abort_during_the_write_is_answered_only_when_the_write_ends(
+    channels: Channels,
+) -> None:
+    p, d, reg = start_write(channels, ack_timeout=3.0)
+    d.abort(reg.transfer_id)
+    time.sleep(0.3)
+    assert d.take_failures() == [], "P still reads into D's blocks: D must keep them"
+    assert d.has_pending_work()
+    p.write_ended(reg.transfer_id, None)
+    (failure,) = wait_failures(d)
+    assert failure.transfer_id == reg.transfer_id and "aborted" in failure.why, failure
+    wait_for(lambda: not d.has_pending_work(), 2.0, "D no longer waits")
+    wait_for(lambda: len(p.registry) == 0, 2.0, "P holds nothing")
+    assert p.take_actions() == []
+
+
+# --- aborts and tombstones ------------------------------------------------------------------
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bug: PushRegistry.abort() of a transfer D registered (AWAITING_PREFILL) ends the "
+    "record without leaving a D_ABORTED tombstone, so P's later prefill_finished makes a "
+    "fresh AWAITING_REGISTRATION record that holds P's blocks for unclaimed_ttl"))
+def test_an_abort_after_registration_releases_d_and_frees_the_late_prefill_at_once(
+    channels: Channels,
+) -> None:
+    p = channels.prefill()
+    d = channels.decode()
+    reg = registration(d, "t-1")
+    d.register(p.address, reg)
+    wait_for(lambda: len(p.registry) == 1, 2.0, "P holds the registration")
+    started = time.monotonic()
+    d.abort(reg.transfer_id)
+    (failure,) = wait_failures(d, timeout=SOON)
+    assert time.monotonic() - started < SOON
+    assert failure.request_id == reg.request_id and failure.transfer_id == reg.transfer_id
+    assert "P will not write: aborted" in failure.why, failure
+    wait_for(lambda: not d.has_pending_work(), 2.0, "D no longer waits")
+    assert len(p.registry) == 0
+
+    p.prefill_finished(reg.transfer_id, P_REQ, P_BLOCKS)
+    (action,) = wait_actions(p, timeout=SOON)
+    assert action == FreeBlocks(reg.transfer_id, P_REQ, "aborted"), action
+    wait_for(lambda: not p.has_pending_work(), 2.0, "P holds nothing for the aborted transfer")
+
+
+def test_an_abort_without_registration_frees_the_late_prefill_at_once(
+    channels: Channels,
+) -> None:
+    p = channels.prefill()
+    d = channels.decode()
+    tid = TransferId("t-aborted")
+    d.abort(tid, peer=p.address)
+    # P reads one DEALER's messages in order: once the next registration is held there,
+    # the Abort was handled before it.
+    other = registration(d, "t-other")
+    d.register(p.address, other)
+    wait_for(lambda: len(p.registry) == 1, 2.0, "P handled the Abort, then a registration")
+    assert p.take_actions() == []
+
+    p.prefill_finished(tid, P_REQ, P_BLOCKS)
+    (action,) = wait_actions(p, timeout=SOON)
+    assert action == FreeBlocks(tid, P_REQ, "aborted"), action
+    assert len(p.registry) == 1, "only the other transfer is left"
+    assert [f for f in d.take_failures() if f.transfer_id == tid] == [], (
+        "D waited for nothing: nothing to report")
+    assert p.registry.snapshot().counters.aborted == 1
+
+
+# --- P dying under a waiting D ----------------------------------------------------------------
+
+P_SCRIPT = """
+import sys, time
+from connector.channel import PrefillChannel
+from connector.registry import PushRegistry, RegistryConfig
+channel = PrefillChannel(
+    PushRegistry(RegistryConfig(engine_id="engine-p-child", block_size=int(sys.argv[2]))),
+    "127.0.0.1", int(sys.argv[1]))
+channel.start()
+print("ready", flush=True)
+while True:
+    channel.take_actions()
+    time.sleep(0.05)
+"""
+
+
+@pytest.fixture
+def p_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """P's channel in a process of its own, to be killed; yields (process, address)."""
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-c", P_SCRIPT, str(port), str(BLOCK_SIZE)],
+        cwd=REPO, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert process.stdout is not None
+        readable, _, _ = select.select([process.stdout], [], [], 15.0)
+        assert readable and process.stdout.readline().strip() == "ready", (
+            f"P's process did not start (exit code {process.poll()})")
+        yield process, f"tcp://{HOST}:{port}"
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait(5)
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def test_p_killed_after_d_registered_ends_d_wait_within_peer_timeout(
+    channels: Channels, p_process: tuple[subprocess.Popen[str], str],
+) -> None:
+    process, address = p_process
+    d = channels.decode(ack_timeout=0.5, ping_interval=0.2, peer_timeout=1.0)
+    reg = registration(d, "t-1")
+    registered_at = time.monotonic()
+    d.register(address, reg)
+    assert_acked(d, registered_at)
+    time.sleep(max(0.0, registered_at + d.peer_timeout + 0.3 - time.monotonic()))
+    assert d.take_failures() == [], "a P that answers pings is alive past peer_timeout"
+
+    killed_at = time.monotonic()
+    process.send_signal(signal.SIGKILL)
+    (failure,) = wait_failures(d, timeout=d.peer_timeout + 1.0)
+    elapsed = time.monotonic() - killed_at
+    assert elapsed < d.peer_timeout + 1.0, elapsed
+    assert failure.request_id == reg.request_id and failure.transfer_id == reg.transfer_id
+    assert f"P at {address} silent for" in failure.why, failure
+    wait_for(lambda: not d.has_pending_work(), 2.0, "D no longer waits")
+
+
+# --- deadlines --------------------------------------------------------------------------------
+
+
+def test_an_unclaimed_prefill_expires_and_p_frees_its_blocks(channels: Channels) -> None:
+    p = channels.prefill(unclaimed_ttl=0.3)
+    tid = TransferId("t-unclaimed")
+    started = time.monotonic()
+    p.prefill_finished(tid, P_REQ, P_BLOCKS)
+    wait_for(lambda: len(p.registry) == 1, 0.25, "P holds the finished prefill")
+    assert p.has_pending_work()
+    (action,) = wait_actions(p, timeout=1.0)
+    elapsed = time.monotonic() - started
+    assert action == FreeBlocks(tid, P_REQ, "expired"), action
+    assert 0.25 <= elapsed < 1.0, elapsed
+    wait_for(lambda: not p.has_pending_work(), 1.0, "P is idle")
+    assert len(p.registry) == 0
+    assert p.registry.snapshot().counters.expired_unclaimed == 1
+
+
+def test_no_ack_fails_the_push_after_ack_timeout(channels: Channels) -> None:
+    d = channels.decode(ack_timeout=0.5, peer_timeout=3.0)
+    reg = registration(d, "t-1")
+    started = time.monotonic()
+    d.register(f"tcp://{HOST}:{free_port()}", reg)  # nothing listens there
+    (failure,) = wait_failures(d, timeout=1.5)
+    elapsed = time.monotonic() - started
+    assert 0.45 <= elapsed < 1.5, elapsed
+    assert failure.request_id == reg.request_id and failure.transfer_id == reg.transfer_id
+    assert "P did not acknowledge the registration within 0.5 s" in failure.why, failure
+    wait_for(lambda: not d.has_pending_work(), 2.0, "D no longer waits")
+
+
+# --- bad input ----------------------------------------------------------------------------------
+
+
+def test_garbage_and_another_version_are_refused_and_p_keeps_serving(
+    channels: Channels, raw_dealer: Callable[[str, bytes], zmq.Socket[Any]],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="vllm.pd_connector.channel")
+    p = channels.prefill()
+    identity = b"engine-d-raw"
+    sock = raw_dealer(p.address, identity)
+    reg = RegisterBlocks(
+        transfer_id=TransferId("t-1"), engine_id=EngineId(identity.decode()),
+        request_id="d-req-1", tp_size=1, tp_rank=0, block_ids=D_BLOCKS,
+        block_size=BLOCK_SIZE, host=HOST, port=5601, ttl_s=30.0)
+    future = msgspec.to_builtins(reg)
+    future["version"] = 2
+    sock.send(b"\x00not msgpack at all")
+    sock.send(msgspec.msgpack.encode(future))  # the same transfer, in another version
+    sock.send_multipart([b"two", b"frames"])  # not [identity, payload] on P's side
+    sock.send(encode(reg))
+
+    answer = receive(sock)
+    assert answer == Ack(transfer_id=reg.transfer_id, engine_id=P_ENGINE,
+                         block_size=BLOCK_SIZE, tp_size=1), answer
+    assert len(p.registry) == 1
+    assert p.registry.snapshot().counters.registered == 1, "the version-2 copy was refused"
+    sock.send(encode(Ping()))
+    assert receive(sock) == Pong()
+    refused = [r.getMessage() for r in caplog.records if "refused a message" in r.getMessage()]
+    assert len(refused) == 2, refused
+    assert "malformed side-channel message" in refused[0], refused
+    assert "protocol version mismatch" in refused[1] and "version 2" in refused[1], refused
+
+
+# --- stopping -----------------------------------------------------------------------------------
+
+
+def channel_threads(name: str) -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == name}
+
+
+def test_channels_stop_promptly_and_free_the_port(channels: Channels) -> None:
+    before = channel_threads(PrefillChannel.name) | channel_threads(DecodeChannel.name)
+    port = free_port()
+    p = channels.prefill(port=port)
+    d = channels.decode()
+    d.register(p.address, registration(d, "t-1"))  # D now owns a socket and a deadline
+    p.prefill_finished(TransferId("t-2"), P_REQ, P_BLOCKS)  # P now holds a deadline
+    wait_for(lambda: len(p.registry) == 2, 2.0, "P holds both transfers")
+    threads = (channel_threads(PrefillChannel.name)
+               | channel_threads(DecodeChannel.name)) - before
+    assert len(threads) == 2, threads
+
+    started = time.monotonic()
+    channels.stop(d)
+    channels.stop(p)
+    assert time.monotonic() - started < 2.0
+    assert not any(t.is_alive() for t in threads)
+    again = channels.prefill(port=port)  # the port is free again
+    assert again.address == p.address
+
+
+def test_a_second_prefill_channel_on_a_busy_port_names_push_port(channels: Channels) -> None:
+    port = free_port()
+    p = channels.prefill(port=port)
+    with pytest.raises(OSError, match="push_port") as excinfo:
+        channels.prefill(port=port)
+    assert p.address in str(excinfo.value)
+    d = channels.decode()  # the first channel still serves
+    d.register(p.address, registration(d, "t-1"))
+    wait_for(lambda: len(p.registry) == 1, 2.0, "the first channel holds the registration")
