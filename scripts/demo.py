@@ -4,15 +4,17 @@
 
 Steps (each printed as it happens):
 1. build the tiny model (once, into .cache/tiny-model; no download);
-2. start a P and a D with stock vLLM `NixlConnector` (pull), and the router; send a
-   completion in pull mode, then ask for push to show the router falling back (a stock
-   pull-only pair cannot push) and saying so in X-KV-Transfer-Mode;
-3. start a pair with stock `NixlPushConnector` and the router in push mode; send a
-   completion and a streamed chat completion in push mode;
-4. every answer is checked against the same request served whole by one server
+2. start a P and a D with our `NixlDualConnector`, and the router in front (push by
+   default); send a completion and a streamed chat completion in each mode, the mode
+   chosen per request by the `X-KV-Transfer-Mode` header, all on the same pair;
+3. every answer is checked against the same request served whole by one server
    (greedy tokens must be equal), and D's /metrics must show the prompt's KV came over
-   NIXL.
-About 2-3 minutes on a 2-core machine; servers log to .cache/vllm-logs/.
+   NIXL (not recomputed).
+About 1-2 minutes on a 2-core machine; servers log to .cache/vllm-logs/.
+
+`--stock` runs the same checks with vLLM's own connectors instead, which fix the mode per
+deployment: a `NixlConnector` pair (pull; a push request falls back to pull, and the
+answer says so in X-KV-Transfer-Mode), then a `NixlPushConnector` pair (push).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import httpx
 
 from scripts import tiny_model
 from scripts.pd_protocol import EXTERNAL_KV_TOKENS, metric, parse_metrics
-from scripts.vllm_cpu import DEFAULT_MODEL_DIR, REPO_ROOT, free_port, pair
+from scripts.vllm_cpu import DEFAULT_MODEL_DIR, DUAL_CONNECTOR, REPO_ROOT, free_port, pair
 
 PROMPT = "The router hands the prompt's cache from prefill to decode, and the decode server"
 MAX_TOKENS = 16
@@ -119,15 +121,29 @@ def check(label: str, url: str, decode_url: str, path: str, body: dict[str, Any]
     return ok
 
 
-def main() -> int:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
-    say("building the tiny model (once)")
-    tiny_model.build(DEFAULT_MODEL_DIR)
-    completion = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "stream": True}
-    results = []
+COMPLETION = {"model": "tiny", "prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": MAX_TOKENS,
+        "temperature": 0, "stream": True}
 
+
+def dual_demo() -> list[bool]:
+    """Our connector: one pair, both modes, chosen per request."""
+    completion, chat = COMPLETION, CHAT
+    results = []
+    say(f"starting a P/D pair with our {DUAL_CONNECTOR} ... (20-60 s)")
+    with pair(DUAL_CONNECTOR) as p, router(p.prefill_url, p.decode_url, "push") as url:
+        for mode in ("push", "pull"):
+            results.append(check(f"{mode} completion", url, p.decode_url, "/v1/completions",
+                                 completion, mode, mode))
+            results.append(check(f"{mode} streamed chat", url, p.decode_url, "/v1/chat/completions",
+                                 chat, mode, mode))
+    return results
+
+
+def stock_demo() -> list[bool]:
+    """vLLM's connectors: one pair per mode."""
+    completion, chat = COMPLETION, CHAT
+    results = []
     say("starting a P/D pair with stock NixlConnector (pull) ... (20-60 s)")
     with pair("NixlConnector") as p, router(p.prefill_url, p.decode_url, "pull") as url:
         results.append(check("pull completion", url, p.decode_url, "/v1/completions", completion, "pull", "pull"))
@@ -138,7 +154,18 @@ def main() -> int:
     with pair("NixlPushConnector") as p, router(p.prefill_url, p.decode_url, "push") as url:
         results.append(check("push completion", url, p.decode_url, "/v1/completions", completion, "push", "push"))
         results.append(check("push streamed chat", url, p.decode_url, "/v1/chat/completions", chat, "push", "push"))
+    return results
 
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stock", action="store_true",
+                        help="use vLLM's own NixlConnector and NixlPushConnector (two pairs)")
+    args = parser.parse_args()
+    say("building the tiny model (once)")
+    tiny_model.build(DEFAULT_MODEL_DIR)
+    results = stock_demo() if args.stock else dual_demo()
     say(f"{sum(results)} of {len(results)} checks passed")
     return 0 if all(results) else 1
 
