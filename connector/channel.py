@@ -201,8 +201,10 @@ class PrefillChannel(_ChannelThread):
                 f"cannot listen for push registrations on {self.address}: {exc}; choose "
                 "another kv_connector_extra_config.push_port"
             ) from exc
-        # Written by the channel thread, read by the engine thread (has_pending_work).
+        # Written by the channel thread, read by the engine thread (has_pending_work, the
+        # stats log).
         self.live_transfers = 0
+        self.counters = registry.snapshot().counters
 
     # --- engine thread -----------------------------------------------------------------
 
@@ -246,6 +248,7 @@ class PrefillChannel(_ChannelThread):
                 for release in self.registry.expire(time.monotonic()):
                     self._released(release)
                 self.live_transfers = len(self.registry)
+                self.counters = self.registry.snapshot().counters  # a copy, for the stats log
                 self._handled += len(events)  # after live_transfers: see has_pending_work
         finally:
             self._socket.close()

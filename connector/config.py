@@ -28,6 +28,7 @@ KEYS = (
     "ack_timeout",
     "ping_interval",
     "peer_timeout",
+    "stats_interval",
 )
 
 
@@ -55,6 +56,8 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # from it when P has said nothing for peer_timeout (P died or is unreachable).
     ping_interval: float = 1.0
     peer_timeout: float = 3.0
+    # At most this often, a log line with the push counts (when they changed).
+    stats_interval: float = 30.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.push_port <= MAX_PORT:
@@ -62,7 +65,7 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.push_host is not None and not self.push_host:
             raise ConfigError("push_host must be a non-empty host name or address")
         for name in ("registration_ttl", "unclaimed_ttl", "ack_timeout", "ping_interval",
-                     "peer_timeout"):
+                     "peer_timeout", "stats_interval"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value}")

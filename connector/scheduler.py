@@ -22,7 +22,10 @@ blocks at once.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
@@ -50,6 +53,24 @@ logger = logging.getLogger("vllm.pd_connector.scheduler")
 TRANSFER_MODES = ["pull", "push"]
 
 
+@dataclass(slots=True)
+class PushStats:
+    """This engine's counts, logged every `stats_interval` when they changed. P's registry
+    adds its own (matched, expired, aborted, refused) from the channel thread."""
+
+    pull_prefills: int = 0  # P: prefills kept for a D to read
+    push_prefills: int = 0  # P: prefills handed to the push registry
+    probes: int = 0  # P: probes answered (blocks freed at once)
+    writes_done: int = 0  # P: pushes written
+    writes_failed: int = 0
+    blocks_written: int = 0
+    write_seconds: float = 0.0  # P: summed WRITE time, registration match to completion
+    registrations: int = 0  # D: pushes registered with a P
+    received: int = 0  # D: pushes whose KV arrived
+    fell_back: int = 0  # D: pushes that failed: the prompt was recomputed
+    aborted: int = 0  # D: pushes ended by D's own abort (client gone)
+
+
 def is_push(params: dict[str, Any] | None) -> bool:
     return bool(params) and params.get("transfer_mode") == "push"  # type: ignore[union-attr]
 
@@ -65,6 +86,7 @@ class DualScheduler(NixlPullConnectorScheduler):
         self.push_host = config.push_host or self.side_channel_host
         self.push_port = config.push_port + vllm_config.parallel_config.data_parallel_index
         self.registration_ttl = config.registration_ttl
+        self.stats_interval = config.stats_interval
         registry = PushRegistry(RegistryConfig(
             engine_id=EngineId(engine_id), block_size=self.block_size,
             tp_size=self.transfer_tp_size, registration_ttl=config.registration_ttl,
@@ -79,7 +101,10 @@ class DualScheduler(NixlPullConnectorScheduler):
         # D: pushes this engine waits for, by D's request id; and what the next step
         # tells the workers about them.
         self._incoming: dict[str, TransferId] = {}
+        self._aborting: set[str] = set()  # D: aborted requests, until P answers
         self._step = PushStep()
+        self.stats = PushStats()
+        self._logged = (PushStats(), time.monotonic())
         logger.info("dual connector: modes %s; push side channel on %s:%d",
                     ",".join(TRANSFER_MODES), self.push_host, self.push_port)
 
@@ -118,6 +143,7 @@ class DualScheduler(NixlPullConnectorScheduler):
             host=self.side_channel_host, port=self.side_channel_port,
             ttl_s=self.registration_ttl))
         self._incoming[rid] = tid
+        self.stats.registrations += 1
 
     @staticmethod
     def _push_peer(params: dict[str, Any]) -> str | None:
@@ -148,9 +174,13 @@ class DualScheduler(NixlPullConnectorScheduler):
             self._stop_pull_lease(rid)
             self.prefill_channel.prefill_finished(tid, rid, answer["remote_block_ids"])
             answer["transfer_mode"] = "push"
+            self.stats.push_prefills += 1
         elif params.get("probe") and delay_free:
             self._stop_pull_lease(rid)  # nobody will read a probe's KV
             delay_free = False
+            self.stats.probes += 1
+        elif delay_free:
+            self.stats.pull_prefills += 1
         if answer is not None:
             answer.update(transfer_modes=TRANSFER_MODES, push_host=self.push_host,
                           push_port=self.push_port)
@@ -168,6 +198,7 @@ class DualScheduler(NixlPullConnectorScheduler):
         tid = self._incoming.pop(request.request_id, None)
         if tid is not None:
             self.decode_channel.abort(tid)
+            self._aborting.add(request.request_id)
         elif params.get("do_remote_prefill"):
             # Ended before it was ever scheduled: no registration; P may hold the KV.
             params["do_remote_prefill"] = False
@@ -184,6 +215,11 @@ class DualScheduler(NixlPullConnectorScheduler):
         for failure in self.decode_channel.take_failures():
             self._incoming.pop(failure.request_id, None)
             step.failed.add(failure.request_id)
+            if failure.request_id in self._aborting:
+                self._aborting.discard(failure.request_id)
+                self.stats.aborted += 1
+            else:
+                self.stats.fell_back += 1
         for action in self.prefill_channel.take_actions():
             if isinstance(action, StartWrite):
                 reg = action.registration
@@ -196,7 +232,25 @@ class DualScheduler(NixlPullConnectorScheduler):
             elif isinstance(action, FreeBlocks):
                 step.release.add(action.request_id)
         meta.push = step  # type: ignore[attr-defined]
+        self._log_stats()
         return meta
+
+    def _log_stats(self) -> None:
+        last, at = self._logged
+        now = time.monotonic()
+        if now - at < self.stats_interval or self.stats == last:
+            return
+        self._logged = (dataclasses.replace(self.stats), now)
+        s, r = self.stats, self.prefill_channel.counters
+        mean_ms = s.write_seconds / s.writes_done * 1000 if s.writes_done else 0.0
+        logger.info(
+            "push stats: P prefills pull %d push %d probes %d; writes done %d failed %d "
+            "(%d blocks, mean %.1f ms); registry matched %d expired %d+%d aborted %d "
+            "refused %d; D registered %d received %d fell back %d aborted %d",
+            s.pull_prefills, s.push_prefills, s.probes, s.writes_done, s.writes_failed,
+            s.blocks_written, mean_ms, r.matched, r.expired_registrations,
+            r.expired_unclaimed, r.aborted, r.rejected + r.duplicates, s.registrations,
+            s.received, s.fell_back, s.aborted)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
@@ -204,14 +258,19 @@ class DualScheduler(NixlPullConnectorScheduler):
             tid = self._incoming.pop(rid, None)
             if tid is not None:
                 self.decode_channel.forget(tid)
+                self.stats.received += rid not in connector_output.failed_recving
         report = connector_output.kv_connector_worker_meta
         if isinstance(report, PushReport):
             for tid, end in report.ended.items():
                 self.prefill_channel.write_ended(tid, end.error)
                 if end.error is None:
+                    self.stats.writes_done += 1
+                    self.stats.blocks_written += end.blocks
+                    self.stats.write_seconds += end.seconds
                     logger.debug("push %s: %d blocks written in %.1f ms", tid, end.blocks,
                                  end.seconds * 1000)
                 else:
+                    self.stats.writes_failed += 1
                     logger.warning("push %s: WRITE failed: %s", tid, end.error)
 
     def has_pending_push_work(self) -> bool:

@@ -15,6 +15,7 @@ and closes the pair.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 import uuid
 from typing import Any
@@ -108,6 +109,30 @@ async def test_one_pair_serves_pull_and_push_chosen_per_request(
             assert tokens == await reference_tokens(client, dual_pair.decode_url, path, body), (
                 f"{mode}: tokens differ from one server's")
         await assert_nothing_held(client, dual_pair)
+
+
+async def test_the_servers_logs_count_the_pushes(dual_pair: Pair, proxy_for: ProxyFactory) -> None:
+    router_url = proxy_for(dual_pair, "pull")
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        resp = await client.post(router_url + COMPLETIONS, json=make_body(COMPLETIONS),
+                                 headers={"X-KV-Transfer-Mode": "push"})
+        assert resp.status_code == 200, resp.text
+        # A stats line comes at most every second, with an engine step: give each a step.
+        await asyncio.sleep(1.2)
+        for url in (dual_pair.prefill_url, dual_pair.decode_url):
+            plain = await client.post(url + COMPLETIONS, json={**make_body(COMPLETIONS),
+                                                               "max_tokens": 4})
+            assert plain.status_code == 200, plain.text
+
+    def last_stats(path: Any) -> str:
+        lines = [line for line in path.read_text().splitlines() if "push stats:" in line]
+        assert lines, f"no push stats line in {path}"
+        return str(lines[-1])
+
+    p_line = last_stats(dual_pair.prefill.spec.log_path)
+    d_line = last_stats(dual_pair.decode.spec.log_path)
+    assert re.search(r"writes done [1-9]\d* failed 0", p_line), p_line
+    assert re.search(r"D registered [1-9]\d* received [1-9]", d_line), d_line
 
 
 async def test_p_answers_say_it_can_push_and_where(dual_pair: Pair) -> None:

@@ -261,9 +261,9 @@ def test_a_failed_write_fails_the_push_on_d(channels: Channels) -> None:
 def test_a_successful_write_fails_nothing_and_empties_p(channels: Channels) -> None:
     p, d, reg = start_write(channels)
     p.write_ended(reg.transfer_id, None)
-    wait_for(lambda: p.registry.snapshot().counters.done == 1, 2.0, "P counts the push done")
     wait_for(lambda: not p.has_pending_work(), 2.0, "P is idle")
     assert len(p.registry) == 0 and p.registry.snapshot().live == 0
+    assert p.registry.snapshot().counters.done == 1
     assert p.take_actions() == [], "the engine's WRITE path frees P's blocks itself"
     time.sleep(0.3)  # time for a (wrong) PushFailed to reach D
     assert d.take_failures() == []
@@ -336,8 +336,7 @@ def test_an_abort_without_registration_frees_the_late_prefill_at_once(
     (action,) = wait_actions(p, timeout=SOON)
     assert action == FreeBlocks(tid, P_REQ, "aborted"), action
     assert len(p.registry) == 1, "only the other transfer is left"
-    assert [f for f in d.take_failures() if f.transfer_id == tid] == [], (
-        "D waited for nothing: nothing to report")
+    assert d.take_failures() == [], "D waited for nothing: nothing to report"
     assert p.registry.snapshot().counters.aborted == 1
 
 
@@ -410,8 +409,9 @@ def test_an_unclaimed_prefill_expires_and_p_frees_its_blocks(channels: Channels)
     tid = TransferId("t-unclaimed")
     started = time.monotonic()
     p.prefill_finished(tid, P_REQ, P_BLOCKS)
-    wait_for(lambda: len(p.registry) == 1, 0.25, "P holds the finished prefill")
     assert p.has_pending_work()
+    time.sleep(0.1)
+    assert p.take_actions() == [] and p.has_pending_work(), "P holds it, for unclaimed_ttl"
     (action,) = wait_actions(p, timeout=1.0)
     elapsed = time.monotonic() - started
     assert action == FreeBlocks(tid, P_REQ, "expired"), action
@@ -506,3 +506,39 @@ def test_a_second_prefill_channel_on_a_busy_port_names_push_port(channels: Chann
     d = channels.decode()  # the first channel still serves
     d.register(p.address, registration(d, "t-1"))
     wait_for(lambda: len(p.registry) == 1, 2.0, "the first channel holds the registration")
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bug: PrefillChannel binds its ROUTER socket in __init__ but closes it only in the "
+    "thread's run loop, so stop() without start() blocks forever in zmq Context.term()"))
+def test_a_prefill_channel_never_started_stops_promptly() -> None:
+    channel = PrefillChannel(
+        PushRegistry(RegistryConfig(engine_id=P_ENGINE, block_size=BLOCK_SIZE)), HOST,
+        free_port())
+    stopper = threading.Thread(target=channel.stop, name="test-stop", daemon=True)
+    stopper.start()
+    stopper.join(1.0)
+    hung = stopper.is_alive()
+    if hung:
+        channel._socket.close()  # what term() waits for; lets the stuck stop() return
+        stopper.join(5.0)
+    assert not hung, "stop() without start() hangs"
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "bug: when the bind fails, PrefillChannel.__init__ closes its socket and context but "
+    "not the wake-up pipe made by _ChannelThread.__init__: two fds leak per attempt"))
+def test_a_refused_bind_leaks_no_file_descriptor(channels: Channels) -> None:
+    port = free_port()
+    channels.prefill(port=port)
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    with pytest.raises(OSError):
+        channels.prefill(port=port)  # warm-up: whatever zmq opens once per process
+    before = open_fds()
+    for _ in range(3):
+        with pytest.raises(OSError):
+            channels.prefill(port=port)
+    assert open_fds() == before, f"{open_fds() - before} fds leaked in 3 refused binds"

@@ -1,0 +1,272 @@
+"""Push vs pull: time to first token through the router on one real CPU 1P1D pair.
+
+    .venv/bin/python -m scripts.bench_push            # ~5 min; needs no GPU
+    .venv/bin/python -m scripts.bench_push --help
+
+What it runs, in one go (progress is printed as it goes):
+1. a P/D pair with our `NixlDualConnector` and the router in front: for each prompt
+   length and concurrency, rounds of streamed completions alternating pull and push
+   (chosen per request by header, on the same pair), each with a fresh random prompt
+   (no prefix-cache hits); TTFT is measured at the client, to the first token;
+2. the same with vLLM's `NixlPushConnector` (push only), for comparison;
+3. a raw NIXL WRITE between two processes of the same bytes and descriptor count as
+   one of our pushes (`scripts.bench_nixl`), after the servers are gone.
+
+It prints, per case, the median TTFT of each and the ratios push/pull (target: 0.85 or
+less from 512 tokens on) and stock push/pull; and our push path's WRITE throughput
+(from P's `vllm:nixl_*` metrics: bytes over NIXL's own transfer time) against the raw
+WRITE's (target: 0.7 or more). Results go to a JSON file and, with matplotlib
+installed (`pip install -e .[bench]`), a PNG plot.
+
+On a 2-core machine both servers, the router and this client share the cores; the
+absolute numbers are small-model CPU numbers, the ratios are the point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from scripts import bench_nixl, tiny_model
+from scripts.demo import router
+from scripts.pd_protocol import metric, parse_metrics
+from scripts.vllm_cpu import DEFAULT_MODEL_DIR, DUAL_CONNECTOR, REPO_ROOT, pair
+
+STOCK_PUSH = "NixlPushConnector"
+DEFAULT_PROMPTS = (128, 256, 512, 1000)  # the tiny model has 1,024 positions
+DEFAULT_CONCURRENCY = (1, 4)
+MAX_TOKENS = 2
+VOCAB = tiny_model.VOCAB_SIZE
+NIXL_BYTES = "vllm:nixl_bytes_transferred"
+NIXL_TIME = "vllm:nixl_xfer_time_seconds"
+NIXL_DESCRIPTORS = "vllm:nixl_num_descriptors"
+
+
+def say(message: str) -> None:
+    print(f"[bench_push] {message}", flush=True)
+
+
+async def first_token_seconds(client: httpx.AsyncClient, url: str, prompt: list[int],
+                              mode: str) -> float:
+    """One streamed completion through the router; seconds to its first token."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    started = time.perf_counter()
+    ttft = None
+    async with client.stream("POST", f"{url}/v1/completions", json=body,
+                             headers={"X-KV-Transfer-Mode": mode}) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"{mode}: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
+        if resp.headers.get("x-kv-transfer-mode") != mode:
+            raise RuntimeError(f"asked {mode}, the router used {resp.headers.get('x-kv-transfer-mode')}")
+        async for line in resp.aiter_lines():
+            if ttft is None and line.startswith("data: {"):
+                ttft = time.perf_counter() - started
+    if ttft is None:
+        raise RuntimeError(f"{mode}: the stream had no token")
+    return ttft
+
+
+async def batch(client: httpx.AsyncClient, url: str, mode: str, prompt_len: int,
+                concurrency: int, rng: random.Random) -> list[float]:
+    prompts = [[rng.randrange(10, VOCAB) for _ in range(prompt_len)] for _ in range(concurrency)]
+    return list(await asyncio.gather(
+        *(first_token_seconds(client, url, p, mode) for p in prompts)))
+
+
+async def p_nixl_counters(client: httpx.AsyncClient, prefill_url: str) -> dict[str, float]:
+    """P's NIXL histograms' sums and counts (our pushes are WRITEs by P)."""
+    samples = parse_metrics((await client.get(f"{prefill_url}/metrics")).text)
+    return {f"{name}_{part}": metric(samples, f"{name}_{part}")
+            for name in (NIXL_BYTES, NIXL_TIME, NIXL_DESCRIPTORS) for part in ("sum", "count")}
+
+
+async def run_pair(connector: str, modes: Sequence[str], args: argparse.Namespace,
+                   rng: random.Random) -> dict[str, Any]:
+    """Every case on one pair; returns TTFTs by case and mode, and P's NIXL counters."""
+    say(f"starting a P/D pair with {connector} ... (20-60 s)")
+    ttfts: dict[str, dict[str, list[float]]] = {}
+    nixl: dict[str, float] = {}
+    with pair(connector, extra_args=["--max-model-len", "1024"],
+              start_timeout_s=args.start_timeout) as p, \
+            router(p.prefill_url, p.decode_url, "pull") as url:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+            for mode in modes:  # warm both paths (handshakes, first allocations)
+                await batch(client, url, mode, 128, 2, rng)
+            before = await p_nixl_counters(client, p.prefill_url)
+            cases = [(n, c) for n in args.prompts for c in args.concurrency]
+            for index, (prompt_len, concurrency) in enumerate(cases, 1):
+                key = f"{prompt_len}x{concurrency}"
+                ttfts[key] = {mode: [] for mode in modes}
+                rounds = max(1, args.requests // concurrency)
+                for _ in range(rounds):  # modes interleaved, so drift hits both alike
+                    for mode in modes:
+                        ttfts[key][mode] += await batch(client, url, mode, prompt_len,
+                                                        concurrency, rng)
+                medians = ", ".join(f"{m} {statistics.median(v) * 1000:.0f} ms"
+                                    for m, v in ttfts[key].items())
+                say(f"  [{index}/{len(cases)}] {prompt_len} tokens x {concurrency} "
+                    f"concurrent: median TTFT {medians}")
+            after = await p_nixl_counters(client, p.prefill_url)
+            nixl = {k: after[k] - before[k] for k in after}
+    return {"connector": connector, "ttft_s": ttfts, "prefill_nixl": nixl}
+
+
+def raw_write_baseline(nixl: dict[str, float], args: argparse.Namespace) -> dict[str, Any] | None:
+    """A raw NIXL DRAM WRITE shaped like our average push: same bytes, same descriptors."""
+    writes = nixl.get(f"{NIXL_BYTES}_count", 0.0)
+    descriptors = nixl.get(f"{NIXL_DESCRIPTORS}_sum", 0.0)
+    if writes <= 0 or descriptors <= 0:
+        return None
+    per_write = nixl[f"{NIXL_BYTES}_sum"] / writes
+    blocks = max(1, round(descriptors / writes))
+    block_bytes = max(1, round(per_write / blocks))
+    say(f"raw NIXL WRITE of the same shape: {blocks} x {block_bytes} B, scattered ...")
+    return bench_nixl.run(bench_nixl.Params(
+        device="cpu", block_bytes=block_bytes, blocks=blocks, iterations=args.raw_iterations,
+        warmup=3, noncontiguous=True, one_block_rounds=0, progress_thread=False,
+        timeout=120.0))
+
+
+def summarize(dual: dict[str, Any], stock: dict[str, Any] | None,
+              raw: dict[str, Any] | None) -> dict[str, Any]:
+    rows = []
+    for key, by_mode in dual["ttft_s"].items():
+        pull, push = statistics.median(by_mode["pull"]), statistics.median(by_mode["push"])
+        stock_push = (statistics.median(stock["ttft_s"][key]["push"])
+                      if stock and key in stock["ttft_s"] else None)
+        prompt_len, concurrency = (int(x) for x in key.split("x"))
+        rows.append({
+            "prompt_tokens": prompt_len, "concurrency": concurrency,
+            "pull_ms": pull * 1000, "push_ms": push * 1000,
+            "stock_push_ms": None if stock_push is None else stock_push * 1000,
+            "push_over_pull": push / pull,
+            "stock_push_over_pull": None if stock_push is None else stock_push / pull,
+        })
+    nixl = dual["prefill_nixl"]
+    ours_gbps = None
+    if nixl.get(f"{NIXL_TIME}_sum", 0.0) > 0:
+        ours_gbps = nixl[f"{NIXL_BYTES}_sum"] / nixl[f"{NIXL_TIME}_sum"] / 1e9
+    raw_gbps = raw["gbps_median"] if raw else None
+    return {
+        "cases": rows,
+        "write": {
+            "ours_gbps": ours_gbps, "raw_gbps": raw_gbps,
+            "ours_over_raw": ours_gbps / raw_gbps if ours_gbps and raw_gbps else None,
+            "pushes": nixl.get(f"{NIXL_BYTES}_count"),
+            "bytes": nixl.get(f"{NIXL_BYTES}_sum"),
+        },
+    }
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    print(f"\n{'prompt':>7} {'conc':>4} {'pull ms':>8} {'push ms':>8} {'stock ms':>9} "
+          f"{'push/pull':>9} {'stock/pull':>10}")
+    for row in summary["cases"]:
+        stock = "-" if row["stock_push_ms"] is None else f"{row['stock_push_ms']:.0f}"
+        stock_ratio = ("-" if row["stock_push_over_pull"] is None
+                       else f"{row['stock_push_over_pull']:.2f}")
+        target = " (target <= 0.85)" if row["prompt_tokens"] >= 512 else ""
+        print(f"{row['prompt_tokens']:>7} {row['concurrency']:>4} {row['pull_ms']:>8.0f} "
+              f"{row['push_ms']:>8.0f} {stock:>9} {row['push_over_pull']:>9.2f} "
+              f"{stock_ratio:>10}{target}")
+    w = summary["write"]
+    if w["ours_gbps"] is not None:
+        raw = "-" if w["raw_gbps"] is None else f"{w['raw_gbps']:.2f}"
+        ratio = "-" if w["ours_over_raw"] is None else f"{w['ours_over_raw']:.2f}"
+        print(f"\nWRITE throughput: our push path {w['ours_gbps']:.2f} GB/s over "
+              f"{w['pushes']:.0f} pushes; raw NIXL DRAM WRITE of the same shape {raw} GB/s; "
+              f"ratio {ratio} (target >= 0.7)")
+
+
+def plot(summary: dict[str, Any], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        say("matplotlib is not installed (pip install -e .[bench]): no plot")
+        return False
+    concurrencies = sorted({row["concurrency"] for row in summary["cases"]})
+    fig, axes = plt.subplots(1, len(concurrencies), figsize=(6 * len(concurrencies), 4.5),
+                             squeeze=False)
+    for ax, concurrency in zip(axes[0], concurrencies, strict=True):
+        rows = [r for r in summary["cases"] if r["concurrency"] == concurrency]
+        x = [r["prompt_tokens"] for r in rows]
+        ax.plot(x, [r["pull_ms"] for r in rows], "o-", label="pull (ours)")
+        ax.plot(x, [r["push_ms"] for r in rows], "s-", label="push (ours)")
+        if all(r["stock_push_ms"] is not None for r in rows):
+            ax.plot(x, [r["stock_push_ms"] for r in rows], "^--", label="push (vLLM NixlPushConnector)")
+        ax.set_title(f"TTFT through the router, concurrency {concurrency}")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("median TTFT (ms)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench_push", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
+    parser.add_argument("--prompts", type=ints, default=DEFAULT_PROMPTS,
+                        help="prompt lengths in tokens, comma-separated (at most 1020)")
+    parser.add_argument("--concurrency", type=ints, default=DEFAULT_CONCURRENCY,
+                        help="concurrent requests per round, comma-separated")
+    parser.add_argument("--requests", type=int, default=12,
+                        help="requests per mode and case (rounded to whole rounds)")
+    parser.add_argument("--no-stock", action="store_true",
+                        help="skip the vLLM NixlPushConnector pair")
+    parser.add_argument("--raw-iterations", type=int, default=20,
+                        help="measured raw NIXL WRITEs")
+    parser.add_argument("--start-timeout", type=float, default=240.0,
+                        help="seconds a pair may take to start")
+    parser.add_argument("--seed", type=int, default=0, help="prompt generator seed")
+    parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench-results" / "push.json")
+    parser.add_argument("--plot", type=Path, default=REPO_ROOT / "bench-results" / "push_ttft.png")
+    args = parser.parse_args(argv)
+    if any(n < 1 or n > 1020 for n in args.prompts) or any(c < 1 for c in args.concurrency):
+        parser.error("prompt lengths must be in 1..1020 and concurrencies >= 1")
+    return args
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    tiny_model.build(DEFAULT_MODEL_DIR)
+    dual = await run_pair(DUAL_CONNECTOR, ("pull", "push"), args, rng)
+    stock = None if args.no_stock else await run_pair(STOCK_PUSH, ("push",), args, rng)
+    raw = raw_write_baseline(dual["prefill_nixl"], args)
+    summary = summarize(dual, stock, raw)
+    return {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "dual": dual, "stock": stock, "raw_write": raw, "summary": summary}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = asyncio.run(bench(args))
+    print_summary(result["summary"])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    say(f"wrote {args.out}")
+    if plot(result["summary"], args.plot):
+        say(f"wrote {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
