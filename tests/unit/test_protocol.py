@@ -91,6 +91,30 @@ def test_capabilities_from_p_answer(params: dict, modes: set) -> None:
     assert found.transfer_modes == modes
 
 
+@pytest.mark.parametrize(("extra", "push_host", "push_port"), [
+    pytest.param({"push_host": "10.0.0.7", "push_port": 5700}, "10.0.0.7", 5700, id="ours"),
+    pytest.param({}, None, None, id="stock-no-side-channel"),
+    pytest.param({"push_host": "10.0.0.7", "push_port": 0}, None, None, id="bad-port-ignored"),
+    pytest.param({"push_host": "10.0.0.7", "push_port": "5700"}, None, None, id="port-not-int"),
+])
+def test_our_ps_push_side_channel_is_read_from_its_answer(
+    extra: dict, push_host: str | None, push_port: int | None
+) -> None:
+    found = coordinates_from_answer({**P_ANSWER_PARAMS, **extra})
+    assert found is not None
+    assert (found.push_host, found.push_port) == (push_host, push_port)
+
+
+def test_push_decode_leg_names_ps_push_side_channel_only_when_p_has_one() -> None:
+    ours = PrefillCoordinates(engine_id="eng", host="10.0.0.1", port=5600, push_host="10.0.0.1",
+                              push_port=5700)
+    params = push_decode_body(request(), ours, transfer_id="t")["kv_transfer_params"]
+    assert (params["push_host"], params["push_port"]) == ("10.0.0.1", 5700)
+    stock = PrefillCoordinates(engine_id="eng", host="10.0.0.1", port=5600)
+    params = push_decode_body(request(), stock, transfer_id="t")["kv_transfer_params"]
+    assert "push_host" not in params and "push_port" not in params
+
+
 def test_no_coordinates_in_an_answer_without_engine() -> None:
     assert coordinates_from_answer({"remote_host": "h"}) is None
     assert coordinates_from_answer(None) is None

@@ -1,0 +1,46 @@
+"""The dual connector's settings: our keys from kv_connector_extra_config, checked at start."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from connector.config import ConfigError, DualConfig
+
+
+def test_only_our_keys_are_read_and_the_defaults_fill_the_rest() -> None:
+    config = DualConfig.from_extra_config({"push_port": 5700, "kv_lease_duration": 60})
+    assert config.push_port == 5700
+    assert config.push_host is None
+    assert (config.registration_ttl, config.unclaimed_ttl) == (120.0, 120.0)
+    assert (config.ack_timeout, config.ping_interval, config.peer_timeout) == (5.0, 1.0, 3.0)
+
+
+def test_numbers_given_as_strings_are_accepted() -> None:
+    config = DualConfig.from_extra_config({"push_port": "5700", "peer_timeout": "4.5"})
+    assert (config.push_port, config.peer_timeout) == (5700, 4.5)
+
+
+@pytest.mark.parametrize("extra", [None, {}, {"kv_lease_duration": 30}])
+def test_push_port_is_required(extra: dict[str, Any] | None) -> None:
+    with pytest.raises(ConfigError, match="push_port"):
+        DualConfig.from_extra_config(extra)
+
+
+@pytest.mark.parametrize(("extra", "named"), [
+    pytest.param({"push_port": 0}, "push_port", id="port-zero"),
+    pytest.param({"push_port": 70000}, "push_port", id="port-too-big"),
+    pytest.param({"push_port": "http"}, "push_port", id="port-not-a-number"),
+    pytest.param({"push_port": 5700, "push_host": ""}, "push_host", id="empty-host"),
+    pytest.param({"push_port": 5700, "registration_ttl": 0}, "registration_ttl", id="ttl-zero"),
+    pytest.param({"push_port": 5700, "unclaimed_ttl": float("inf")}, "unclaimed_ttl",
+                 id="ttl-infinite"),
+    pytest.param({"push_port": 5700, "ack_timeout": -1}, "ack_timeout", id="negative"),
+    pytest.param({"push_port": 5700, "ping_interval": 2, "peer_timeout": 2}, "peer_timeout",
+                 id="peer-timeout-not-above-ping"),
+    pytest.param({"push_port": 5700, "stats_interval": 0}, "stats_interval", id="stats-zero"),
+])
+def test_a_bad_value_fails_the_start_naming_the_key(extra: dict[str, Any], named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        DualConfig.from_extra_config(extra)
