@@ -99,6 +99,7 @@ class _ChannelThread:
         self._events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._stopped = False
         self._context = zmq.Context()
         # Events posted (by the engine thread) and handled (by the channel thread): each
         # counter has one writer, so unequal counts safely mean "work not yet seen".
@@ -110,6 +111,10 @@ class _ChannelThread:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the thread and close everything; safe to call twice, or without start."""
+        if self._stopped:
+            return
+        self._stopped = True
         self._stop.set()
         self._wakeup.set()
         if self._thread is not None:
@@ -117,8 +122,12 @@ class _ChannelThread:
             if self._thread.is_alive():
                 logger.warning("%s thread did not stop within %.0f s", self.name, _JOIN_TIMEOUT_S)
             self._thread = None
+        self._close_sockets()  # the thread closed its own; these were never handed to one
         self._context.term()
         self._wakeup.close()
+
+    def _close_sockets(self) -> None:
+        """Close the sockets made before the thread started (if it never did)."""
 
     def _post(self, *event: Any) -> None:
         """From any thread: hand the channel thread an event and wake it."""
@@ -195,8 +204,7 @@ class PrefillChannel(_ChannelThread):
         try:
             self._socket.bind(self.address)
         except zmq.ZMQError as exc:
-            self._socket.close()
-            self._context.term()
+            self.stop()
             raise OSError(
                 f"cannot listen for push registrations on {self.address}: {exc}; choose "
                 "another kv_connector_extra_config.push_port"
@@ -217,6 +225,9 @@ class PrefillChannel(_ChannelThread):
 
     def write_ended(self, transfer_id: TransferId, error: str | None) -> None:
         self._post("written", transfer_id, error)
+
+    def _close_sockets(self) -> None:
+        self._socket.close()  # no-op when the thread already closed it
 
     def take_actions(self) -> list[PrefillAction]:
         actions = []
@@ -480,8 +491,11 @@ class DecodeChannel(_ChannelThread):
                 return
             if pending is None or pending.aborting:
                 return
+            # P answers once nothing more will be written (a WRITE in flight finishes
+            # first). Until then D keeps its blocks: freeing them under a running WRITE
+            # would corrupt another request's KV. A dead P is caught by peer_timeout; the
+            # deadline stays the registration's (or the Ack's, if none came).
             pending.aborting = True
-            pending.deadline = now + self.ack_timeout
             self._send(self._peers[pending.peer], Abort(transfer_id=tid))
         elif kind == "forget":
             (tid,) = args

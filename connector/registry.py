@@ -259,6 +259,8 @@ class PushRegistry:
         if record.state is TransferState.WRITING:
             record.abort_requested = True
             return None
+        if record.state is TransferState.AWAITING_PREFILL:  # its prefill may still finish
+            self._tombstones[transfer_id] = (_Tombstone.D_ABORTED, now + self.config.unclaimed_ttl)
         return self._end(record, TransferState.ABORTED, FailReason.ABORTED)
 
     # --- events from P's engine ----------------------------------------------------------

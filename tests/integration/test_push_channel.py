@@ -291,10 +291,6 @@ def test_an_abort_during_the_write_is_answered_only_when_the_write_ends(
 # --- aborts and tombstones ------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: PushRegistry.abort() of a transfer D registered (AWAITING_PREFILL) ends the "
-    "record without leaving a D_ABORTED tombstone, so P's later prefill_finished makes a "
-    "fresh AWAITING_REGISTRATION record that holds P's blocks for unclaimed_ttl"))
 def test_an_abort_after_registration_releases_d_and_frees_the_late_prefill_at_once(
     channels: Channels,
 ) -> None:
@@ -508,9 +504,6 @@ def test_a_second_prefill_channel_on_a_busy_port_names_push_port(channels: Chann
     wait_for(lambda: len(p.registry) == 1, 2.0, "the first channel holds the registration")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: PrefillChannel binds its ROUTER socket in __init__ but closes it only in the "
-    "thread's run loop, so stop() without start() blocks forever in zmq Context.term()"))
 def test_a_prefill_channel_never_started_stops_promptly() -> None:
     channel = PrefillChannel(
         PushRegistry(RegistryConfig(engine_id=P_ENGINE, block_size=BLOCK_SIZE)), HOST,
@@ -525,9 +518,6 @@ def test_a_prefill_channel_never_started_stops_promptly() -> None:
     assert not hung, "stop() without start() hangs"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: when the bind fails, PrefillChannel.__init__ closes its socket and context but "
-    "not the wake-up pipe made by _ChannelThread.__init__: two fds leak per attempt"))
 def test_a_refused_bind_leaks_no_file_descriptor(channels: Channels) -> None:
     port = free_port()
     channels.prefill(port=port)
