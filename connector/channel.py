@@ -105,6 +105,7 @@ class _ChannelThread:
         # counter has one writer, so unequal counts safely mean "work not yet seen".
         self._posted = 0
         self._handled = 0
+        self._caught_up = threading.Condition()  # notified when events were handled
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run_logged, name=self.name, daemon=True)
@@ -137,6 +138,20 @@ class _ChannelThread:
 
     def _events_pending(self) -> bool:
         return self._posted != self._handled
+
+    def wait_caught_up(self, timeout: float) -> None:
+        """Engine thread: give the channel thread up to `timeout` seconds to handle what
+        was posted, so that an action it causes (a WRITE) is taken this step, not the
+        next one (a whole forward pass later)."""
+        if self._events_pending():
+            with self._caught_up:
+                self._caught_up.wait_for(lambda: not self._events_pending(), timeout)
+
+    def _mark_handled(self, count: int) -> None:
+        if count:
+            with self._caught_up:
+                self._handled += count
+                self._caught_up.notify_all()
 
     def _run_logged(self) -> None:
         try:
@@ -260,7 +275,7 @@ class PrefillChannel(_ChannelThread):
                     self._released(release)
                 self.live_transfers = len(self.registry)
                 self.counters = self.registry.snapshot().counters  # a copy, for the stats log
-                self._handled += len(events)  # after live_transfers: see has_pending_work
+                self._mark_handled(len(events))  # after live_transfers: see has_pending_work
         finally:
             self._socket.close()
 
@@ -469,7 +484,7 @@ class DecodeChannel(_ChannelThread):
                         self._read_peer(address, peer)
                 self._check_time(time.monotonic())
                 self.waiting = len(self._pending)
-                self._handled += len(events)
+                self._mark_handled(len(events))
         finally:
             for peer in self._peers.values():
                 peer.socket.close()

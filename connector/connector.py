@@ -15,7 +15,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
 
@@ -44,6 +47,15 @@ class NixlDualConnector(NixlBaseConnector):
             self.connector_worker = DualWorker(vllm_config, self.engine_id, kv_cache_config)
         else:
             raise ValueError(f"unsupported KV connector role: {role}")
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Called before each step's forward pass: the push orders are taken here, so P's
+        WRITEs run while the forward computes instead of after it (a whole prefill
+        chunk later)."""
+        super().bind_connector_metadata(connector_metadata)
+        if isinstance(self.connector_worker, DualWorker):
+            assert isinstance(connector_metadata, NixlConnectorMetadata)
+            self.connector_worker.start_step(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert isinstance(self.connector_worker, DualWorker)

@@ -51,6 +51,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.pd_connector.scheduler")
 
 TRANSFER_MODES = ["pull", "push"]
+# How long a step waits for the side channel to match a just-finished prefill, so its
+# WRITE starts in this step rather than the next.
+CATCH_UP_S = 0.005
 
 
 @dataclass(slots=True)
@@ -220,6 +223,7 @@ class DualScheduler(NixlPullConnectorScheduler):
                 self.stats.aborted += 1
             else:
                 self.stats.fell_back += 1
+        self.prefill_channel.wait_caught_up(CATCH_UP_S)  # a prefill that just finished
         for action in self.prefill_channel.take_actions():
             if isinstance(action, StartWrite):
                 reg = action.registration

@@ -6,15 +6,18 @@ Push adds, per step (`PushStep`, from the scheduler):
 - D: `recv` requests wait, without a READ, for the WRITE's notification
   (`"<D request id>:<P's world size>"`); `failed` ones are failed at once (vLLM then
   recomputes, or frees an aborted request's blocks).
-- P: each job performs the NIXL handshake with D's agent if none is cached yet (vLLM's
-  own, on its background executor), then WRITEs this rank's share of the blocks with
-  vLLM's push descriptor code; when every WRITE handle is done (or failed), the request
+- P: each job (started in `start_step`, when the step's metadata is bound, before the
+  forward pass) performs the NIXL handshake with D's agent if none is cached yet
+  (vLLM's own, on its background executor), then WRITEs this rank's share of the blocks
+  with vLLM's push descriptor code; when every WRITE handle is done (or failed), the request
   is reported finished sending, which frees P's blocks, and the outcome goes back to the
   scheduler in a `PushReport`. `release` requests are reported finished at once.
 
-No extra thread: WRITEs are started from `start_load_kv` and polled in
-`get_transfer_results`, once per engine step (the scheduler keeps P's engine stepping
-while any push is alive).
+WRITEs in flight are driven by a small progress thread (`_progress_writes`): NIXL moves
+a WRITE's bytes only when the agent is polled, and the engine polls once per step, which
+on P is after a whole forward pass. Their completion is collected by the engine thread
+in `get_transfer_results` (the scheduler keeps P's engine stepping while any push is
+alive).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm.pd_connector.worker")
 
+_PROGRESS_POLL_S = 0.0005  # between polls of the WRITEs in flight
+
 
 class DualWorker(NixlPullConnectorWorker):
     # vLLM's push worker turns one request's blocks into per-rank WRITE descriptors
@@ -73,10 +78,16 @@ class DualWorker(NixlPullConnectorWorker):
         self._ended: dict[TransferId, PushEnd] = {}  # P: for the next PushReport
         # D: requests that wait for a WRITE, and how many notifications each has had.
         self._awaiting_push: dict[str, int] = {}
+        # P: the thread that polls WRITEs in flight (started with the first WRITE).
+        self._writes_posted = threading.Event()
+        self._stopping = threading.Event()
+        self._progress_thread: threading.Thread | None = None
 
     # --- each step: the scheduler's orders ------------------------------------------------
 
-    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+    def start_step(self, metadata: NixlConnectorMetadata) -> None:
+        """The step's push orders, as soon as its metadata is bound (before the forward
+        pass): D's waits and failures, P's WRITEs and releases."""
         step: PushStep = getattr(metadata, "push", None) or PushStep()
         for rid in step.recv:  # D: wait for P's WRITE; vLLM's pull must not READ these
             meta = metadata.reqs_to_recv.pop(rid)
@@ -87,19 +98,27 @@ class DualWorker(NixlPullConnectorWorker):
         for rid in step.failed:
             if self._awaiting_push.pop(rid, None) is not None:
                 self._failed_recv_reqs.put(rid)
-        super().start_load_kv(metadata)
         for job in step.jobs:
             self._start_job(job)
+        self._write_handshaken()
+        self._released.update(step.release)
+
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        """After the forward pass: vLLM's pull READs, and WRITEs whose handshake ended."""
+        super().start_load_kv(metadata)
+        self._write_handshaken()
+
+    def _write_handshaken(self) -> None:
+        """WRITE the jobs whose handshake with D finished since the last call."""
         while True:
             try:
                 job, error = self._handshaken.get_nowait()
             except queue.Empty:
-                break
+                return
             if error is None:
                 self._write(job)
             else:
                 self._end(job, f"handshake with D failed: {error}", time.perf_counter())
-        self._released.update(step.release)
 
     # --- P: the WRITE ---------------------------------------------------------------------
 
@@ -140,6 +159,33 @@ class DualWorker(NixlPullConnectorWorker):
             submitted = bool(self._sending_transfers.get(job.request_id))
         if not submitted:
             self._end(job, "WRITE could not start (see the log above)", started)
+            return
+        if self._progress_thread is None:
+            self._progress_thread = threading.Thread(
+                target=self._progress_writes, name="pd-push-progress", daemon=True)
+            self._progress_thread.start()
+        self._writes_posted.set()
+
+    def _progress_writes(self) -> None:
+        """Poll the WRITEs in flight until none is left, then sleep until the next one.
+
+        Only polls: the engine thread collects and releases finished handles (under the
+        same lock) in `get_transfer_results`."""
+        while not self._stopping.is_set():
+            self._writes_posted.wait()
+            self._writes_posted.clear()
+            while not self._stopping.is_set():
+                with self._sending_transfers_lock:
+                    handles = [h for hs in self._sending_transfers.values() for h in hs]
+                    pending = False
+                    for handle in handles:
+                        try:
+                            pending |= self.nixl_wrapper.check_xfer_state(handle) == "PROC"
+                        except Exception:  # the engine thread reports it when it polls
+                            continue
+                if not pending:
+                    break
+                time.sleep(_PROGRESS_POLL_S)
 
     def _end(self, job: PushJob, error: str | None, started: float) -> None:
         """The job is over on this rank: free P's blocks and report the outcome."""
@@ -217,6 +263,10 @@ class DualWorker(NixlPullConnectorWorker):
         return report
 
     def shutdown(self) -> None:
+        self._stopping.set()
+        self._writes_posted.set()
+        if self._progress_thread is not None:
+            self._progress_thread.join(timeout=2)
         with self._sending_transfers_lock:
             for handles in self._sending_transfers.values():
                 for handle in handles:
