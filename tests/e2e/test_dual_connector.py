@@ -8,14 +8,18 @@ D claims is freed at its deadline; a registration P never serves, a client that 
 mid-push, and a P killed after D registered each end within seconds, the first and last
 with an answer computed by D itself (the push fell back to recompute).
 
-The pair's push deadlines are short (`DUAL_EXTRA_CONFIG`); the P-killing test runs last
-and closes the pair.
+The pair's push deadlines are short (`DUAL_EXTRA_CONFIG`). The last two tests each kill
+a server (P after D registered; D after it registered) and close the pair, so the second
+one starts a fresh pair.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
+import signal
 import time
 import uuid
 from typing import Any
@@ -216,5 +220,37 @@ async def test_p_killed_after_d_registered_ends_ds_wait_within_seconds(
             samples = await wait_for_metric(client, dual_pair.decode_url,
                                             lambda s: metric(s, KV_USAGE) == 0.0)
             assert metric(samples, KV_USAGE) == 0.0, "D still holds KV blocks"
+    finally:
+        pair_manager.close()
+
+
+async def test_d_killed_after_registering_leaves_nothing_held_on_p(
+    dual_pair: Pair, pair_manager: PairManager
+) -> None:
+    """On a fresh pair (the test above closed the last one): D registers, then dies. P's
+    prefill then matches the registration, its WRITE cannot reach D, and P frees the
+    prompt's blocks at once (not at a deadline) and logs why. Closes the pair."""
+    try:
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            p_params = await coordinates(client, dual_pair)
+            body = make_body(COMPLETIONS)
+            leg, request_id = push_to_d(body, p_params)
+            waiting = asyncio.create_task(client.post(
+                dual_pair.decode_url + COMPLETIONS, json=leg, headers={"X-Request-Id": request_id}))
+            await wait_until_held(client, dual_pair.decode_url)
+            os.killpg(dual_pair.decode.pid or 0, signal.SIGKILL)
+            with contextlib.suppress(httpx.HTTPError):
+                await asyncio.wait_for(waiting, timeout=10)
+            resp = await client.post(dual_pair.prefill_url + COMPLETIONS, json=prefill_leg(
+                body, transfer_id=request_id, transfer_mode="push"))
+            assert resp.status_code == 200, resp.text
+            answered = time.monotonic()
+            samples = await wait_for_metric(client, dual_pair.prefill_url,
+                                            lambda s: metric(s, KV_USAGE) == 0.0, timeout_s=15)
+            assert metric(samples, KV_USAGE) == 0.0, "P still holds the prompt's blocks"
+            assert time.monotonic() - answered < UNCLAIMED_TTL_S, "freed only by a deadline"
+        log = dual_pair.prefill.spec.log_path.read_text()
+        assert re.search(rf"push {re.escape(request_id)}: WRITE failed", log), (
+            "P did not log the failed WRITE")
     finally:
         pair_manager.close()
