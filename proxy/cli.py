@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from proxy.config import Mode, RouterConfig, build_config, read_config_file
+from proxy.config import Mode, Policy, RouterConfig, build_config, read_config_file
 
 DESCRIPTION = """\
 An OpenAI-compatible router for vLLM prefill/decode disaggregation.
@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default 5)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                        help="log level (default info)")
+    policies = [p.value for p in Policy]
+    serve.add_argument("--prefill-policy", choices=policies,
+                       help="how a prefill server is picked (default least_outstanding; "
+                            "prefix_affinity keeps prompts that start alike on one P, for "
+                            "its prefix cache)")
+    serve.add_argument("--decode-policy", choices=policies,
+                       help="how a decode server is picked (default least_outstanding)")
     return parser
 
 
@@ -76,6 +83,8 @@ def load_config(args: argparse.Namespace) -> RouterConfig:
         "missing_kv_params": args.missing_kv_params,
         "health_interval": args.health_interval,
         "log_level": args.log_level,
+        "balance.prefill": args.prefill_policy,
+        "balance.decode": args.decode_policy,
     }
     return build_config(file_values, overrides)
 

@@ -25,6 +25,31 @@ class Mode(str, enum.Enum):
     AUTO = "auto"  # push when the chosen pair can, else pull
 
 
+class Policy(str, enum.Enum):
+    """How a cluster picks an endpoint (see `proxy.balance`)."""
+
+    ROUND_ROBIN = "round_robin"
+    LEAST_OUTSTANDING = "least_outstanding"
+    POWER_OF_TWO = "power_of_two"
+    PREFIX_AFFINITY = "prefix_affinity"
+
+
+class Balance(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Balancing, per cluster. prefix_affinity suits P (its prefix cache); D's work is
+    decoding, so least_outstanding suits it."""
+
+    prefill: Policy = Policy.LEAST_OUTSTANDING
+    decode: Policy = Policy.LEAST_OUTSTANDING
+    prefix_chars: int = 256  # prefix_affinity: how much of the prompt's start is hashed
+    load_factor: float = 1.25  # prefix_affinity: skip a server above this x mean in flight
+
+    def __post_init__(self) -> None:
+        if self.prefix_chars < 1:
+            raise ValueError(f"balance.prefix_chars must be >= 1, got {self.prefix_chars!r}")
+        if not self.load_factor >= 1.0:
+            raise ValueError(f"balance.load_factor must be >= 1, got {self.load_factor!r}")
+
+
 class MissingKVParams(str, enum.Enum):
     """What to do when P answers without `kv_transfer_params` (pull mode)."""
 
@@ -105,6 +130,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     probe_retry_interval: float = 10.0  # after a failed probe, wait this long to try again
     timeouts: Timeouts = Timeouts()
     limits: Limits = Limits()
+    balance: Balance = Balance()
     shutdown_grace: int = 30  # seconds; on SIGTERM: stop accepting, let running requests finish this long
     log_level: str = "info"
     access_log: bool = False  # uvicorn's access log; the router logs one line per request
@@ -146,7 +172,11 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> RouterConfig:
     """Merge a file's values with command-line overrides (which win) and validate."""
-    merged = {**file_values, **{k: v for k, v in overrides.items() if v is not None}}
+    merged = {**file_values, **{k: v for k, v in overrides.items()
+                                if v is not None and not k.startswith("balance.")}}
+    for key, value in overrides.items():  # "balance.prefill": a flag for one nested key
+        if key.startswith("balance.") and value is not None:
+            merged["balance"] = {**merged.get("balance", {}), key.split(".", 1)[1]: value}
     for cluster in ("prefill", "decode"):
         merged[cluster] = [
             {"url": entry} if isinstance(entry, str) else entry

@@ -9,11 +9,11 @@ in turn. `lease()` counts a request in flight and always gives it back.
 from __future__ import annotations
 
 import enum
-import itertools
 
 import msgspec
 
-from proxy.config import EndpointConfig, Mode
+from proxy.balance import Balancer
+from proxy.config import EndpointConfig, Mode, Policy
 from proxy.errors import NoHealthyEndpoint
 from proxy.protocol import PrefillCoordinates
 
@@ -96,24 +96,22 @@ class Lease:
 
 class Cluster:
     def __init__(
-        self, name: ClusterName, configs: list[EndpointConfig]
+        self, name: ClusterName, configs: list[EndpointConfig], balancer: Balancer | None = None
     ) -> None:
         self.name = name
         self.endpoints = [Endpoint(c, name) for c in configs]
-        self._turn = itertools.count()
+        self.balancer = balancer or Balancer(Policy.LEAST_OUTSTANDING)
 
-    def pick(self, *, exclude: Endpoint | None = None) -> Endpoint:
-        """Fewest requests in flight among healthy endpoints (other than `exclude`); ties
-        taken in turn."""
+    def pick(self, *, exclude: Endpoint | None = None, key: str | None = None) -> Endpoint:
+        """Filter (healthy, not `exclude`), then the cluster's policy picks (see
+        `proxy.balance`; `key` is the prompt's prefix, for prefix affinity)."""
         candidates = [e for e in self.endpoints if e.healthy and e is not exclude]
         if not candidates:
             raise NoHealthyEndpoint(
                 f"no healthy {self.name.value} server: all {len(self.endpoints)} failed "
                 "their health checks"
             )
-        start = next(self._turn) % len(candidates)
-        rotated = candidates[start:] + candidates[:start]
-        return min(rotated, key=lambda e: e.in_flight)
+        return self.balancer.pick(candidates, key)
 
     def in_flight(self) -> int:
         return sum(e.in_flight for e in self.endpoints)

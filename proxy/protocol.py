@@ -52,6 +52,30 @@ class ClientRequest(msgspec.Struct, frozen=True, kw_only=True):
     mode_override: Mode | None
 
 
+def prefix_key(request: ClientRequest, chars: int) -> str | None:
+    """The start of the prompt, for prefix affinity: a completion's prompt (text, or token
+    ids), or a chat's messages in order; None when there is none."""
+    body = request.body
+    if request.route is Route.CHAT:
+        parts = []
+        for message in body.get("messages") or ():
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):  # content parts: take the text ones
+                parts.extend(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            if sum(map(len, parts)) >= chars:
+                break
+        text = "\n".join(parts)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list):  # token ids
+            text = " ".join(map(str, prompt[:chars]))
+        else:
+            text = prompt if isinstance(prompt, str) else ""
+    return text[:chars] or None
+
+
 def parse_request(
     route: Route, raw: bytes, headers: dict[str, str], *, max_body_bytes: int
 ) -> ClientRequest:

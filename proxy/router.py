@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from proxy.config import Mode, RouterConfig
+from proxy.balance import Balancer
+from proxy.config import Mode, Policy, RouterConfig
 from proxy.endpoints import Cluster, ClusterName
 from proxy.exchange import Exchange
 from proxy.health import HealthChecker
@@ -19,7 +20,7 @@ from proxy.metrics import RouterMetrics
 from proxy.models import ModelCatalog
 from proxy.modes import decide_mode
 from proxy.probe import CoordinateProber
-from proxy.protocol import ClientRequest
+from proxy.protocol import ClientRequest, prefix_key
 from proxy.pull import run_pull
 from proxy.push import run_push
 from proxy.relay import Downstream, FlowResponse
@@ -39,8 +40,12 @@ class Router:
         self.config = config
         self.metrics = RouterMetrics()
         self.client = UpstreamClient(config.timeouts, config.limits)
-        self.prefill = Cluster(ClusterName.PREFILL, config.prefill)
-        self.decode = Cluster(ClusterName.DECODE, config.decode)
+        balance = config.balance
+        self._needs_prefix = Policy.PREFIX_AFFINITY in (balance.prefill, balance.decode)
+        self.prefill = Cluster(ClusterName.PREFILL, config.prefill,
+                               Balancer(balance.prefill, load_factor=balance.load_factor))
+        self.decode = Cluster(ClusterName.DECODE, config.decode,
+                              Balancer(balance.decode, load_factor=balance.load_factor))
         self.metrics.watch_endpoints(lambda: self.prefill.endpoints + self.decode.endpoints)
         self.prober = CoordinateProber(
             self.client,
@@ -88,8 +93,9 @@ class Router:
     async def exchange(self, request: ClientRequest) -> FlowResponse:
         """Choose P, D and the mode for a validated request, and return its response."""
         await self.catalog.require(request.model)
-        prefill = self.prefill.pick()
-        decode = self.decode.pick()
+        key = prefix_key(request, self.config.balance.prefix_chars) if self._needs_prefix else None
+        prefill = self.prefill.pick(key=key)
+        decode = self.decode.pick(key=key)
         requested = request.mode_override or self.config.mode
         coordinates = prefill.coordinates
         if requested is not Mode.PULL and coordinates is None:

@@ -1,0 +1,98 @@
+"""Choosing one endpoint of a cluster for a request: filter, then score, then pick.
+
+- **filter**: healthy endpoints, minus one to avoid (a retry's failed server).
+- **score and pick**, by the cluster's policy:
+  - `round_robin`: each in turn.
+  - `least_outstanding`: fewest requests in flight; ties in turn (the default).
+  - `power_of_two`: two distinct endpoints at random, the one with fewer in flight
+    (close to least outstanding, without every router herding onto the same server).
+  - `prefix_affinity`: requests whose prompts start alike go to the same endpoint, so its
+    prefix cache hits: consistent hashing of the prompt's first `prefix_chars` characters
+    onto a ring of virtual nodes, with bounded load (an endpoint already over
+    `load_factor` times the mean in flight is skipped for the next one on the ring), so
+    one hot prefix cannot swamp a server. Adding or removing a server moves only the
+    prefixes that hashed to it.
+
+A `Balancer` holds one cluster's policy state (its turn counter, its ring); the endpoints
+and their counts live on the `Endpoint` objects.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+import math
+import random
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from proxy.config import Policy
+
+if TYPE_CHECKING:
+    from proxy.endpoints import Endpoint
+
+VIRTUAL_NODES = 64  # ring points per endpoint: spreads prefixes evenly across servers
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+class Balancer:
+    def __init__(
+        self,
+        policy: Policy,
+        *,
+        load_factor: float = 1.25,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.policy = policy
+        self.load_factor = load_factor
+        self._turn = itertools.count()
+        self._last_pick: dict[str, int] = {}  # url -> turn of its last least-outstanding pick
+        self._rng = rng or random.Random()
+        self._ring: list[tuple[int, str]] = []  # (point, endpoint url), sorted
+        self._ring_urls: frozenset[str] = frozenset()
+
+    def pick(self, candidates: Sequence[Endpoint], key: str | None = None) -> Endpoint:
+        """One of `candidates` (already filtered, not empty). `key`: the prompt's prefix,
+        for prefix affinity; without it, that policy acts as least outstanding."""
+        if len(candidates) == 1:
+            return candidates[0]
+        if self.policy is Policy.ROUND_ROBIN:
+            return candidates[next(self._turn) % len(candidates)]
+        if self.policy is Policy.POWER_OF_TWO:
+            first, second = self._rng.sample(range(len(candidates)), 2)
+            a, b = candidates[first], candidates[second]
+            return b if b.in_flight < a.in_flight else a
+        if self.policy is Policy.PREFIX_AFFINITY and key is not None:
+            return self._by_prefix(candidates, key)
+        return self._least_outstanding(candidates)
+
+    def _least_outstanding(self, candidates: Sequence[Endpoint]) -> Endpoint:
+        """Fewest in flight; among equals, the one picked longest ago."""
+        chosen = min(candidates, key=lambda e: (e.in_flight, self._last_pick.get(e.url, -1)))
+        self._last_pick[chosen.url] = next(self._turn)
+        return chosen
+
+    def _by_prefix(self, candidates: Sequence[Endpoint], key: str) -> Endpoint:
+        by_url = {e.url: e for e in candidates}
+        self._build_ring(by_url)
+        # Bounded load: at most ceil(load_factor * mean), counting this request.
+        total = sum(e.in_flight for e in candidates) + 1
+        bound = max(1, math.ceil(self.load_factor * total / len(candidates)))
+        start = bisect.bisect(self._ring, (_hash(key), ""))
+        for offset in range(len(self._ring)):
+            _, url = self._ring[(start + offset) % len(self._ring)]
+            endpoint = by_url[url]
+            if endpoint.in_flight < bound:
+                return endpoint
+        return self._least_outstanding(candidates)  # cannot happen: someone is under the mean
+
+    def _build_ring(self, by_url: dict[str, Endpoint]) -> None:
+        urls = frozenset(by_url)
+        if urls == self._ring_urls:
+            return
+        self._ring = sorted((_hash(f"{url}#{i}"), url) for url in urls for i in range(VIRTUAL_NODES))
+        self._ring_urls = urls
