@@ -3,6 +3,7 @@ calling the fake D directly, in one run.
 
     python -m scripts.bench_proxy                    # defaults: 64 concurrent, 10 s each
     python -m scripts.bench_proxy --concurrency 128 --seconds 20 --out bench-results/proxy.json
+    python -m scripts.bench_proxy --xpyd             # pools: 4 P + 4 D, one P slow
 
 Each scenario keeps `--concurrency` requests (max_tokens=1) in flight for `--seconds`,
 after a 1 s warm-up, and reports requests/s and latency percentiles. The load comes from
@@ -13,6 +14,11 @@ wrk when installed (apt-get install wrk), else from Python. Scenarios:
 and the same with streaming (`--no-stream` to skip). The fakes and the router run as
 separate processes on this machine (the fakes answer canned bytes at once, so nearly
 all the CPU goes to the router); everything talks over 127.0.0.1.
+
+`--xpyd` runs the pool case instead: 4 fake P and 4 fake D, one P answering
+`--slow-ms` late, the router in pull mode with each balancing policy in turn (round
+robin, least outstanding, power of two, on both clusters); it reports requests/s and
+p99 for each, and each policy's ratio to round robin. Results: bench-results/xpyd.json.
 """
 
 from __future__ import annotations
@@ -74,10 +80,11 @@ def _chunked(body: bytes) -> bytes:
 class _FakeProtocol(asyncio.Protocol):
     """Answers each request at once with a canned body: the cheapest possible upstream."""
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, delay_s: float = 0.0) -> None:
         import httptools
 
         self._role = role
+        self._delay_s = delay_s
         self._parser = httptools.HttpRequestParser(self)
         self._url = b""
         self._body: list[bytes] = []
@@ -109,15 +116,23 @@ class _FakeProtocol(asyncio.Protocol):
             answer = _chunked(_D_EVENTS)
         else:
             answer = _http(_D_ANSWER)
-        self._transport.write(answer)
+        if self._delay_s and self._url.startswith(b"/v1/"):
+            asyncio.get_running_loop().call_later(self._delay_s, self._write_if_open, answer)
+        else:
+            self._transport.write(answer)
+
+    def _write_if_open(self, answer: bytes) -> None:
+        if self._transport is not None and not self._transport.is_closing():
+            self._transport.write(answer)
 
 
-def serve_fake(role: str, port: int) -> None:
+def serve_fake(role: str, port: int, delay_s: float = 0.0) -> None:
     import uvloop
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _FakeProtocol(role), "127.0.0.1", port, backlog=1024)
+        server = await loop.create_server(lambda: _FakeProtocol(role, delay_s), "127.0.0.1", port,
+                                          backlog=1024)
         async with server:
             await server.serve_forever()
 
@@ -262,6 +277,46 @@ def run(args: argparse.Namespace, d_url: str, proxy_url: str) -> list[dict[str, 
     return results
 
 
+POLICIES = ("round_robin", "least_outstanding", "power_of_two")
+
+
+def run_xpyd(args: argparse.Namespace, out: Path) -> None:
+    """4 fake P (the first slow) and 4 fake D; the router with each policy in turn."""
+    py = sys.executable
+    ports = {role: [free_port() for _ in range(4)] for role in ("prefill", "decode")}
+    urls = {role: [f"http://127.0.0.1:{p}" for p in ps] for role, ps in ports.items()}
+    with contextlib.ExitStack() as stack:
+        for role, role_ports in ports.items():
+            for i, port in enumerate(role_ports):
+                delay = args.slow_ms / 1000 if role == "prefill" and i == 0 else 0.0
+                stack.enter_context(process(
+                    [py, "-m", "scripts.bench_proxy", "--serve-fake", role, str(port), str(delay)],
+                    f"http://127.0.0.1:{port}", f"fake {role} {i}"))
+        print(f"pools: 4 P (P0 answers {args.slow_ms:.0f} ms late) + 4 D, {args.concurrency} "
+              f"concurrent, {args.seconds:.0f} s per policy, pull mode, load from {args.loader}:",
+              flush=True)
+        results = []
+        for policy in POLICIES:
+            router_port = free_port()
+            router_url = f"http://127.0.0.1:{router_port}"
+            command = [py, "-m", "proxy", "serve", "--port", str(router_port), "--log-level",
+                       "warning", "--prefill-policy", policy, "--decode-policy", policy]
+            for role in ("prefill", "decode"):
+                for url in urls[role]:
+                    command += [f"--{role}", url]
+            with process(command, router_url, f"router ({policy})"):
+                results.append(scenario(f"xpyd-{policy}", f"{router_url}/v1/completions", args,
+                                        stream=False, headers={}))
+    base = results[0]["req_per_s"]
+    ratios = {r["scenario"]: round(r["req_per_s"] / base, 3) for r in results}
+    print("throughput vs round robin (same run):", ", ".join(f"{k} {v}" for k, v in ratios.items()))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"concurrency": args.concurrency, "slow_ms": args.slow_ms,
+                               "cpus": os.cpu_count(), "results": results,
+                               "ratios_vs_round_robin": ratios}, indent=2))
+    print(f"wrote {out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=10, help="measured seconds per scenario")
@@ -270,13 +325,22 @@ def main() -> None:
     parser.add_argument("--loader", choices=["wrk", "python"],
                         default="wrk" if shutil.which("wrk") else "python",
                         help="load generator (default wrk when installed: apt-get install wrk)")
-    parser.add_argument("--serve-fake", nargs=2, metavar=("ROLE", "PORT"), help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=REPO / "bench-results" / "proxy.json",
-                        help="JSON result file")
+    parser.add_argument("--serve-fake", nargs="+", metavar="ROLE PORT [DELAY_S]", help=argparse.SUPPRESS)
+    parser.add_argument("--xpyd", action="store_true",
+                        help="the pool case: 4 P + 4 D, one P slow, each balancing policy")
+    parser.add_argument("--slow-ms", type=float, default=200.0,
+                        help="--xpyd: how late the slow P answers (ms)")
+    parser.add_argument("--out", type=Path, help="JSON result file (default "
+                        "bench-results/proxy.json, or xpyd.json with --xpyd)")
     args = parser.parse_args()
     if args.serve_fake:
-        serve_fake(args.serve_fake[0], int(args.serve_fake[1]))
+        role, port, *delay = args.serve_fake
+        serve_fake(role, int(port), float(delay[0]) if delay else 0.0)
         return
+    if args.xpyd:
+        run_xpyd(args, args.out or REPO / "bench-results" / "xpyd.json")
+        return
+    args.out = args.out or REPO / "bench-results" / "proxy.json"
 
     p_port, d_port, proxy_port = free_port(), free_port(), free_port()
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
