@@ -50,6 +50,20 @@ class Balance(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
             raise ValueError(f"balance.load_factor must be >= 1, got {self.load_factor!r}")
 
 
+class Ejection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Passive outlier ejection (see `proxy.outlier`)."""
+
+    consecutive_failures: int = 5  # failed legs in a row that eject a server (0 = off)
+    base_seconds: float = 5.0  # first ejection's length; doubled at each further one
+    max_seconds: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.consecutive_failures < 0:
+            raise ValueError("ejection.consecutive_failures must be >= 0")
+        if not 0 < self.base_seconds <= self.max_seconds:
+            raise ValueError("ejection needs 0 < base_seconds <= max_seconds")
+
+
 class MissingKVParams(str, enum.Enum):
     """What to do when P answers without `kv_transfer_params` (pull mode)."""
 
@@ -131,6 +145,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     timeouts: Timeouts = Timeouts()
     limits: Limits = Limits()
     balance: Balance = Balance()
+    ejection: Ejection = Ejection()
     shutdown_grace: int = 30  # seconds; on SIGTERM: stop accepting, let running requests finish this long
     log_level: str = "info"
     access_log: bool = False  # uvicorn's access log; the router logs one line per request

@@ -9,15 +9,18 @@ in turn. `lease()` counts a request in flight and always gives it back.
 from __future__ import annotations
 
 import enum
+import time
 
 import msgspec
 
 from proxy.balance import Balancer
-from proxy.config import EndpointConfig, Mode, Policy
+from proxy.config import Ejection, EndpointConfig, Mode, Policy
 from proxy.errors import NoHealthyEndpoint
+from proxy.outlier import OutlierRecord
 from proxy.protocol import PrefillCoordinates
 
 BOTH_MODES = frozenset({Mode.PULL, Mode.PUSH})
+DEFAULT_EJECTION = Ejection()
 
 
 class ClusterName(str, enum.Enum):
@@ -26,12 +29,15 @@ class ClusterName(str, enum.Enum):
 
 
 class Endpoint:
-    def __init__(self, config: EndpointConfig, cluster: ClusterName) -> None:
+    def __init__(
+        self, config: EndpointConfig, cluster: ClusterName, ejection: Ejection = DEFAULT_EJECTION
+    ) -> None:
         self.config = config
         self.url = config.url.rstrip("/")
         self.cluster = cluster
         self.in_flight = 0
         self.healthy = True  # until a check or a failed connection says otherwise
+        self.outlier = OutlierRecord(ejection)  # passive ejection after failures in a row
         # For a P: coordinates learned from a probe or a P answer; None until known.
         self.learned_coordinates: PrefillCoordinates | None = None
 
@@ -96,21 +102,28 @@ class Lease:
 
 class Cluster:
     def __init__(
-        self, name: ClusterName, configs: list[EndpointConfig], balancer: Balancer | None = None
+        self,
+        name: ClusterName,
+        configs: list[EndpointConfig],
+        balancer: Balancer | None = None,
+        ejection: Ejection = DEFAULT_EJECTION,
     ) -> None:
         self.name = name
-        self.endpoints = [Endpoint(c, name) for c in configs]
+        self.endpoints = [Endpoint(c, name, ejection) for c in configs]
         self.balancer = balancer or Balancer(Policy.LEAST_OUTSTANDING)
 
     def pick(self, *, exclude: Endpoint | None = None, key: str | None = None) -> Endpoint:
-        """Filter (healthy, not `exclude`), then the cluster's policy picks (see
-        `proxy.balance`; `key` is the prompt's prefix, for prefix affinity)."""
-        candidates = [e for e in self.endpoints if e.healthy and e is not exclude]
-        if not candidates:
+        """Filter (healthy, not ejected, not `exclude`), then the cluster's policy picks
+        (see `proxy.balance`; `key` is the prompt's prefix, for prefix affinity). When
+        every healthy server is ejected, ejection is ignored rather than refuse all."""
+        healthy = [e for e in self.endpoints if e.healthy and e is not exclude]
+        if not healthy:
             raise NoHealthyEndpoint(
                 f"no healthy {self.name.value} server: all {len(self.endpoints)} failed "
                 "their health checks"
             )
+        now = time.monotonic()
+        candidates = [e for e in healthy if not e.outlier.ejected(now)] or healthy
         return self.balancer.pick(candidates, key)
 
     def in_flight(self) -> int:

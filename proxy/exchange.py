@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from proxy.endpoints import ClusterName, Endpoint
 from proxy.errors import NoHealthyEndpoint, RouterError, UpstreamConnectError, UpstreamError
 from proxy.modes import ModeDecision
+from proxy.outlier import counts_as_failure
 from proxy.protocol import ClientRequest
 from proxy.relay import Downstream
 
@@ -87,6 +88,7 @@ class Exchange:
                 self._upstream_failed(p, exc)
                 raise
         self.prefill_seconds = time.perf_counter() - started
+        p.outlier.success()
         metrics = self.router.metrics
         metrics.child(metrics.prefill_latency, self.mode).observe(self.prefill_seconds)
         if not isinstance(answer, dict):
@@ -107,6 +109,7 @@ class Exchange:
                     endpoint=d.url,
                     cluster=d.cluster.value,
                 ) as answer:
+                    d.outlier.success()  # D answered with a success status
                     if not self.request.stream:
                         content = await answer.read()
                         self._decode_first_byte(sent_at)
@@ -138,6 +141,13 @@ class Exchange:
         ).inc()
         if isinstance(exc, UpstreamConnectError):
             self.router.health.mark_down(endpoint, str(exc))
+        if counts_as_failure(exc):
+            ejected_for = endpoint.outlier.failure(time.monotonic())
+            if ejected_for is not None:
+                self.router.metrics.ejections.labels(endpoint.cluster.value, endpoint.url).inc()
+                logger.warning("%s server %s ejected for %.0f s after %d failures in a row "
+                               "(last: %s)", endpoint.cluster.value, endpoint.url, ejected_for,
+                               endpoint.outlier.config.consecutive_failures, exc)
 
     # --- the end ----------------------------------------------------------------------
 

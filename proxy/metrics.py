@@ -60,6 +60,12 @@ class RouterMetrics:
             ["cluster", "reason"],
             registry=r,
         )
+        self.ejections = Counter(
+            "pdproxy_ejections",
+            "Servers taken out of their cluster after failures in a row (passive ejection)",
+            ["cluster", "endpoint"],
+            registry=r,
+        )
         self.mode_fallbacks = Counter(
             "pdproxy_mode_fallbacks",
             "Requests that asked for a mode the chosen servers cannot do, and got another",

@@ -43,9 +43,11 @@ class Router:
         balance = config.balance
         self._needs_prefix = Policy.PREFIX_AFFINITY in (balance.prefill, balance.decode)
         self.prefill = Cluster(ClusterName.PREFILL, config.prefill,
-                               Balancer(balance.prefill, load_factor=balance.load_factor))
+                               Balancer(balance.prefill, load_factor=balance.load_factor),
+                               config.ejection)
         self.decode = Cluster(ClusterName.DECODE, config.decode,
-                              Balancer(balance.decode, load_factor=balance.load_factor))
+                              Balancer(balance.decode, load_factor=balance.load_factor),
+                              config.ejection)
         self.metrics.watch_endpoints(lambda: self.prefill.endpoints + self.decode.endpoints)
         self.prober = CoordinateProber(
             self.client,

@@ -86,3 +86,19 @@ async def test_least_outstanding_sends_less_to_a_slow_server(pools: Pools) -> No
     slow, *fast = counts(pools.decode)
     assert sum([slow, *fast]) == 32
     assert slow < min(fast) / 2, (slow, fast)
+
+
+async def test_a_failing_server_is_ejected_after_failures_in_a_row(pools: Pools) -> None:
+    pools.decode[1].behavior.fail_status = 500
+    config = pools.config(balance={"decode": "round_robin"},
+                          ejection={"consecutive_failures": 3, "base_seconds": 60})
+    async with serve_router(**config) as (url, _), httpx.AsyncClient(timeout=10) as client:
+        statuses = []
+        for i in range(30):
+            r = await client.post(f"{url}/v1/completions", json={**BODY, "prompt": f"r{i}"})
+            statuses.append(r.status_code)
+        metrics = (await client.get(f"{url}/metrics")).text
+    assert statuses.count(500) == 3, statuses  # then it was out of the rotation
+    assert statuses[-15:] == [200] * 15
+    assert len(pools.decode[1].seen) == 3
+    assert 'pdproxy_ejections_total{cluster="decode",endpoint="' + pools.d_urls[1] + '"} 1.0' in metrics
