@@ -64,6 +64,19 @@ class Ejection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             raise ValueError("ejection needs 0 < base_seconds <= max_seconds")
 
 
+class RetryBudgetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Retries within the last `window_s` seconds: at most `ratio` x requests, plus
+    `min_per_window` (see `proxy.retry`)."""
+
+    ratio: float = 0.2
+    min_per_window: int = 10
+    window_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.ratio < 0 or self.min_per_window < 0 or self.window_s <= 0:
+            raise ValueError("retry_budget needs ratio >= 0, min_per_window >= 0, window_s > 0")
+
+
 class MissingKVParams(str, enum.Enum):
     """What to do when P answers without `kv_transfer_params` (pull mode)."""
 
@@ -146,6 +159,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     limits: Limits = Limits()
     balance: Balance = Balance()
     ejection: Ejection = Ejection()
+    retry_budget: RetryBudgetConfig = RetryBudgetConfig()
     shutdown_grace: int = 30  # seconds; on SIGTERM: stop accepting, let running requests finish this long
     log_level: str = "info"
     access_log: bool = False  # uvicorn's access log; the router logs one line per request

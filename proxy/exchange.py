@@ -17,6 +17,7 @@ from proxy.modes import ModeDecision
 from proxy.outlier import counts_as_failure
 from proxy.protocol import ClientRequest
 from proxy.relay import Downstream
+from proxy.retry import retry_reason
 
 if TYPE_CHECKING:
     from proxy.router import Router
@@ -49,12 +50,18 @@ class Exchange:
 
     # --- the legs ---------------------------------------------------------------------
 
-    async def retry_unreachable(self, cluster: ClusterName, leg: Callable[[], Awaitable[T]]) -> T:
-        """Run a leg; if its server refused the connection (so nothing reached it, nor the
-        client), run it once more on another healthy server of the same cluster."""
+    async def with_retry(
+        self, cluster: ClusterName, leg: Callable[[], Awaitable[T]], down: Downstream | None = None
+    ) -> T:
+        """Run a leg; if it failed in a way worth retrying (see `proxy.retry`) before any
+        byte reached the client, and the retry budget allows, run it once more on another
+        healthy server of the same cluster."""
         try:
             return await leg()
-        except UpstreamConnectError as exc:
+        except UpstreamError as exc:
+            reason = retry_reason(exc)
+            if reason is None or (down is not None and down.started):
+                raise
             pool = self.router.prefill if cluster is ClusterName.PREFILL else self.router.decode
             failed = self.prefill_endpoint if cluster is ClusterName.PREFILL else self.decode_endpoint
             try:
@@ -62,8 +69,11 @@ class Exchange:
             except NoHealthyEndpoint:
                 raise exc from None
             metrics = self.router.metrics
-            metrics.child(metrics.retries, cluster.value, "connect").inc()
-            self.note = f"retried_{cluster.value}:{failed.url}->{other.url}"
+            if not self.router.retry_budget.try_spend():
+                metrics.child(metrics.retries_refused, cluster.value, reason).inc()
+                raise
+            metrics.child(metrics.retries, cluster.value, reason).inc()
+            self.note = f"retried_{cluster.value}:{reason}:{failed.url}->{other.url}"
             if cluster is ClusterName.PREFILL:
                 self.prefill_endpoint = other
             else:

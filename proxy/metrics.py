@@ -60,6 +60,12 @@ class RouterMetrics:
             ["cluster", "reason"],
             registry=r,
         )
+        self.retries_refused = Counter(
+            "pdproxy_retries_refused",
+            "Legs not retried because the retry budget (a share of recent traffic) was spent",
+            ["cluster", "reason"],
+            registry=r,
+        )
         self.ejections = Counter(
             "pdproxy_ejections",
             "Servers taken out of their cluster after failures in a row (passive ejection)",

@@ -22,9 +22,9 @@ from proxy.relay import Downstream
 
 async def run_pull(exchange: Exchange, down: Downstream) -> None:
     p_body = prefill_body(exchange.request, transfer_id=None)
-    answer = await exchange.retry_unreachable(ClusterName.PREFILL, lambda: exchange.prefill(p_body))
+    answer = await exchange.with_retry(ClusterName.PREFILL, lambda: exchange.prefill(p_body))
     d_body = decode_body(exchange, answer)
-    await exchange.retry_unreachable(ClusterName.DECODE, lambda: exchange.relay_decode(d_body, down))
+    await exchange.with_retry(ClusterName.DECODE, lambda: exchange.relay_decode(d_body, down), down)
 
 
 def decode_body(exchange: Exchange, p_answer: dict[str, Any]) -> dict[str, Any]:

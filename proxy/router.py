@@ -24,6 +24,7 @@ from proxy.protocol import ClientRequest, prefix_key
 from proxy.pull import run_pull
 from proxy.push import run_push
 from proxy.relay import Downstream, FlowResponse
+from proxy.retry import RetryBudget
 from proxy.upstream import UpstreamClient
 
 logger = logging.getLogger("pdproxy.router")
@@ -39,6 +40,8 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.metrics = RouterMetrics()
+        self.retry_budget = RetryBudget(config.retry_budget.ratio, config.retry_budget.min_per_window,
+                                        config.retry_budget.window_s)
         self.client = UpstreamClient(config.timeouts, config.limits)
         balance = config.balance
         self._needs_prefix = Policy.PREFIX_AFFINITY in (balance.prefill, balance.decode)
@@ -95,6 +98,7 @@ class Router:
     async def exchange(self, request: ClientRequest) -> FlowResponse:
         """Choose P, D and the mode for a validated request, and return its response."""
         await self.catalog.require(request.model)
+        self.retry_budget.request()
         key = prefix_key(request, self.config.balance.prefix_chars) if self._needs_prefix else None
         prefill = self.prefill.pick(key=key)
         decode = self.decode.pick(key=key)

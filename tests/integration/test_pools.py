@@ -88,7 +88,9 @@ async def test_least_outstanding_sends_less_to_a_slow_server(pools: Pools) -> No
     assert slow < min(fast) / 2, (slow, fast)
 
 
-async def test_a_failing_server_is_ejected_after_failures_in_a_row(pools: Pools) -> None:
+async def test_a_failing_server_is_retried_around_then_ejected(pools: Pools) -> None:
+    """Its 500s are retried on another D (no byte had reached the client), and after 3 in
+    a row it is out of the rotation: the client never sees an error."""
     pools.decode[1].behavior.fail_status = 500
     config = pools.config(balance={"decode": "round_robin"},
                           ejection={"consecutive_failures": 3, "base_seconds": 60})
@@ -98,7 +100,29 @@ async def test_a_failing_server_is_ejected_after_failures_in_a_row(pools: Pools)
             r = await client.post(f"{url}/v1/completions", json={**BODY, "prompt": f"r{i}"})
             statuses.append(r.status_code)
         metrics = (await client.get(f"{url}/metrics")).text
-    assert statuses.count(500) == 3, statuses  # then it was out of the rotation
-    assert statuses[-15:] == [200] * 15
-    assert len(pools.decode[1].seen) == 3
-    assert 'pdproxy_ejections_total{cluster="decode",endpoint="' + pools.d_urls[1] + '"} 1.0' in metrics
+    assert statuses == [200] * 30
+    assert len(pools.decode[1].seen) == 3, "ejected after its third failure in a row"
+    assert f'pdproxy_ejections_total{{cluster="decode",endpoint="{pools.d_urls[1]}"}} 1.0' in metrics
+    assert 'pdproxy_retries_total{cluster="decode",reason="status_5xx"} 3.0' in metrics
+
+
+async def test_overload_is_not_retried_and_retries_stop_at_the_budget(pools: Pools) -> None:
+    for fake in pools.prefill:
+        fake.behavior.fail_status = 503
+    config = pools.config(ejection={"consecutive_failures": 0})
+    async with serve_router(**config) as (url, _), httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(f"{url}/v1/completions", json={**BODY, "prompt": "x"})
+        assert r.status_code == 503
+        assert sum(len(f.seen) for f in pools.prefill) == 1, "a 503 is not retried"
+        for fake in pools.prefill:
+            fake.behavior.fail_status = 500
+        statuses = [(await client.post(f"{url}/v1/completions",
+                                       json={**BODY, "prompt": f"y{i}"})).status_code
+                    for i in range(20)]
+        metrics = (await client.get(f"{url}/metrics")).text
+    # Every P fails. The k-th of these requests (the 503 one came first) may retry while
+    # retries so far < 10 + 0.2 * (k + 1): that allows 15 of the 20, and refuses 5.
+    assert statuses == [500] * 20
+    retried = sum(len(f.seen) for f in pools.prefill) - 1 - 20
+    assert retried == 15, retried
+    assert 'pdproxy_retries_refused_total{cluster="prefill",reason="status_5xx"} 5.0' in metrics
