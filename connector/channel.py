@@ -552,10 +552,12 @@ class DecodeChannel(_ChannelThread):
         if pending is None:
             return  # already over here (done, failed or timed out)
         if isinstance(message, Ack):
+            # From now on P is known to hold the registration: wait for its answer (the
+            # WRITE, or the reply to an abort) up to the registration's own deadline; a
+            # dead P is caught sooner by its silence (peer_timeout).
             pending.acked = True
-            if not pending.aborting:
-                pending.deadline = time.monotonic() + min(
-                    self.registration_ttl, pending.registration.ttl_s)
+            pending.deadline = time.monotonic() + min(
+                self.registration_ttl, pending.registration.ttl_s)
         elif isinstance(message, Nack):
             self._fail(pending, f"P refused the registration: {message.reason.value}: "
                                 f"{message.message}")
