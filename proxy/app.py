@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -24,6 +25,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from proxy import admin
 from proxy.config import RouterConfig
 from proxy.errors import (
     InvalidRequest,
@@ -34,7 +36,7 @@ from proxy.errors import (
     internal_error,
 )
 from proxy.protocol import Route, body_too_large, parse_request
-from proxy.router import Router
+from proxy.router import ConfigSource, Router
 
 logger = logging.getLogger("pdproxy.app")
 
@@ -75,10 +77,12 @@ class RouterApp:
         await response(scope, receive, send)
 
 
-def create_app(config: RouterConfig) -> RouterApp:
+def create_app(config: RouterConfig, source: ConfigSource | None = None) -> RouterApp:
+    """The router's ASGI app; with `source`, the config file is watched (see membership)."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        router = Router(config)
+        router = Router(config, source)
         app.state.router = router
         await router.start()
         try:
@@ -111,6 +115,9 @@ def create_app(config: RouterConfig) -> RouterApp:
     app.router.add_route("/v1/models", models, methods=["GET"])
     app.router.add_route("/health", health, methods=["GET"])
     app.router.add_route("/metrics", metrics, methods=["GET"])
+    admin_token = config.admin_token or os.environ.get("PDPROXY_ADMIN_TOKEN")
+    if admin_token:
+        admin.install(app, admin_token)
     _install_error_handlers(app)
     return RouterApp(app, config)
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.config import Mode, Policy, RouterConfig, build_config, read_config_file
+from proxy.router import ConfigSource
 
 DESCRIPTION = """\
 An OpenAI-compatible router for vLLM prefill/decode disaggregation.
@@ -96,11 +97,12 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args)
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
-    serve(config)
+    source = ConfigSource(args.config, lambda: load_config(args)) if args.config else None
+    serve(config, source)
     return 0
 
 
-def serve(config: RouterConfig) -> None:
+def serve(config: RouterConfig, source: ConfigSource | None = None) -> None:
     import uvicorn
 
     from proxy.app import create_app
@@ -115,7 +117,7 @@ def serve(config: RouterConfig) -> None:
         config.host, config.port, config.mode.value,
         ", ".join(e.url for e in config.prefill), ", ".join(e.url for e in config.decode),
     )
-    app = create_app(config)
+    app = create_app(config, source)
     # Fewer, later garbage collections: the request path makes many short-lived objects
     # and almost no cycles; with the default threshold (700) the collector ran every
     # few requests and showed in the p99.

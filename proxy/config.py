@@ -160,6 +160,12 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     balance: Balance = Balance()
     ejection: Ejection = Ejection()
     retry_budget: RetryBudgetConfig = RetryBudgetConfig()
+    # The admin API (/admin/endpoints: add, remove, drain servers) needs this token as
+    # "Authorization: Bearer <token>"; without one it is off. Env PDPROXY_ADMIN_TOKEN.
+    admin_token: str | None = None
+    # With --config FILE: re-read the file this often (seconds) and apply its server
+    # lists when it changed (0 = never).
+    config_watch_interval: float = 2.0
     shutdown_grace: int = 30  # seconds; on SIGTERM: stop accepting, let running requests finish this long
     log_level: str = "info"
     access_log: bool = False  # uvicorn's access log; the router logs one line per request

@@ -37,6 +37,7 @@ class Endpoint:
         self.cluster = cluster
         self.in_flight = 0
         self.healthy = True  # until a check or a failed connection says otherwise
+        self.draining = False  # takes no new request; running ones finish
         self.outlier = OutlierRecord(ejection)  # passive ejection after failures in a row
         # For a P: coordinates learned from a probe or a P answer; None until known.
         self.learned_coordinates: PrefillCoordinates | None = None
@@ -109,18 +110,33 @@ class Cluster:
         ejection: Ejection = DEFAULT_EJECTION,
     ) -> None:
         self.name = name
+        self.ejection = ejection
+        # Replaced, never changed in place: a reader holding the old list is unaffected.
         self.endpoints = [Endpoint(c, name, ejection) for c in configs]
         self.balancer = balancer or Balancer(Policy.LEAST_OUTSTANDING)
+
+    def find(self, url: str) -> Endpoint | None:
+        url = url.rstrip("/")
+        return next((e for e in self.endpoints if e.url == url), None)
+
+    def add(self, config: EndpointConfig) -> Endpoint:
+        endpoint = Endpoint(config, self.name, self.ejection)
+        self.endpoints = [*self.endpoints, endpoint]
+        return endpoint
+
+    def remove(self, endpoint: Endpoint) -> None:
+        """Out of the cluster; requests already on it finish (their leases hold it)."""
+        self.endpoints = [e for e in self.endpoints if e is not endpoint]
 
     def pick(self, *, exclude: Endpoint | None = None, key: str | None = None) -> Endpoint:
         """Filter (healthy, not ejected, not `exclude`), then the cluster's policy picks
         (see `proxy.balance`; `key` is the prompt's prefix, for prefix affinity). When
         every healthy server is ejected, ejection is ignored rather than refuse all."""
-        healthy = [e for e in self.endpoints if e.healthy and e is not exclude]
+        healthy = [e for e in self.endpoints if e.healthy and not e.draining and e is not exclude]
         if not healthy:
             raise NoHealthyEndpoint(
-                f"no healthy {self.name.value} server: all {len(self.endpoints)} failed "
-                "their health checks"
+                f"no healthy {self.name.value} server: none of {len(self.endpoints)} is "
+                "healthy and not draining"
             )
         now = time.monotonic()
         candidates = [e for e in healthy if not e.outlier.ejected(now)] or healthy

@@ -60,6 +60,15 @@ class MethodNotAllowed(InvalidRequest):
     status = 405
 
 
+class Unauthorized(RouterError):
+    status = 401
+    error_type = "authentication_error"
+
+
+class Conflict(InvalidRequest):
+    status = 409
+
+
 class NoHealthyEndpoint(RouterError):
     status = 503
     error_type = "service_unavailable"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from proxy.endpoints import ClusterName, Endpoint
 from proxy.errors import UpstreamError
@@ -22,7 +23,7 @@ logger = logging.getLogger("pdproxy.health")
 class HealthChecker:
     def __init__(
         self,
-        endpoints: list[Endpoint],
+        endpoints: Callable[[], list[Endpoint]],  # the current ones, at each round
         client: UpstreamClient,
         prober: CoordinateProber,
         *,
@@ -47,7 +48,7 @@ class HealthChecker:
             self._task = None
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(self.check(e) for e in self._endpoints))
+        await asyncio.gather(*(self.check(e) for e in self._endpoints()))
 
     async def check(self, endpoint: Endpoint) -> None:
         try:

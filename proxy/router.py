@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 from proxy.balance import Balancer
 from proxy.config import Mode, Policy, RouterConfig
 from proxy.endpoints import Cluster, ClusterName
 from proxy.exchange import Exchange
 from proxy.health import HealthChecker
+from proxy.membership import ConfigWatcher, Membership
 from proxy.metrics import RouterMetrics
 from proxy.models import ModelCatalog
 from proxy.modes import decide_mode
@@ -34,10 +38,18 @@ REQUEST_ID_HEADER = b"x-request-id"
 MODE_REASON_HEADER = b"x-kv-transfer-mode-reason"  # only when the asked mode was impossible
 
 
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where the running config came from, to re-read it (`--config FILE` and flags)."""
+
+    path: Path
+    load: Callable[[], RouterConfig]
+
+
 class Router:
     """Create inside a running event loop (the app's lifespan); close with `aclose`."""
 
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, source: ConfigSource | None = None) -> None:
         self.config = config
         self.metrics = RouterMetrics()
         self.retry_budget = RetryBudget(config.retry_budget.ratio, config.retry_budget.min_per_window,
@@ -59,7 +71,7 @@ class Router:
             retry_interval=config.probe_retry_interval,
         )
         self.health = HealthChecker(
-            self.prefill.endpoints + self.decode.endpoints,
+            lambda: self.prefill.endpoints + self.decode.endpoints,
             self.client,
             self.prober,
             interval=config.health_interval,
@@ -72,14 +84,23 @@ class Router:
             timeout=config.timeouts.health,
         )
         self._warmup: asyncio.Task[None] | None = None
+        self.membership = Membership(self)
+        self.watcher = None
+        if source is not None and config.config_watch_interval > 0:
+            self.watcher = ConfigWatcher(source.path, source.load, self.membership, config,
+                                         interval=config.config_watch_interval)
 
     async def start(self) -> None:
         self.health.start()
+        if self.watcher is not None:
+            self.watcher.start()
         if self.config.mode is not Mode.PULL:
             # Learn P coordinates ahead of the first push request, in the background.
             self._warmup = asyncio.create_task(self._probe_all(), name="probe-prefills")
 
     async def aclose(self) -> None:
+        if self.watcher is not None:
+            await self.watcher.aclose()
         if self._warmup is not None:
             self._warmup.cancel()
             await asyncio.gather(self._warmup, return_exceptions=True)

@@ -12,14 +12,18 @@ import uvicorn
 
 from proxy.app import create_app
 from proxy.config import RouterConfig, build_config
+from proxy.router import ConfigSource
 
 
 @contextlib.asynccontextmanager
-async def serve_router(**config: Any) -> AsyncIterator[tuple[str, Any]]:
-    """Run the router on 127.0.0.1 (a free port); yield (base URL, the FastAPI app)."""
+async def serve_router(
+    source: ConfigSource | None = None, **config: Any
+) -> AsyncIterator[tuple[str, Any]]:
+    """Run the router on 127.0.0.1 (a free port); yield (base URL, the FastAPI app).
+    With `source`, its config file is watched (and `config` is ignored)."""
     values: dict[str, Any] = {"health_interval": 0, "timeouts": {"health": 10.0}, **config}
-    router_config: RouterConfig = build_config(values, {})
-    app = create_app(router_config)
+    router_config: RouterConfig = source.load() if source else build_config(values, {})
+    app = create_app(router_config, source)
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     )

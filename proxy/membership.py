@@ -1,0 +1,155 @@
+"""Live membership: servers added, removed or drained while the router runs.
+
+Two ways in, one set of operations (`Membership`):
+- the admin API (`proxy.admin`): add, remove, drain one server;
+- the config file, watched (`ConfigWatcher`): when it changes, it is read and validated
+  again; a bad file is refused with a log line and the running config kept; a good one
+  has its `prefill` and `decode` lists applied (servers added, removed, or replaced when
+  their settings changed). Other settings need a restart, and the log says which.
+
+Removing a server takes it out of picking at once; requests already on it finish (each
+holds its endpoint). Draining keeps it listed and checked but gives it no new request:
+remove it once `in_flight` is 0 (GET /admin/endpoints shows it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from proxy.config import EndpointConfig, RouterConfig
+from proxy.endpoints import Cluster, ClusterName, Endpoint
+from proxy.errors import Conflict, NotFound
+
+if TYPE_CHECKING:
+    from proxy.router import Router
+
+logger = logging.getLogger("pdproxy.membership")
+
+
+class Membership:
+    def __init__(self, router: Router) -> None:
+        self._router = router
+
+    def cluster(self, name: ClusterName) -> Cluster:
+        return self._router.prefill if name is ClusterName.PREFILL else self._router.decode
+
+    def endpoint(self, name: ClusterName, url: str) -> Endpoint:
+        found = self.cluster(name).find(url)
+        if found is None:
+            raise NotFound(f"no {name.value} server {url}")
+        return found
+
+    def add(self, name: ClusterName, config: EndpointConfig) -> Endpoint:
+        if self.cluster(name).find(config.url) is not None:
+            raise Conflict(f"{name.value} server {config.url} is already a member")
+        endpoint = self.cluster(name).add(config)
+        logger.info("%s server %s added", name.value, endpoint.url)
+        return endpoint
+
+    def remove(self, name: ClusterName, url: str) -> Endpoint:
+        endpoint = self.endpoint(name, url)
+        cluster = self.cluster(name)
+        if len(cluster.endpoints) == 1:
+            raise Conflict(f"{url} is the last {name.value} server: add another first")
+        cluster.remove(endpoint)
+        if name is ClusterName.PREFILL:
+            self._router.prober.forget(endpoint)
+        logger.info("%s server %s removed (%d requests still on it finish)", name.value,
+                    endpoint.url, endpoint.in_flight)
+        return endpoint
+
+    def drain(self, name: ClusterName, url: str, draining: bool = True) -> Endpoint:
+        endpoint = self.endpoint(name, url)
+        endpoint.draining = draining
+        logger.info("%s server %s %s (%d in flight)", name.value, endpoint.url,
+                    "draining" if draining else "taking requests again", endpoint.in_flight)
+        return endpoint
+
+    def apply(self, new: RouterConfig) -> list[str]:
+        """Make the clusters match a new config's server lists; return what changed."""
+        changes = []
+        for name, wanted in ((ClusterName.PREFILL, new.prefill), (ClusterName.DECODE, new.decode)):
+            cluster = self.cluster(name)
+            wanted_by_url = {c.url.rstrip("/"): c for c in wanted}
+            for endpoint in list(cluster.endpoints):
+                config = wanted_by_url.get(endpoint.url)
+                if config is None or config != endpoint.config:
+                    cluster.remove(endpoint)
+                    if name is ClusterName.PREFILL:
+                        self._router.prober.forget(endpoint)
+                    changes.append(f"{name.value} -{endpoint.url}")
+            for url, config in wanted_by_url.items():
+                if cluster.find(url) is None:
+                    cluster.add(config)
+                    changes.append(f"{name.value} +{url}")
+        return changes
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [
+            {"cluster": e.cluster.value, "url": e.url, "healthy": e.healthy,
+             "draining": e.draining, "ejected": e.outlier.ejected(time.monotonic()),
+             "in_flight": e.in_flight}
+            for e in self._router.prefill.endpoints + self._router.decode.endpoints
+        ]
+
+
+class ConfigWatcher:
+    """Polls the config file every `interval` seconds; applies a changed, valid one."""
+
+    def __init__(self, path: Path, load: Callable[[], RouterConfig], membership: Membership,
+                 running: RouterConfig, *, interval: float) -> None:
+        self._path = path
+        self._load = load
+        self._membership = membership
+        self._running = running
+        self._interval = interval
+        self._seen = self._stamp()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="config-watcher")
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def _stamp(self) -> tuple[float, int] | None:
+        try:
+            stat = os.stat(self._path)
+        except OSError:
+            return None
+        return stat.st_mtime, stat.st_size
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            with contextlib.suppress(Exception):  # logged in check; one bad round is not fatal
+                self.check()
+
+    def check(self) -> list[str] | None:
+        """Re-read the file if it changed; None when nothing was applied."""
+        stamp = self._stamp()
+        if stamp == self._seen:
+            return None
+        self._seen = stamp
+        try:
+            new = self._load()
+        except (OSError, ValueError) as exc:
+            logger.error("config %s refused, the running config stays: %s", self._path, exc)
+            return None
+        changes = self._membership.apply(new)
+        ignored = [f for f in new.__struct_fields__ if f not in ("prefill", "decode")
+                   and getattr(new, f) != getattr(self._running, f)]
+        logger.info("config %s re-read: %s", self._path, ", ".join(changes) or "no server changed")
+        if ignored:
+            logger.warning("config %s: %s changed; these take effect at the next restart",
+                           self._path, ", ".join(ignored))
+        return changes

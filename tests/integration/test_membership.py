@@ -1,0 +1,151 @@
+"""Live membership against emulated pools: the admin API (token, add, drain, remove, its
+errors), changes under load losing no request, and the watched config file (a good
+change applied, a bad file refused with the running config kept)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from pathlib import Path
+
+import httpx
+import pytest
+
+from proxy.config import build_config, read_config_file
+from proxy.router import ConfigSource
+from scripts.fake_vllm import Fabric, FakeVLLM, start
+from tests.conftest import serve_router
+
+TOKEN = "s3cret-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+BODY = {"model": "fake-model", "max_tokens": 2, "prompt": "hi"}
+
+
+class Fakes:
+    def __init__(self, prefill: FakeVLLM, decode: list[FakeVLLM], p_url: str, d_urls: list[str]) -> None:
+        self.prefill, self.decode, self.p_url, self.d_urls = prefill, decode, p_url, d_urls
+
+
+@pytest.fixture
+async def fakes() -> AsyncIterator[Fakes]:
+    fabric = Fabric()
+    prefill = FakeVLLM("prefill", fabric=fabric)
+    decode = [FakeVLLM("decode", engine_id=f"engine-d{i}", fabric=fabric) for i in range(3)]
+    async with AsyncExitStack() as stack:
+        urls = []
+        for fake in [prefill, *decode]:
+            runner, url = await start(fake)
+            stack.push_async_callback(runner.cleanup)
+            urls.append(url)
+        yield Fakes(prefill, decode, urls[0], urls[1:])
+
+
+async def complete(client: httpx.AsyncClient, url: str, n: int) -> list[int]:
+    return [(await client.post(f"{url}/v1/completions", json=BODY)).status_code for _ in range(n)]
+
+
+async def test_the_admin_api_needs_its_token(fakes: Fakes) -> None:
+    async with serve_router(prefill=[fakes.p_url], decode=fakes.d_urls[:1], admin_token=TOKEN) as (url, _), \
+            httpx.AsyncClient(timeout=10) as client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+            r = await client.get(f"{url}/admin/endpoints", headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        r = await client.get(f"{url}/admin/endpoints", headers=AUTH)
+        assert r.status_code == 200
+        assert [(e["cluster"], e["url"]) for e in r.json()["endpoints"]] == [
+            ("prefill", fakes.p_url), ("decode", fakes.d_urls[0])]
+    async with serve_router(prefill=[fakes.p_url], decode=fakes.d_urls[:1]) as (url, _), \
+            httpx.AsyncClient(timeout=10) as client:
+        assert (await client.get(f"{url}/admin/endpoints", headers=AUTH)).status_code == 404
+
+
+async def test_add_drain_and_remove_a_server(fakes: Fakes) -> None:
+    d0, d1 = fakes.d_urls[:2]
+    async with serve_router(prefill=[fakes.p_url], decode=[d0], admin_token=TOKEN) as (url, _), \
+            httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(f"{url}/admin/endpoints", headers=AUTH, json={"cluster": "decode", "url": d1})
+        assert r.status_code == 201, r.text
+        assert await complete(client, url, 6) == [200] * 6
+        assert len(fakes.decode[1].seen) == 3, "the new D took its share"
+
+        r = await client.post(f"{url}/admin/endpoints/drain", headers=AUTH,
+                              json={"cluster": "decode", "url": d0})
+        assert r.json() == {"url": d0, "draining": True, "in_flight": 0}
+        before = len(fakes.decode[0].seen)
+        assert await complete(client, url, 4) == [200] * 4
+        assert len(fakes.decode[0].seen) == before, "a draining D takes no new request"
+
+        r = await client.delete(f"{url}/admin/endpoints", headers=AUTH, params={"cluster": "decode", "url": d0})
+        assert r.status_code == 200
+        listed = (await client.get(f"{url}/admin/endpoints", headers=AUTH)).json()["endpoints"]
+        assert [e["url"] for e in listed if e["cluster"] == "decode"] == [d1]
+
+
+@pytest.mark.parametrize(("method", "path", "kwargs", "status"), [
+    ("POST", "/admin/endpoints", {"json": {"cluster": "decode", "url": "ftp://x"}}, 400),
+    ("POST", "/admin/endpoints", {"json": {"cluster": "middle", "url": "http://x:1"}}, 400),
+    ("POST", "/admin/endpoints", {"content": b"not json"}, 400),
+    ("POST", "/admin/endpoints", {"json": {"cluster": "decode", "url": "DUP"}}, 409),
+    ("DELETE", "/admin/endpoints", {"params": {"cluster": "decode", "url": "DUP"}}, 409),
+    ("DELETE", "/admin/endpoints", {"params": {"cluster": "decode", "url": "http://nope:1"}}, 404),
+    ("POST", "/admin/endpoints/drain", {"json": {"cluster": "decode", "url": "DUP", "draining": "yes"}}, 400),
+])
+async def test_admin_errors_are_openai_shaped(fakes: Fakes, method: str, path: str,
+                                              kwargs: dict[str, object], status: int) -> None:
+    d0 = fakes.d_urls[0]
+    for key in ("json", "params"):
+        if isinstance(kwargs.get(key), dict):
+            kwargs[key] = {k: (d0 if v == "DUP" else v) for k, v in kwargs[key].items()}  # type: ignore[union-attr]
+    async with serve_router(prefill=[fakes.p_url], decode=[d0], admin_token=TOKEN) as (url, _), \
+            httpx.AsyncClient(timeout=10) as client:
+        r = await client.request(method, url + path, headers=AUTH, **kwargs)  # type: ignore[arg-type]
+        assert r.status_code == status, r.text
+        assert isinstance(r.json()["error"]["message"], str)
+
+
+async def test_membership_changes_under_load_lose_no_request(fakes: Fakes) -> None:
+    for fake in fakes.decode:
+        fake.behavior.delay = 0.02
+    d0, d1, d2 = fakes.d_urls
+    async with serve_router(prefill=[fakes.p_url], decode=[d0, d1], admin_token=TOKEN) as (url, _), \
+            httpx.AsyncClient(timeout=10) as client:
+        async def load() -> list[int]:
+            return await complete(client, url, 25)
+
+        running = [asyncio.create_task(load()) for _ in range(4)]
+        await asyncio.sleep(0.1)
+        await client.post(f"{url}/admin/endpoints", headers=AUTH, json={"cluster": "decode", "url": d2})
+        await asyncio.sleep(0.1)
+        await client.delete(f"{url}/admin/endpoints", headers=AUTH, params={"cluster": "decode", "url": d0})
+        statuses = [s for task in running for s in await task]
+    assert statuses == [200] * 100
+    assert len(fakes.decode[2].seen) > 0
+
+
+async def test_the_watched_config_file_is_applied_and_a_bad_one_refused(
+    fakes: Fakes, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "router.yaml"
+    d0, d1 = fakes.d_urls[:2]
+
+    def write(decode: list[str], extra: str = "") -> None:
+        path.write_text(f"prefill: [{fakes.p_url}]\ndecode: [{', '.join(decode)}]\n"
+                        f"health_interval: 0\nconfig_watch_interval: 0.05\n{extra}")
+
+    write([d0])
+    source = ConfigSource(path, lambda: build_config(read_config_file(path), {}))
+    async with serve_router(source=source) as (url, _), httpx.AsyncClient(timeout=10) as client:
+        write([d0, d1])
+        deadline = time.monotonic() + 5
+        while not fakes.decode[1].seen and time.monotonic() < deadline:
+            assert await complete(client, url, 1) == [200]
+        assert fakes.decode[1].seen, "the D added to the file never got a request"
+
+        path.write_text("decode: [not a url]\n")  # invalid: the running config stays
+        await asyncio.sleep(0.3)
+        assert "refused, the running config stays" in caplog.text
+        before = [len(f.seen) for f in fakes.decode[:2]]
+        assert await complete(client, url, 4) == [200] * 4
+        assert all(len(f.seen) > b for f, b in zip(fakes.decode[:2], before, strict=True))
