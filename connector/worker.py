@@ -76,8 +76,10 @@ class DualWorker(NixlPullConnectorWorker):
             queue.SimpleQueue())
         self._released: set[str] = set()  # P: report finished sending next time
         self._ended: dict[TransferId, PushEnd] = {}  # P: for the next PushReport
-        # D: requests that wait for a WRITE, and how many notifications each has had.
+        # D: requests that wait for a WRITE, and how many notifications each has had;
+        # and those whose WRITE landed while D's handshake with their P was not done.
         self._awaiting_push: dict[str, int] = {}
+        self._landed: set[str] = set()
         # P: the thread that polls WRITEs in flight (started with the first WRITE).
         self._writes_posted = threading.Event()
         self._stopping = threading.Event()
@@ -95,6 +97,12 @@ class DualWorker(NixlPullConnectorWorker):
                 meta.local_block_ids, self._physical_blocks_per_logical_kv_block)
             self._recving_metadata[rid] = meta
             self._awaiting_push[rid] = 0
+            # vLLM finishes a receive with P's layout (from the NIXL handshake with P),
+            # so D needs that handshake even though P does the writing: start it now,
+            # while P computes the prompt. A full one: a later pull from P reuses it.
+            assert meta.remote is not None
+            self._ensure_handshake(meta.remote.engine_id, meta.remote.host, meta.remote.port,
+                                   meta.tp_size, meta.dcp_size, meta.pp_size)
         for rid in step.failed:
             if self._awaiting_push.pop(rid, None) is not None:
                 self._failed_recv_reqs.put(rid)
@@ -197,6 +205,7 @@ class DualWorker(NixlPullConnectorWorker):
     # --- each step: what finished ------------------------------------------------------
 
     def get_transfer_results(self) -> KVConnectorTransferResults:
+        self._finish_landed()  # pushes that waited for D's handshake with P
         results = super().get_transfer_results()
         with self._sending_transfers_lock:
             done, failed = self._pop_done_transfers(self._sending_transfers)
@@ -237,8 +246,28 @@ class DualWorker(NixlPullConnectorWorker):
         self._awaiting_push[req_id] += 1
         if self._awaiting_push[req_id] >= expected:
             del self._awaiting_push[req_id]
-            # No READ handle of ours: an empty entry lets vLLM report the receive done.
-            self._recving_transfers.setdefault(req_id, [])
+            self._landed.add(req_id)
+            self._finish_landed()
+
+    def _finish_landed(self) -> None:
+        """D: report the pushes that landed as received, once D's handshake with their P
+        is done (vLLM reads P's layout from it); fail them if that handshake failed."""
+        for req_id in list(self._landed):
+            meta = self._recving_metadata[req_id]
+            assert meta.remote is not None
+            engine = meta.remote.engine_id
+            with self._handshake_lock:
+                known, pending = engine in self._remote_agents, engine in self._handshake_futures
+            if known:
+                # No READ handle of ours: an empty entry lets vLLM report the receive done.
+                self._recving_transfers.setdefault(req_id, [])
+            elif not pending:
+                logger.warning("push for %s arrived, but D's handshake with P %s failed; "
+                               "computing the prompt here", req_id, engine)
+                self._failed_recv_reqs.put(req_id)
+            else:
+                continue
+            self._landed.discard(req_id)
 
     def _pull_read_done(self, req_id: str, expected: int, done: set[str]) -> None:
         """P: D finished reading `req_id` (pull). Same accounting as vLLM's pull worker."""

@@ -32,6 +32,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -40,9 +41,12 @@ from scripts import tiny_model as tiny_model_builder
 from scripts.vllm_cpu import (
     Pair,
     ServerStartError,
+    VllmServer,
     free_port,
     log_tail,
     pair,
+    run_servers,
+    server_spec,
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -66,7 +70,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     Only the positions those tests already hold are permuted, so every other test keeps
     its place and order.
     """
-    rank = {"pull_pair": 0, "push_pair": 1, "dual_pair": 2}
+    rank = {"pull_pair": 0, "push_pair": 1, "dual_pair": 2, "pool_2p1d": 3}
     positions = []
     for index, item in enumerate(items):
         used = [rank[name] for name in getattr(item, "fixturenames", ()) if name in rank]
@@ -189,19 +193,48 @@ def dual_pair(pair_manager: PairManager, request: pytest.FixtureRequest) -> Iter
         yield running
 
 
+@dataclass(frozen=True)
+class Pool:
+    """Running vLLM servers: several P, one D (all with our connector)."""
+
+    prefills: list[VllmServer]
+    decode: VllmServer
+
+
+@pytest.fixture
+def pool_2p1d(pair_manager: PairManager, tiny_model: Path) -> Iterator[Pool]:
+    """Two P and one D with `NixlDualConnector` (both P on core 0, D on core 1), started
+    after the last pair is stopped (these tests run last); stopped after each test."""
+    pair_manager.close()
+    specs = [
+        server_spec("prefill", connector=DUAL, model_dir=tiny_model, log_dir=LOG_DIR,
+                    name=f"prefill{i}", kv_extra_config=DUAL_EXTRA_CONFIG)
+        for i in range(2)
+    ] + [server_spec("decode", connector=DUAL, model_dir=tiny_model, log_dir=LOG_DIR,
+                     kv_extra_config=DUAL_EXTRA_CONFIG)]
+    try:
+        with run_servers(specs, start_timeout_s=PAIR_START_TIMEOUT_S) as servers:
+            yield Pool(prefills=servers[:2], decode=servers[2])
+    except ServerStartError as exc:
+        pytest.fail(f"starting the 2P1D pool failed: {exc}", pytrace=False)
+
+
 class RouterProcess:
     """`python -m proxy serve ...` in its own process group, logging to a file."""
 
-    def __init__(self, prefill_url: str, decode_url: str, mode: str) -> None:
+    def __init__(self, prefill_url: str | list[str], decode_url: str, mode: str,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = LOG_DIR / f"proxy-{mode}-{self.port}.log"
+        prefills = [prefill_url] if isinstance(prefill_url, str) else prefill_url
         self.command = [
             sys.executable, "-m", "proxy", "serve",
-            "--prefill", prefill_url,
+            *[arg for url in prefills for arg in ("--prefill", url)],
             "--decode", decode_url,
             "--port", str(self.port),
             "--mode", mode,
+            *extra_args,
         ]  # fmt: skip
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
