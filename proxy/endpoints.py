@@ -73,6 +73,11 @@ class Endpoint:
             transfer_modes=frozenset(c.transfer_modes) if c.transfer_modes else base.transfer_modes,
         )
 
+    def can(self, mode: Mode) -> bool:
+        """True unless this P is known not to do `mode` (unknown coordinates: maybe)."""
+        known = self.coordinates
+        return known is None or mode in known.transfer_modes
+
     def set_healthy(self, healthy: bool) -> bool:
         """Record a health result; True when the endpoint just came back."""
         came_back = healthy and not self.healthy
@@ -128,10 +133,13 @@ class Cluster:
         """Out of the cluster; requests already on it finish (their leases hold it)."""
         self.endpoints = [e for e in self.endpoints if e is not endpoint]
 
-    def pick(self, *, exclude: Endpoint | None = None, key: str | None = None) -> Endpoint:
-        """Filter (healthy, not ejected, not `exclude`), then the cluster's policy picks
-        (see `proxy.balance`; `key` is the prompt's prefix, for prefix affinity). When
-        every healthy server is ejected, ejection is ignored rather than refuse all."""
+    def pick(
+        self, *, exclude: Endpoint | None = None, key: str | None = None, mode: Mode | None = None
+    ) -> Endpoint:
+        """Filter (healthy, not ejected, not `exclude`, and able to do `mode` if any is),
+        then the cluster's policy picks (see `proxy.balance`; `key` is the prompt's
+        prefix, for prefix affinity). Filters that would leave nobody are dropped: every
+        healthy server ejected, or none known to do `mode` (the mode then falls back)."""
         healthy = [e for e in self.endpoints if e.healthy and not e.draining and e is not exclude]
         if not healthy:
             raise NoHealthyEndpoint(
@@ -140,6 +148,8 @@ class Cluster:
             )
         now = time.monotonic()
         candidates = [e for e in healthy if not e.outlier.ejected(now)] or healthy
+        if mode is not None:
+            candidates = [e for e in candidates if e.can(mode)] or candidates
         return self.balancer.pick(candidates, key)
 
     def in_flight(self) -> int:

@@ -121,9 +121,10 @@ class Router:
         await self.catalog.require(request.model)
         self.retry_budget.request()
         key = prefix_key(request, self.config.balance.prefix_chars) if self._needs_prefix else None
-        prefill = self.prefill.pick(key=key)
-        decode = self.decode.pick(key=key)
         requested = request.mode_override or self.config.mode
+        # Prefer a P that can do the mode asked (auto: push), so fewer requests fall back.
+        prefill = self.prefill.pick(key=key, mode=Mode.PULL if requested is Mode.PULL else Mode.PUSH)
+        decode = self.decode.pick(key=key)
         coordinates = prefill.coordinates
         if requested is not Mode.PULL and coordinates is None:
             coordinates = await self.prober.coordinates(prefill, request.model)

@@ -126,3 +126,22 @@ async def test_overload_is_not_retried_and_retries_stop_at_the_budget(pools: Poo
     retried = sum(len(f.seen) for f in pools.prefill) - 1 - 20
     assert retried == 15, retried
     assert 'pdproxy_retries_refused_total{cluster="prefill",reason="status_5xx"} 5.0' in metrics
+
+
+async def test_a_push_goes_to_a_prefill_that_can_push(pools: Pools) -> None:
+    """P0 is known to do pull only: push requests go to the others and are not downgraded;
+    pull requests still use all three."""
+    coords = [{"url": url, "engine_id": f"engine-p{i}", "side_channel_host": "127.0.0.1",
+               "side_channel_port": 5600 + i, "transfer_modes": ["pull"] if i == 0 else ["pull", "push"]}
+              for i, url in enumerate(pools.p_urls)]
+    config = {"prefill": coords, "decode": pools.d_urls, "mode": "pull",
+              "balance": {"prefill": "round_robin"}}
+    async with serve_router(**config) as (url, _), httpx.AsyncClient(timeout=10) as client:
+        for i in range(6):
+            r = await client.post(f"{url}/v1/completions", json={**BODY, "prompt": f"p{i}"},
+                                  headers={"X-KV-Transfer-Mode": "push"})
+            assert r.status_code == 200 and r.headers["x-kv-transfer-mode"] == "push", r.headers
+        assert counts(pools.prefill) == [0, 3, 3]
+        for i in range(6):
+            await send(client, url, f"q{i}")
+    assert counts(pools.prefill) == [2, 5, 5]
