@@ -63,6 +63,16 @@ _MAX_SLEEP_S = 1.0
 _JOIN_TIMEOUT_S = 5.0
 
 
+def _drain(q: queue.SimpleQueue[Any]) -> list[Any]:
+    """Everything in `q` now, without waiting."""
+    items = []
+    while True:
+        try:
+            items.append(q.get_nowait())
+        except queue.Empty:
+            return items
+
+
 class _Wakeup:
     """A pipe any thread may write a byte to, to wake the channel thread's poll."""
 
@@ -171,12 +181,7 @@ class _ChannelThread:
         return ready
 
     def _drain_events(self) -> list[tuple[Any, ...]]:
-        events = []
-        while True:
-            try:
-                events.append(self._events.get_nowait())
-            except queue.Empty:
-                return events
+        return _drain(self._events)
 
 
 # --- P -------------------------------------------------------------------------------------
@@ -227,7 +232,7 @@ class PrefillChannel(_ChannelThread):
         # Written by the channel thread, read by the engine thread (has_pending_work, the
         # stats log).
         self.live_transfers = 0
-        self.counters = registry.snapshot().counters
+        self.counters = registry.counters()
 
     # --- engine thread -----------------------------------------------------------------
 
@@ -245,12 +250,7 @@ class PrefillChannel(_ChannelThread):
         self._socket.close()  # no-op when the thread already closed it
 
     def take_actions(self) -> list[PrefillAction]:
-        actions = []
-        while True:
-            try:
-                actions.append(self._actions.get_nowait())
-            except queue.Empty:
-                return actions
+        return _drain(self._actions)
 
     def has_pending_work(self) -> bool:
         """True while a transfer is alive or an event is unhandled: P's engine must keep
@@ -274,7 +274,7 @@ class PrefillChannel(_ChannelThread):
                 for release in self.registry.expire(time.monotonic()):
                     self._released(release)
                 self.live_transfers = len(self.registry)
-                self.counters = self.registry.snapshot().counters  # a copy, for the stats log
+                self.counters = self.registry.counters()  # a copy, for the stats log
                 self._mark_handled(len(events))  # after live_transfers: see has_pending_work
         finally:
             self._socket.close()
@@ -459,12 +459,7 @@ class DecodeChannel(_ChannelThread):
         self._post("forget", transfer_id)
 
     def take_failures(self) -> list[PushFailure]:
-        failures = []
-        while True:
-            try:
-                failures.append(self._failures.get_nowait())
-            except queue.Empty:
-                return failures
+        return _drain(self._failures)
 
     def has_pending_work(self) -> bool:
         return self._events_pending() or self.waiting > 0 or not self._failures.empty()

@@ -353,11 +353,15 @@ class PushRegistry:
     def __len__(self) -> int:
         return len(self._transfers)
 
+    def counters(self) -> RegistryCounters:
+        """A copy of the counts so far (cheap: no walk over the live transfers)."""
+        return dataclasses.replace(self._counters)
+
     def snapshot(self) -> RegistrySnapshot:
         by_state = dict.fromkeys(LIVE_STATES, 0)
         for record in self._transfers.values():
             by_state[record.state] += 1
-        return RegistrySnapshot(by_state, dataclasses.replace(self._counters))
+        return RegistrySnapshot(by_state, self.counters())
 
     # --- internals -----------------------------------------------------------------------
 

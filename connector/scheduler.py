@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
@@ -74,8 +74,14 @@ class PushStats:
     aborted: int = 0  # D: pushes ended by D's own abort (client gone)
 
 
-def is_push(params: dict[str, Any] | None) -> bool:
-    return bool(params) and params.get("transfer_mode") == "push"  # type: ignore[union-attr]
+def is_push(params: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
+    return params is not None and params.get("transfer_mode") == "push"
+
+
+def transfer_id_of(params: dict[str, Any]) -> TransferId | None:
+    """The router's `transfer_id`, naming this push on P and D; None when absent."""
+    tid = params.get("transfer_id")
+    return TransferId(str(tid)) if tid else None
 
 
 class DualScheduler(NixlPullConnectorScheduler):
@@ -117,12 +123,12 @@ class DualScheduler(NixlPullConnectorScheduler):
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
-        if not (is_push(params) and params and params.get("do_remote_prefill")):
+        if not (is_push(params) and params.get("do_remote_prefill")):
             super().update_state_after_alloc(request, blocks, num_external_tokens)
             return
         params["do_remote_prefill"] = False  # register once, even after a preemption
         rid = request.request_id
-        tid = TransferId(str(params.get("transfer_id") or ""))
+        tid = transfer_id_of(params)
         peer = self._push_peer(params)
         if num_external_tokens <= 0:
             # Every prompt block was in D's prefix cache: nothing to receive. P's blocks
@@ -161,14 +167,14 @@ class DualScheduler(NixlPullConnectorScheduler):
         self, request: Request, block_ids: BlockIds
     ) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params
-        if is_push(params) and params and not params.get("do_remote_decode"):
+        if is_push(params) and not params.get("do_remote_decode"):
             return self._decode_push_finished(request, params)
         delay_free, answer = super().request_finished(request, block_ids)
         if not params or not params.get("do_remote_decode"):
             return delay_free, answer
         rid = request.request_id
         if is_push(params):
-            tid = TransferId(str(params.get("transfer_id") or ""))
+            tid = transfer_id_of(params)
             if not delay_free or not tid or answer is None:
                 if tid:
                     self.prefill_channel.prefill_aborted(tid)
@@ -205,9 +211,9 @@ class DualScheduler(NixlPullConnectorScheduler):
         elif params.get("do_remote_prefill"):
             # Ended before it was ever scheduled: no registration; P may hold the KV.
             params["do_remote_prefill"] = False
-            peer, tid = self._push_peer(params), params.get("transfer_id")
+            peer, tid = self._push_peer(params), transfer_id_of(params)
             if peer and tid:
-                self.decode_channel.abort(TransferId(str(tid)), peer=peer)
+                self.decode_channel.abort(tid, peer=peer)
         return False, None
 
     # --- both: each step ----------------------------------------------------------------

@@ -207,11 +207,15 @@ def read_config_file(path: Path) -> dict[str, Any]:
 
 def build_config(file_values: dict[str, Any], overrides: dict[str, Any]) -> RouterConfig:
     """Merge a file's values with command-line overrides (which win) and validate."""
-    merged = {**file_values, **{k: v for k, v in overrides.items()
-                                if v is not None and not k.startswith("balance.")}}
-    for key, value in overrides.items():  # "balance.prefill": a flag for one nested key
-        if key.startswith("balance.") and value is not None:
-            merged["balance"] = {**merged.get("balance", {}), key.split(".", 1)[1]: value}
+    merged = dict(file_values)
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        section, _, field = key.partition(".")  # "balance.prefill": one key of a section
+        if field:
+            merged[section] = {**merged.get(section, {}), field: value}
+        else:
+            merged[key] = value
     for cluster in ("prefill", "decode"):
         merged[cluster] = [
             {"url": entry} if isinstance(entry, str) else entry

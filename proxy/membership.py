@@ -55,12 +55,9 @@ class Membership:
 
     def remove(self, name: ClusterName, url: str) -> Endpoint:
         endpoint = self.endpoint(name, url)
-        cluster = self.cluster(name)
-        if len(cluster.endpoints) == 1:
+        if len(self.cluster(name).endpoints) == 1:
             raise Conflict(f"{url} is the last {name.value} server: add another first")
-        cluster.remove(endpoint)
-        if name is ClusterName.PREFILL:
-            self._router.prober.forget(endpoint)
+        self._drop(endpoint)
         logger.info("%s server %s removed (%d requests still on it finish)", name.value,
                     endpoint.url, endpoint.in_flight)
         return endpoint
@@ -81,15 +78,19 @@ class Membership:
             for endpoint in list(cluster.endpoints):
                 config = wanted_by_url.get(endpoint.url)
                 if config is None or config != endpoint.config:
-                    cluster.remove(endpoint)
-                    if name is ClusterName.PREFILL:
-                        self._router.prober.forget(endpoint)
+                    self._drop(endpoint)
                     changes.append(f"{name.value} -{endpoint.url}")
             for url, config in wanted_by_url.items():
                 if cluster.find(url) is None:
                     cluster.add(config)
                     changes.append(f"{name.value} +{url}")
         return changes
+
+    def _drop(self, endpoint: Endpoint) -> None:
+        """Out of its cluster; a P's learned coordinates are forgotten with it."""
+        self.cluster(endpoint.cluster).remove(endpoint)
+        if endpoint.cluster is ClusterName.PREFILL:
+            self._router.prober.forget(endpoint)
 
     def describe(self) -> list[dict[str, Any]]:
         return [

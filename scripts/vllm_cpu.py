@@ -510,7 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--connector",
         choices=CONNECTORS,
         default="NixlConnector",
-        help="stock vLLM KV connector, on both servers (default: %(default)s)",
+        help="KV connector on both servers: ours (NixlDualConnector: pull and push per "
+             "request) or one of vLLM's (default: %(default)s)",
     )
     p_pair.add_argument(
         "--prefill-port", type=int, default=8100, help="HTTP port of P (default: %(default)s)"
