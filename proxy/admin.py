@@ -4,6 +4,8 @@
     POST   /admin/endpoints         {"cluster": "prefill", "url": "http://p3:8000", ...}
     DELETE /admin/endpoints?cluster=decode&url=http://d2:8000
     POST   /admin/endpoints/drain   {"cluster": "decode", "url": "...", "draining": true}
+    GET    /admin/auto                               what auto mode has measured: average
+                                                     TTFT per mode and prompt-length bucket
 
 Every call needs `Authorization: Bearer <admin_token>`; without a configured token the
 routes do not exist. Answers are JSON; errors are OpenAI-shaped like the rest.
@@ -81,7 +83,14 @@ def install(app: FastAPI, token: str) -> None:
         return JSONResponse({"url": endpoint.url, "draining": endpoint.draining,
                              "in_flight": endpoint.in_flight})
 
+    async def auto(request: Request) -> Response:
+        router = authorized(request)
+        learner = router.learner
+        return JSONResponse({"learning": learner is not None,
+                             "buckets": learner.snapshot() if learner else []})
+
     app.router.add_route("/admin/endpoints", listing, methods=["GET"])
+    app.router.add_route("/admin/auto", auto, methods=["GET"])
     app.router.add_route("/admin/endpoints", add, methods=["POST"])
     app.router.add_route("/admin/endpoints", remove, methods=["DELETE"])
     app.router.add_route("/admin/endpoints/drain", drain, methods=["POST"])

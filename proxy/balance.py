@@ -12,6 +12,11 @@
     `load_factor` times the mean in flight is skipped for the next one on the ring), so
     one hot prefix cannot swamp a server. Adding or removing a server moves only the
     prefixes that hashed to it.
+  - `load_aware`: the lowest score from what each server's vLLM says of itself (its
+    /metrics, scraped in the background by `proxy.load`): requests in flight from
+    this router + `waiting_weight` x its waiting queue + `kv_cache_weight` x its KV cache
+    usage; a server whose last scrape is old or failed is scored by in flight alone.
+    Ties in turn.
 
 A `Balancer` holds one cluster's policy state (its turn counter, its ring); the endpoints
 and their counts live on the `Endpoint` objects.
@@ -24,15 +29,18 @@ import hashlib
 import itertools
 import math
 import random
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from proxy.config import Policy
+from proxy.config import Balance, Policy
+from proxy.load import load_score
 
 if TYPE_CHECKING:
     from proxy.endpoints import Endpoint
 
 VIRTUAL_NODES = 64  # ring points per endpoint: spreads prefixes evenly across servers
+STALE_SCRAPES = 3  # a load report older than this many scrape intervals is ignored
 
 
 def _hash(text: str) -> int:
@@ -43,12 +51,12 @@ class Balancer:
     def __init__(
         self,
         policy: Policy,
+        settings: Balance | None = None,
         *,
-        load_factor: float = 1.25,
         rng: random.Random | None = None,
     ) -> None:
         self.policy = policy
-        self.load_factor = load_factor
+        self.settings = settings or Balance()
         self._turn = itertools.count()
         self._last_pick: dict[str, int] = {}  # url -> turn of its last least-outstanding pick
         self._rng = rng or random.Random()
@@ -68,6 +76,8 @@ class Balancer:
             return b if b.in_flight < a.in_flight else a
         if self.policy is Policy.PREFIX_AFFINITY and key is not None:
             return self._by_prefix(candidates, key)
+        if self.policy is Policy.LOAD_AWARE:
+            return self._least_loaded(candidates)
         return self._least_outstanding(candidates)
 
     def _least_outstanding(self, candidates: Sequence[Endpoint]) -> Endpoint:
@@ -76,12 +86,26 @@ class Balancer:
         self._last_pick[chosen.url] = next(self._turn)
         return chosen
 
+    def _least_loaded(self, candidates: Sequence[Endpoint]) -> Endpoint:
+        """Lowest load score; among equals, the one picked longest ago."""
+        s, now = self.settings, time.monotonic()
+
+        def score(e: Endpoint) -> tuple[float, int]:
+            return (load_score(e.in_flight, e.load, now=now,
+                               max_age=STALE_SCRAPES * s.scrape_interval,
+                               waiting_weight=s.waiting_weight, kv_cache_weight=s.kv_cache_weight),
+                    self._last_pick.get(e.url, -1))
+
+        chosen = min(candidates, key=score)
+        self._last_pick[chosen.url] = next(self._turn)
+        return chosen
+
     def _by_prefix(self, candidates: Sequence[Endpoint], key: str) -> Endpoint:
         by_url = {e.url: e for e in candidates}
         self._build_ring(by_url)
         # Bounded load: at most ceil(load_factor * mean), counting this request.
         total = sum(e.in_flight for e in candidates) + 1
-        bound = max(1, math.ceil(self.load_factor * total / len(candidates)))
+        bound = max(1, math.ceil(self.settings.load_factor * total / len(candidates)))
         start = bisect.bisect(self._ring, (_hash(key), ""))
         for offset in range(len(self._ring)):
             _, url = self._ring[(start + offset) % len(self._ring)]

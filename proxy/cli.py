@@ -82,7 +82,7 @@ def load_config(args: argparse.Namespace) -> RouterConfig:
         "mode": args.mode,
         "models": args.models,
         "missing_kv_params": args.missing_kv_params,
-        "health_interval": args.health_interval,
+        "health.interval": args.health_interval,
         "log_level": args.log_level,
         "balance.prefill": args.prefill_policy,
         "balance.decode": args.decode_policy,

@@ -8,6 +8,7 @@ every field.
 from __future__ import annotations
 
 import enum
+import itertools
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ class Policy(str, enum.Enum):
     LEAST_OUTSTANDING = "least_outstanding"
     POWER_OF_TWO = "power_of_two"
     PREFIX_AFFINITY = "prefix_affinity"
+    LOAD_AWARE = "load_aware"
 
 
 class Balance(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -42,12 +44,39 @@ class Balance(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     decode: Policy = Policy.LEAST_OUTSTANDING
     prefix_chars: int = 256  # prefix_affinity: how much of the prompt's start is hashed
     load_factor: float = 1.25  # prefix_affinity: skip a server above this x mean in flight
+    # load_aware: each server's vLLM /metrics is scraped this often (seconds), and its
+    # score is in_flight + waiting_weight x waiting + kv_cache_weight x KV cache usage (0..1).
+    scrape_interval: float = 1.0
+    waiting_weight: float = 1.0
+    kv_cache_weight: float = 4.0
 
     def __post_init__(self) -> None:
         if self.prefix_chars < 1:
             raise ValueError(f"balance.prefix_chars must be >= 1, got {self.prefix_chars!r}")
         if not self.load_factor >= 1.0:
             raise ValueError(f"balance.load_factor must be >= 1, got {self.load_factor!r}")
+        if not self.scrape_interval > 0:
+            raise ValueError(f"balance.scrape_interval must be > 0, got {self.scrape_interval!r}")
+        if self.waiting_weight < 0 or self.kv_cache_weight < 0:
+            raise ValueError("balance.waiting_weight and kv_cache_weight must be >= 0")
+
+    @property
+    def uses(self) -> frozenset[Policy]:
+        return frozenset((self.prefill, self.decode))
+
+
+class HealthChecks(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Active health checks: GET /health on every server (see `proxy.health`)."""
+
+    interval: float = 5.0  # seconds between two rounds (0 = off)
+    unhealthy_threshold: int = 2  # failed checks in a row that take a server out
+    healthy_threshold: int = 2  # passed checks in a row that bring it back
+
+    def __post_init__(self) -> None:
+        if self.interval < 0:
+            raise ValueError(f"health.interval must be >= 0, got {self.interval!r}")
+        if self.unhealthy_threshold < 1 or self.healthy_threshold < 1:
+            raise ValueError("health.unhealthy_threshold and healthy_threshold must be >= 1")
 
 
 class Ejection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -75,6 +104,34 @@ class RetryBudgetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     def __post_init__(self) -> None:
         if self.ratio < 0 or self.min_per_window < 0 or self.window_s <= 0:
             raise ValueError("retry_budget needs ratio >= 0, min_per_window >= 0, window_s > 0")
+
+
+def _default_bucket_edges() -> list[int]:
+    return [256, 1024, 4096, 16384]
+
+
+class AutoSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How `auto` mode learns which mode is faster (see `proxy.learn`)."""
+
+    learn: bool = True  # false: auto is just "push when the pair can"
+    explore: float = 0.05  # share of requests sent to the slower mode, to keep measuring it
+    min_samples: int = 8  # TTFTs each mode needs in a bucket before the faster one is chosen
+    smoothing: float = 0.2  # weight of a new TTFT in the moving average
+    # Prompt length in characters: n chars fall in the first bucket whose edge is > n,
+    # or in the last, open bucket. Empty: one bucket for all prompts.
+    bucket_edges: list[int] = msgspec.field(default_factory=_default_bucket_edges)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.explore <= 1.0:
+            raise ValueError(f"auto.explore must be within 0..1, got {self.explore!r}")
+        if self.min_samples < 1:
+            raise ValueError(f"auto.min_samples must be >= 1, got {self.min_samples!r}")
+        if not 0.0 < self.smoothing <= 1.0:
+            raise ValueError(f"auto.smoothing must be > 0 and <= 1, got {self.smoothing!r}")
+        edges = self.bucket_edges
+        if any(edge <= 0 for edge in edges) or any(a >= b for a, b in itertools.pairwise(edges)):
+            raise ValueError(
+                f"auto.bucket_edges must be positive and strictly increasing, got {edges!r}")
 
 
 class MissingKVParams(str, enum.Enum):
@@ -117,10 +174,17 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     what a probe learns (a probe is then not needed)."""
 
     url: str
+    # The model names it serves; None: learned from its /v1/models.
+    models: list[str] | None = None
+    # Takes no new request while true; running ones finish (a watched config file can
+    # drain a server this way before removing it).
+    drain: bool = False
     engine_id: str | None = None
     side_channel_host: str | None = None
     side_channel_port: int | None = None
     tp_size: int | None = None
+    # What its KV connector can do. For a P, learned from a probe when not given; for a D,
+    # both unless given (a D without our connector cannot take a push: say [pull]).
     transfer_modes: list[Mode] | None = None
     # Our connector's push side channel on this P (its kv_connector_extra_config
     # push_port); learned from P's answers when not given.
@@ -153,7 +217,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Served model names. Empty: learn them from the upstreams' /v1/models.
     models: list[str] = []
     missing_kv_params: MissingKVParams = MissingKVParams.ERROR
-    health_interval: float = 5.0  # seconds between active /health checks (0 = off)
+    health: HealthChecks = HealthChecks()
+    auto: AutoSettings = AutoSettings()
     probe_retry_interval: float = 10.0  # after a failed probe, wait this long to try again
     timeouts: Timeouts = Timeouts()
     limits: Limits = Limits()
@@ -179,8 +244,6 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"port out of range: {self.port!r}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace!r}")
-        if self.health_interval < 0:
-            raise ValueError(f"health_interval must be >= 0, got {self.health_interval!r}")
         if self.log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
             raise ValueError(f"unknown log_level {self.log_level!r}")
 

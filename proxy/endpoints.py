@@ -1,15 +1,18 @@
 """Upstream endpoints and the two clusters (prefill, decode) that hold them.
 
 An `Endpoint` record holds all the live state of one vLLM server: requests in flight,
-health, and for a P its KV coordinates (configured, or learned by a probe). A `Cluster`
-picks the endpoint for a leg: healthy ones first, fewest requests in flight, ties taken
-in turn. `lease()` counts a request in flight and always gives it back.
+health, its last error and recent latency, the models it serves, the load its /metrics
+reported, and for a P its KV coordinates (configured, or learned by a probe). A
+`Cluster` picks the endpoint for a leg: it filters (healthy, serves the model, not
+ejected, can do the mode), then its `Balancer` picks. `lease()` counts a request in
+flight and always gives it back.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -19,8 +22,12 @@ from proxy.errors import NoHealthyEndpoint
 from proxy.outlier import OutlierRecord
 from proxy.protocol import PrefillCoordinates
 
+if TYPE_CHECKING:
+    from proxy.load import LoadReport
+
 BOTH_MODES = frozenset({Mode.PULL, Mode.PUSH})
 DEFAULT_EJECTION = Ejection()
+LATENCY_SMOOTHING = 0.2  # weight of a new sample in an endpoint's recent latency
 
 
 class ClusterName(str, enum.Enum):
@@ -37,8 +44,14 @@ class Endpoint:
         self.cluster = cluster
         self.in_flight = 0
         self.healthy = True  # until a check or a failed connection says otherwise
-        self.draining = False  # takes no new request; running ones finish
+        self._checks_against = 0  # active checks in a row that disagree with `healthy`
+        self.draining = config.drain  # takes no new request; running ones finish
         self.outlier = OutlierRecord(ejection)  # passive ejection after failures in a row
+        self.last_error: str | None = None
+        self.recent_latency: float | None = None  # seconds, moving average of its legs
+        self.load: LoadReport | None = None  # from its /metrics (load_aware balancing)
+        # Models learned from its /v1/models; None until known (the config may say).
+        self.learned_models: frozenset[str] | None = None
         # For a P: coordinates learned from a probe or a P answer; None until known.
         self.learned_coordinates: PrefillCoordinates | None = None
 
@@ -74,15 +87,50 @@ class Endpoint:
         )
 
     def can(self, mode: Mode) -> bool:
-        """True unless this P is known not to do `mode` (unknown coordinates: maybe)."""
+        """True unless this server is known not to do `mode`: configured transfer_modes,
+        or for a P its learned coordinates (unknown: maybe)."""
+        if self.config.transfer_modes:
+            return mode in self.config.transfer_modes
         known = self.coordinates
         return known is None or mode in known.transfer_modes
 
-    def set_healthy(self, healthy: bool) -> bool:
-        """Record a health result; True when the endpoint just came back."""
-        came_back = healthy and not self.healthy
-        self.healthy = healthy
-        return came_back
+    @property
+    def models(self) -> frozenset[str] | None:
+        """The models it serves: configured, else learned; None while unknown."""
+        if self.config.models is not None:
+            return frozenset(self.config.models)
+        return self.learned_models
+
+    def serves(self, model: str) -> bool:
+        """True unless it is known not to serve `model`."""
+        models = self.models
+        return models is None or model in models
+
+    def record_check(self, passed: bool, *, healthy_after: int, unhealthy_after: int) -> bool:
+        """Count one active health check; True when it changed `healthy` (it takes
+        `unhealthy_after` failures in a row to go down, `healthy_after` passes to come back)."""
+        if passed == self.healthy:
+            self._checks_against = 0
+            return False
+        self._checks_against += 1
+        if self._checks_against < (healthy_after if passed else unhealthy_after):
+            return False
+        self.healthy = passed
+        self._checks_against = 0
+        return True
+
+    def mark_down(self, why: str) -> bool:
+        """Down at once (a refused connection); True when it was up."""
+        was_up = self.healthy
+        self.healthy = False
+        self._checks_against = 0
+        self.last_error = why
+        return was_up
+
+    def observe_latency(self, seconds: float) -> None:
+        previous = self.recent_latency
+        self.recent_latency = seconds if previous is None else (
+            previous + LATENCY_SMOOTHING * (seconds - previous))
 
     def lease(self) -> Lease:
         """`with endpoint.lease():` counts one request in flight for the block."""
@@ -134,18 +182,29 @@ class Cluster:
         self.endpoints = [e for e in self.endpoints if e is not endpoint]
 
     def pick(
-        self, *, exclude: Endpoint | None = None, key: str | None = None, mode: Mode | None = None
+        self,
+        *,
+        exclude: Endpoint | None = None,
+        key: str | None = None,
+        mode: Mode | None = None,
+        model: str | None = None,
     ) -> Endpoint:
-        """Filter (healthy, not ejected, not `exclude`, and able to do `mode` if any is),
-        then the cluster's policy picks (see `proxy.balance`; `key` is the prompt's
-        prefix, for prefix affinity). Filters that would leave nobody are dropped: every
-        healthy server ejected, or none known to do `mode` (the mode then falls back)."""
+        """Filter (healthy, not draining, not `exclude`, serving `model`, not ejected, and
+        able to do `mode`), then the cluster's policy picks (see `proxy.balance`; `key` is
+        the prompt's prefix, for prefix affinity). Filters that would leave nobody are
+        dropped, except the first ones: every healthy server ejected, or none known to do
+        `mode` (the mode then falls back)."""
         healthy = [e for e in self.endpoints if e.healthy and not e.draining and e is not exclude]
         if not healthy:
             raise NoHealthyEndpoint(
                 f"no healthy {self.name.value} server: none of {len(self.endpoints)} is "
                 "healthy and not draining"
             )
+        if model is not None:
+            healthy = [e for e in healthy if e.serves(model)]
+            if not healthy:
+                raise NoHealthyEndpoint(
+                    f"no healthy {self.name.value} server serves the model `{model}`")
         now = time.monotonic()
         candidates = [e for e in healthy if not e.outlier.ejected(now)] or healthy
         if mode is not None:

@@ -35,12 +35,14 @@ class Exchange:
         prefill: Endpoint,
         decode: Endpoint,
         decision: ModeDecision,
+        bucket: int | None = None,
     ) -> None:
         self.router = router
         self.request = request
         self.prefill_endpoint = prefill
         self.decode_endpoint = decode
         self.decision = decision
+        self.bucket = bucket  # the prompt-length bucket auto mode learns in (streamed requests)
         self.mode = decision.used.value
         self.upstream_headers = {"X-Request-Id": request.request_id}
         self.started_at = time.perf_counter()
@@ -99,6 +101,7 @@ class Exchange:
                 raise
         self.prefill_seconds = time.perf_counter() - started
         p.outlier.success()
+        p.observe_latency(self.prefill_seconds)
         metrics = self.router.metrics
         metrics.child(metrics.prefill_latency, self.mode).observe(self.prefill_seconds)
         if not isinstance(answer, dict):
@@ -142,10 +145,12 @@ class Exchange:
 
     def _decode_first_byte(self, sent_at: float) -> None:
         self.decode_first_byte_seconds = time.perf_counter() - sent_at
+        self.decode_endpoint.observe_latency(self.decode_first_byte_seconds)
         metrics = self.router.metrics
         metrics.child(metrics.decode_first_token, self.mode).observe(self.decode_first_byte_seconds)
 
     def _upstream_failed(self, endpoint: Endpoint, exc: UpstreamError) -> None:
+        endpoint.last_error = str(exc)
         self.router.metrics.upstream_errors.labels(
             endpoint.cluster.value, endpoint.url, exc.kind
         ).inc()
@@ -167,21 +172,24 @@ class Exchange:
         status = "client_closed" if client_left else str(down.status or (error.status if error else 0))
         metrics.child(metrics.requests, self.request.route.value, self.mode, status).inc()
         if down.first_byte_at is not None:
-            metrics.child(metrics.time_to_first_byte, self.mode).observe(
-                down.first_byte_at - self.started_at
-            )
+            ttfb = down.first_byte_at - self.started_at
+            metrics.child(metrics.time_to_first_byte, self.mode).observe(ttfb)
+            learner = self.router.learner
+            if learner and self.bucket is not None and self.request.stream and down.status == 200:
+                learner.observe(self.decision.used, self.bucket, ttfb)
         if client_left:
             for cluster in ("prefill", "decode"):
                 metrics.cancelled_legs.labels(cluster, "client_disconnected").inc()
         if not logger.isEnabledFor(logging.INFO):
             return
         logger.info(
-            "request_id=%s route=%s mode=%s requested=%s prefill=%s decode=%s status=%s "
+            "request_id=%s route=%s mode=%s requested=%s why=%s prefill=%s decode=%s status=%s "
             "ttfb_ms=%s prefill_ms=%s decode_ttfb_ms=%s total_ms=%.1f%s%s",
             self.request.request_id,
             self.request.route.value,
             self.mode,
             self.decision.requested.value,
+            self.decision.reason,
             self.prefill_endpoint.url,
             self.decode_endpoint.url,
             status,

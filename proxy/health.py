@@ -1,9 +1,11 @@
-"""Active health checks: every `health_interval` seconds, GET /health on each endpoint.
+"""Active health checks: every `health.interval` seconds, GET /health on each endpoint.
 
-A failed connection during a request also marks an endpoint unhealthy at once (passive
-check, in the flows); the next passing check brings it back. A P that comes back may be
-a restarted server with a new engine id, so its learned coordinates are forgotten and
-the next push request probes it again.
+A server goes down after `unhealthy_threshold` failed checks in a row and comes back
+after `healthy_threshold` passed ones, so one lost packet does not take it out and a
+flapping server does not come back on its first good answer. A refused connection during
+a request takes the endpoint down at once (passive check, in `Exchange`); checks then
+bring it back. A P that comes back may be a restarted server with a new engine id, so its
+learned coordinates are forgotten: the next push request probes it again.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from proxy.config import HealthChecks
 from proxy.endpoints import ClusterName, Endpoint
 from proxy.errors import UpstreamError
 from proxy.probe import CoordinateProber
@@ -26,19 +29,19 @@ class HealthChecker:
         endpoints: Callable[[], list[Endpoint]],  # the current ones, at each round
         client: UpstreamClient,
         prober: CoordinateProber,
+        settings: HealthChecks,
         *,
-        interval: float,
         timeout: float,
     ) -> None:
         self._endpoints = endpoints
         self._client = client
         self._prober = prober
-        self._interval = interval
+        self._settings = settings
         self._timeout = timeout
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        if self._interval > 0 and self._task is None:
+        if self._settings.interval > 0 and self._task is None:
             self._task = asyncio.create_task(self._run(), name="health-checker")
 
     async def aclose(self) -> None:
@@ -51,6 +54,7 @@ class HealthChecker:
         await asyncio.gather(*(self.check(e) for e in self._endpoints()))
 
     async def check(self, endpoint: Endpoint) -> None:
+        error = None
         try:
             await self._client.get_json(
                 f"{endpoint.url}/health",
@@ -60,24 +64,35 @@ class HealthChecker:
                 expect_json=False,
             )
         except UpstreamError as exc:
-            self.mark_down(endpoint, str(exc))
+            error = str(exc)
+            endpoint.last_error = error
+        changed = endpoint.record_check(
+            error is None,
+            healthy_after=self._settings.healthy_threshold,
+            unhealthy_after=self._settings.unhealthy_threshold,
+        )
+        if not changed:
             return
-        if endpoint.set_healthy(True):
-            logger.info("%s %s is healthy again", endpoint.cluster.value, endpoint.url)
-            if endpoint.cluster is ClusterName.PREFILL:
-                self._prober.forget(endpoint)
+        name = f"{endpoint.cluster.value} {endpoint.url}"
+        if error is not None:
+            logger.warning("%s is unhealthy after %d failed checks: %s", name,
+                           self._settings.unhealthy_threshold, error)
+            return
+        logger.info("%s is healthy again", name)
+        if endpoint.cluster is ClusterName.PREFILL:
+            self._prober.forget(endpoint)
 
     def mark_down(self, endpoint: Endpoint, why: str) -> None:
-        """Take an endpoint out until a check passes (only when checks are running)."""
-        if self._interval <= 0:
+        """Take an endpoint out until checks pass again (only when checks are running:
+        without them nothing would bring it back)."""
+        if self._settings.interval <= 0:
             return
-        if endpoint.healthy:
+        if endpoint.mark_down(why):
             logger.warning("%s %s is unhealthy: %s", endpoint.cluster.value, endpoint.url, why)
-        endpoint.set_healthy(False)
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self._interval)
+            await asyncio.sleep(self._settings.interval)
             try:
                 await self.check_all()
             except Exception:  # one bad round must not end the checks

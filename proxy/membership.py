@@ -5,7 +5,8 @@ Two ways in, one set of operations (`Membership`):
 - the config file, watched (`ConfigWatcher`): when it changes, it is read and validated
   again; a bad file is refused with a log line and the running config kept; a good one
   has its `prefill` and `decode` lists applied (servers added, removed, or replaced when
-  their settings changed). Other settings need a restart, and the log says which.
+  their settings changed; `drain: true` drains a server in place). Other settings need
+  a restart, and the log says which.
 
 Removing a server takes it out of picking at once; requests already on it finish (each
 holds its endpoint). Draining keeps it listed and checked but gives it no new request:
@@ -23,8 +24,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from proxy.config import EndpointConfig, RouterConfig
-from proxy.endpoints import Cluster, ClusterName, Endpoint
+from proxy.endpoints import BOTH_MODES, Cluster, ClusterName, Endpoint
 from proxy.errors import Conflict, NotFound
 
 if TYPE_CHECKING:
@@ -77,7 +80,14 @@ class Membership:
             wanted_by_url = {c.url.rstrip("/"): c for c in wanted}
             for endpoint in list(cluster.endpoints):
                 config = wanted_by_url.get(endpoint.url)
-                if config is None or config != endpoint.config:
+                if config is not None and config.drain != endpoint.config.drain and (
+                    msgspec.structs.replace(config, drain=endpoint.config.drain) == endpoint.config
+                ):  # only `drain` changed: keep the server, its counts and what was learned
+                    endpoint.config = config
+                    self.drain(name, endpoint.url, config.drain)
+                    changes.append(f"{name.value} {'drain' if config.drain else 'undrain'} "
+                                   f"{endpoint.url}")
+                elif config is None or config != endpoint.config:
                     self._drop(endpoint)
                     changes.append(f"{name.value} -{endpoint.url}")
             for url, config in wanted_by_url.items():
@@ -93,12 +103,28 @@ class Membership:
             self._router.prober.forget(endpoint)
 
     def describe(self) -> list[dict[str, Any]]:
-        return [
-            {"cluster": e.cluster.value, "url": e.url, "healthy": e.healthy,
-             "draining": e.draining, "ejected": e.outlier.ejected(time.monotonic()),
-             "in_flight": e.in_flight}
-            for e in self._router.prefill.endpoints + self._router.decode.endpoints
-        ]
+        now = time.monotonic()
+        return [_describe(e, now) for e in self._router.all_endpoints()]
+
+
+def _describe(e: Endpoint, now: float) -> dict[str, Any]:
+    models = e.models
+    load = e.load
+    return {
+        "cluster": e.cluster.value,
+        "url": e.url,
+        "healthy": e.healthy,
+        "draining": e.draining,
+        "ejected": e.outlier.ejected(now),
+        "in_flight": e.in_flight,
+        "models": sorted(models) if models is not None else None,
+        "transfer_modes": sorted(m.value for m in BOTH_MODES if e.can(m)),  # unknown: both
+        "recent_latency_ms": round(e.recent_latency * 1000, 1) if e.recent_latency else None,
+        "load": None if load is None else {"waiting": load.waiting, "running": load.running,
+                                           "kv_cache_usage": load.kv_cache_usage,
+                                           "age_s": round(now - load.at, 1)},
+        "last_error": e.last_error,
+    }
 
 
 class ConfigWatcher:

@@ -78,6 +78,13 @@ class RouterMetrics:
             ["requested", "used", "reason"],
             registry=r,
         )
+        self.auto_decisions = Counter(
+            "pdproxy_auto_mode_decisions",
+            "Requests in auto mode by the mode chosen and why (auto_learning, auto_explore, "
+            "auto_faster_push, auto_faster_pull, auto_pair_can_push, auto_pair_cannot_push, ...)",
+            ["mode", "reason"],
+            registry=r,
+        )
         self.missing_kv_params = Counter(
             "pdproxy_missing_kv_transfer_params",
             "P answers without usable kv_transfer_params, by what the router did",

@@ -1,10 +1,16 @@
-"""The served model names: configured, or learned from the upstreams' /v1/models."""
+"""The served model names: configured, or learned from the upstreams' /v1/models.
+
+Each listing also records on every endpoint the models it serves (`learned_models`), so
+that a request for a model goes only to the servers that have it (`Cluster.pick`).
+Servers may also be given their `models` in the config; those are not asked.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from proxy.endpoints import Endpoint
@@ -23,7 +29,7 @@ class ModelCatalog:
     def __init__(
         self,
         configured: list[str],
-        endpoints: list[Endpoint],
+        endpoints: Callable[[], list[Endpoint]],  # the current ones, at each refresh
         client: UpstreamClient,
         *,
         timeout: float,
@@ -44,7 +50,7 @@ class ModelCatalog:
         """The /v1/models answer: the union of what the upstreams serve."""
         await self._refresh_if_stale()
         if self._configured:
-            cards = [{"id": n, "object": "model", "owned_by": "pd-proxy"} for n in self._configured]
+            cards = [_card(n) for n in self._configured]
         else:
             cards = list(self._cards.values())
         return {"object": "list", "data": cards}
@@ -82,16 +88,23 @@ class ModelCatalog:
                 self._refreshing = None
 
     async def _refresh(self) -> None:
-        answers = await asyncio.gather(*(self._fetch(e) for e in self._endpoints))
+        endpoints = self._endpoints()
+        answers = await asyncio.gather(*(self._fetch(e) for e in endpoints))
         self._refreshed_at = time.monotonic()
         cards: dict[str, dict[str, Any]] = {}
-        for answer in answers:
-            for card in answer:
+        for endpoint, answer in zip(endpoints, answers, strict=True):
+            for name in endpoint.config.models or ():
+                cards.setdefault(name, _card(name))
+            for card in answer or ():
                 cards.setdefault(card["id"], card)
         if cards:
             self._cards = cards
 
-    async def _fetch(self, endpoint: Endpoint) -> list[dict[str, Any]]:
+    async def _fetch(self, endpoint: Endpoint) -> list[dict[str, Any]] | None:
+        """The model cards `endpoint` lists (and records the names on it); None when it
+        could not be asked, or its models are configured."""
+        if endpoint.config.models is not None:
+            return None
         try:
             answer = await self._client.get_json(
                 f"{endpoint.url}/v1/models",
@@ -101,8 +114,14 @@ class ModelCatalog:
             )
         except UpstreamError as exc:
             logger.warning("cannot list models of %s: %s", endpoint.url, exc)
-            return []
+            return None
         data = answer.get("data") if isinstance(answer, dict) else None
         if not isinstance(data, list):
-            return []
-        return [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
+            return None
+        cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
+        endpoint.learned_models = frozenset(c["id"] for c in cards)
+        return cards
+
+
+def _card(name: str) -> dict[str, Any]:
+    return {"id": name, "object": "model", "owned_by": "pd-proxy"}

@@ -1,12 +1,16 @@
 """Which KV hand-over a request gets: the mode policy.
 
 The request's `X-KV-Transfer-Mode` header wins over the configured mode. `auto` picks
-push when the chosen P can push, else pull. When the asked mode is impossible for the
+pull when the chosen pair cannot push; when it can do both, the router's `ModeLearner`
+(`proxy.learn`) picks the one measured faster for prompts of this length, and without
+one (`auto.learn: false`) push. When the asked mode is impossible for the
 chosen servers the other one is used, and the decision says why (the response header
 and a metric tell the client and the operator).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import msgspec
 
@@ -25,8 +29,15 @@ class ModeDecision(msgspec.Struct, frozen=True, kw_only=True):
         return self.requested is not Mode.AUTO and self.requested is not self.used
 
 
-def decide_mode(requested: Mode, coordinates: PrefillCoordinates | None) -> ModeDecision:
-    """Pick the mode for a request, given what is known about its P.
+def decide_mode(
+    requested: Mode,
+    coordinates: PrefillCoordinates | None,
+    *,
+    decode_can_push: bool = True,
+    learned: Callable[[], tuple[Mode, str]] | None = None,
+) -> ModeDecision:
+    """Pick the mode for a request, given what is known about its P and whether its D
+    can take a push. `learned` answers `auto` when the pair can do both modes.
 
     `coordinates` is None when the P's engine id and side channel are not known (no
     probe answered yet): push is then impossible."""
@@ -35,8 +46,9 @@ def decide_mode(requested: Mode, coordinates: PrefillCoordinates | None) -> Mode
             return ModeDecision(requested=requested, used=Mode.PULL, reason="requested")
         return ModeDecision(requested=requested, used=Mode.PULL, reason="prefill_coordinates_unknown")
 
-    can_push = Mode.PUSH in coordinates.transfer_modes
+    can_push = Mode.PUSH in coordinates.transfer_modes and decode_can_push
     can_pull = Mode.PULL in coordinates.transfer_modes
+    cannot_push = "decode_cannot_push" if Mode.PUSH in coordinates.transfer_modes else "prefill_cannot_push"
     if requested is Mode.PULL:
         if can_pull:
             return ModeDecision(requested=requested, used=Mode.PULL, reason="requested")
@@ -44,7 +56,10 @@ def decide_mode(requested: Mode, coordinates: PrefillCoordinates | None) -> Mode
     if requested is Mode.PUSH:
         if can_push:
             return ModeDecision(requested=requested, used=Mode.PUSH, reason="requested")
-        return ModeDecision(requested=requested, used=Mode.PULL, reason="prefill_cannot_push")
+        return ModeDecision(requested=requested, used=Mode.PULL, reason=cannot_push)
+    if can_push and can_pull and learned is not None:
+        used, reason = learned()
+        return ModeDecision(requested=requested, used=used, reason=reason)
     if can_push:
         return ModeDecision(requested=requested, used=Mode.PUSH, reason="auto_pair_can_push")
     return ModeDecision(requested=requested, used=Mode.PULL, reason="auto_pair_cannot_push")

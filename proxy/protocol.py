@@ -76,6 +76,32 @@ def prefix_key(request: ClientRequest, chars: int) -> str | None:
     return text[:chars] or None
 
 
+CHARS_PER_TOKEN = 4  # a prompt given as token ids counts this many characters per token
+
+
+def prompt_chars(request: ClientRequest) -> int:
+    """The prompt's length in characters (token ids count CHARS_PER_TOKEN each), for
+    `auto` mode's prompt-length buckets."""
+    body = request.body
+    if request.route is Route.CHAT:
+        total = 0
+        for message in body.get("messages") or ():
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                total += len(content)
+            elif isinstance(content, list):
+                total += sum(len(str(p.get("text", ""))) for p in content if isinstance(p, dict))
+        return total
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):  # a batch
+        return sum(len(p) for p in prompt if isinstance(p, str))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):  # batch of ids
+        return CHARS_PER_TOKEN * sum(len(p) for p in prompt if isinstance(p, list))
+    return CHARS_PER_TOKEN * len(prompt) if isinstance(prompt, list) else 0
+
+
 def parse_request(
     route: Route, raw: bytes, headers: dict[str, str], *, max_body_bytes: int
 ) -> ClientRequest:

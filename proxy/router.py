@@ -16,15 +16,17 @@ from pathlib import Path
 
 from proxy.balance import Balancer
 from proxy.config import Mode, Policy, RouterConfig
-from proxy.endpoints import Cluster, ClusterName
+from proxy.endpoints import Cluster, ClusterName, Endpoint
 from proxy.exchange import Exchange
 from proxy.health import HealthChecker
+from proxy.learn import ModeLearner
+from proxy.load import LoadScraper
 from proxy.membership import ConfigWatcher, Membership
 from proxy.metrics import RouterMetrics
 from proxy.models import ModelCatalog
 from proxy.modes import decide_mode
 from proxy.probe import CoordinateProber
-from proxy.protocol import ClientRequest, prefix_key
+from proxy.protocol import ClientRequest, prefix_key, prompt_chars
 from proxy.pull import run_pull
 from proxy.push import run_push
 from proxy.relay import Downstream, FlowResponse
@@ -55,15 +57,14 @@ class Router:
         self.retry_budget = RetryBudget(config.retry_budget.ratio, config.retry_budget.min_per_window,
                                         config.retry_budget.window_s)
         self.client = UpstreamClient(config.timeouts, config.limits)
+        self.learner = ModeLearner(config.auto) if config.auto.learn else None
         balance = config.balance
-        self._needs_prefix = Policy.PREFIX_AFFINITY in (balance.prefill, balance.decode)
+        self._needs_prefix = Policy.PREFIX_AFFINITY in balance.uses
         self.prefill = Cluster(ClusterName.PREFILL, config.prefill,
-                               Balancer(balance.prefill, load_factor=balance.load_factor),
-                               config.ejection)
+                               Balancer(balance.prefill, balance), config.ejection)
         self.decode = Cluster(ClusterName.DECODE, config.decode,
-                              Balancer(balance.decode, load_factor=balance.load_factor),
-                              config.ejection)
-        self.metrics.watch_endpoints(lambda: self.prefill.endpoints + self.decode.endpoints)
+                              Balancer(balance.decode, balance), config.ejection)
+        self.metrics.watch_endpoints(self.all_endpoints)
         self.prober = CoordinateProber(
             self.client,
             self.metrics,
@@ -71,16 +72,22 @@ class Router:
             retry_interval=config.probe_retry_interval,
         )
         self.health = HealthChecker(
-            lambda: self.prefill.endpoints + self.decode.endpoints,
+            self.all_endpoints,
             self.client,
             self.prober,
-            interval=config.health_interval,
+            config.health,
             timeout=config.timeouts.health,
         )
         self.catalog = ModelCatalog(
             config.models,
-            self.decode.endpoints + self.prefill.endpoints,
+            lambda: self.decode.endpoints + self.prefill.endpoints,
             self.client,
+            timeout=config.timeouts.health,
+        )
+        # load_aware balancing reads each server's /metrics, scraped in the background
+        self.load = LoadScraper(
+            self.all_endpoints, self.client,
+            interval=balance.scrape_interval if Policy.LOAD_AWARE in balance.uses else 0,
             timeout=config.timeouts.health,
         )
         self._warmup: asyncio.Task[None] | None = None
@@ -90,8 +97,12 @@ class Router:
             self.watcher = ConfigWatcher(source.path, source.load, self.membership, config,
                                          interval=config.config_watch_interval)
 
+    def all_endpoints(self) -> list[Endpoint]:
+        return self.prefill.endpoints + self.decode.endpoints
+
     async def start(self) -> None:
         self.health.start()
+        self.load.start()
         if self.watcher is not None:
             self.watcher.start()
         if self.config.mode is not Mode.PULL:
@@ -105,6 +116,7 @@ class Router:
             self._warmup.cancel()
             await asyncio.gather(self._warmup, return_exceptions=True)
         await self.health.aclose()
+        await self.load.aclose()
         await self.prober.aclose()
         await self.catalog.aclose()
         await self.client.aclose()
@@ -122,14 +134,28 @@ class Router:
         self.retry_budget.request()
         key = prefix_key(request, self.config.balance.prefix_chars) if self._needs_prefix else None
         requested = request.mode_override or self.config.mode
-        # Prefer a P that can do the mode asked (auto: push), so fewer requests fall back.
-        prefill = self.prefill.pick(key=key, mode=Mode.PULL if requested is Mode.PULL else Mode.PUSH)
-        decode = self.decode.pick(key=key)
+        # Prefer a P and a D that can do the mode asked (auto: push), so fewer requests
+        # fall back; only servers of the request's model.
+        wanted = Mode.PULL if requested is Mode.PULL else Mode.PUSH
+        prefill = self.prefill.pick(key=key, mode=wanted, model=request.model)
+        decode = self.decode.pick(key=key, mode=wanted, model=request.model)
         coordinates = prefill.coordinates
         if requested is not Mode.PULL and coordinates is None:
             coordinates = await self.prober.coordinates(prefill, request.model)
-        decision = decide_mode(requested, coordinates)
-        exchange = Exchange(self, request, prefill=prefill, decode=decode, decision=decision)
+        # auto learns from streamed requests' time to first token, per prompt length
+        learner = self.learner
+        bucket = (learner.bucket(prompt_chars(request))
+                  if learner and (requested is Mode.AUTO or request.stream) else None)
+        decision = decide_mode(
+            requested, coordinates, decode_can_push=decode.can(Mode.PUSH),
+            learned=(lambda: learner.choose(bucket, measured=request.stream))
+            if learner and bucket is not None else None,
+        )
+        if requested is Mode.AUTO:
+            self.metrics.child(self.metrics.auto_decisions, decision.used.value,
+                               decision.reason).inc()
+        exchange = Exchange(self, request, prefill=prefill, decode=decode, decision=decision,
+                            bucket=bucket)
         if decision.is_fallback:
             self.metrics.mode_fallbacks.labels(
                 decision.requested.value, decision.used.value, decision.reason

@@ -5,7 +5,8 @@ Two calls: `post_json` waits for a whole JSON answer (P's leg, probes), and `str
 opens a response whose body is read chunk by chunk as it arrives (D's leg), always
 inside `async with` so that the connection goes back to its pool when the answer is
 complete, or is closed when a leg is cancelled or fails: closing the connection is how
-vLLM learns to abort the request. The transport is `http11` (keep-alive HTTP/1.1).
+vLLM learns to abort the request. `get_json` and `get_text` are for the small GETs
+(/health, /metrics). The transport is `http11` (keep-alive HTTP/1.1).
 """
 
 from __future__ import annotations
@@ -108,6 +109,11 @@ class UpstreamClient:
         """GET and decode the JSON answer (or only check the status: expect_json=False)."""
         content = await self._whole("GET", url, b"", {}, endpoint, cluster, timeout)
         return _decode_json(content, endpoint, cluster) if expect_json else None
+
+    async def get_text(self, url: str, *, endpoint: str, cluster: str, timeout: float) -> str:
+        """GET a text answer (a server's /metrics); bytes that are not UTF-8 are replaced."""
+        content = await self._whole("GET", url, b"", {}, endpoint, cluster, timeout)
+        return content.decode("utf-8", errors="replace")
 
     async def post_json(
         self,

@@ -7,7 +7,8 @@ It speaks the P/D contract the router relies on (see the router's `protocol.py`)
   coordinates, waiting (when P and D share a `Fabric`, i.e. run in one process) until
   "P" has finished the prompt with that transfer id, like a real push D waits for the
   WRITE.
-Knobs (`Behavior`) add delays and faults; every request is logged (`Seen`) so tests can
+Knobs (`Behavior`) add delays and faults, and set the load that `GET /metrics` reports
+(vLLM's waiting, running and KV cache gauges); every request is logged (`Seen`) so tests can
 check what reached each server, when, and whether it was cancelled.
 
 Run one alone: `python -m scripts.fake_vllm --role decode --port 8200`.
@@ -43,6 +44,10 @@ class Behavior:
     cut_stream_after: int | None = None  # D: close the stream after this many chunks
     transfer_modes: list[str] = dataclasses.field(default_factory=lambda: ["pull", "push"])
     push_wait_timeout: float = 30.0  # D: how long a push waits for P (a stock lease)
+    push_delay: float = 0.0  # D: extra wait on a push after P's "WRITE" (a slow transfer)
+    health_status: int = 200  # what GET /health answers
+    waiting: int = 0  # /metrics: requests "queued" on the server (vllm:num_requests_waiting)
+    kv_cache_usage: float = 0.0  # /metrics: 0..1, vllm:kv_cache_usage_perc
 
 
 @dataclasses.dataclass
@@ -75,6 +80,7 @@ class FakeVLLM:
         engine_id: str = "engine-0",
         side_channel_port: int = 5600,
         fabric: Fabric | None = None,
+        model: str = MODEL,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
@@ -82,6 +88,7 @@ class FakeVLLM:
         self.engine_id = engine_id
         self.side_channel_port = side_channel_port
         self.fabric = fabric
+        self.model = model  # the one model it serves; a request for another gets 404
         self.behavior = Behavior()
         self.record = True  # keep a `Seen` per request (off for long benchmarks)
         self.seen: list[Seen] = []
@@ -89,6 +96,7 @@ class FakeVLLM:
         self.app = web.Application()
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/v1/models", self._models)
+        self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_post("/v1/completions", self._infer)
         self.app.router.add_post("/v1/chat/completions", self._infer)
 
@@ -107,10 +115,29 @@ class FakeVLLM:
         return sum(1 for s in self.seen if s.outcome == "running")
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response(text="")
+        return web.Response(text="", status=self.behavior.health_status)
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """vLLM's load gauges in Prometheus text format: waiting and KV cache usage as the
+        knobs say, running as the requests this fake is answering now (0 when it does
+        not record them)."""
+        labels = f'{{engine="0",model_name="{self.model}"}}'
+        gauges = [
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+             self.behavior.waiting),
+            ("vllm:num_requests_running", "Number of requests in model execution batches.",
+             self.active),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+             self.behavior.kv_cache_usage),
+        ]  # fmt: skip
+        lines: list[str] = []
+        for name, help_text, value in gauges:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge",
+                      f"{name}{labels} {float(value)}"]  # fmt: skip
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _infer(self, request: web.Request) -> web.StreamResponse:
         body = msgspec.json.decode(await request.read())
@@ -153,6 +180,11 @@ class FakeVLLM:
         if b.garbage:
             seen.outcome = "failed"
             return web.Response(body=b"\x00not json{", content_type="application/json")
+        if body.get("model") != self.model:  # as vLLM answers
+            seen.outcome = "failed"
+            return web.json_response({"error": {
+                "message": f"The model `{body.get('model')}` does not exist.",
+                "type": "NotFoundError", "param": "model", "code": 404}}, status=404)
         params = body.get("kv_transfer_params") or {}
         if self.role == "prefill":
             return self._prefill_answer(request, body, params)
@@ -161,7 +193,7 @@ class FakeVLLM:
     def _prefill_answer(self, request: web.Request, body: dict[str, Any], params: dict[str, Any]) -> web.Response:
         rid = request.headers.get("X-Request-Id", "none")
         prefix = "chatcmpl-" if request.path.endswith("chat/completions") else "cmpl-"
-        answer: dict[str, Any] = _completion(request.path, ["p"], rid)
+        answer: dict[str, Any] = _completion(request.path, ["p"], rid, self.model)
         if not self.behavior.omit_kv_params and params.get("do_remote_decode"):
             answer["kv_transfer_params"] = {
                 "do_remote_prefill": True,
@@ -194,11 +226,13 @@ class FakeVLLM:
             if self.fabric is not None:
                 event = self.fabric.event(params["transfer_id"])
                 await asyncio.wait_for(event.wait(), self.behavior.push_wait_timeout)
+                if self.behavior.push_delay:
+                    await asyncio.sleep(self.behavior.push_delay)
         tokens = min(self.behavior.tokens, int(body.get("max_tokens") or self.behavior.tokens))
         words = [f"t{i}" for i in range(tokens)]
         rid = request.headers.get("X-Request-Id", "none")
         if not body.get("stream"):
-            return web.json_response(_completion(request.path, words, rid))
+            return web.json_response(_completion(request.path, words, rid, self.model))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for i, word in enumerate(words):
@@ -209,14 +243,15 @@ class FakeVLLM:
                 return response
             if i and self.behavior.token_delay:
                 await asyncio.sleep(self.behavior.token_delay)
-            chunk = _completion(request.path, [word], rid, chunk=True)
+            chunk = _completion(request.path, [word], rid, self.model, chunk=True)
             await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
 
-def _completion(path: str, words: list[str], rid: str, *, chunk: bool = False) -> dict[str, Any]:
+def _completion(path: str, words: list[str], rid: str, model: str, *,
+                chunk: bool = False) -> dict[str, Any]:
     text = " ".join(words)
     if path.endswith("chat/completions"):
         choice: dict[str, Any] = (
@@ -225,11 +260,11 @@ def _completion(path: str, words: list[str], rid: str, *, chunk: bool = False) -
             else {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
         )
         kind = "chat.completion.chunk" if chunk else "chat.completion"
-        return {"id": f"chatcmpl-{rid}", "object": kind, "model": MODEL, "choices": [choice]}
+        return {"id": f"chatcmpl-{rid}", "object": kind, "model": model, "choices": [choice]}
     return {
         "id": f"cmpl-{rid}",
         "object": "text_completion",
-        "model": MODEL,
+        "model": model,
         "choices": [{"index": 0, "text": text, "finish_reason": None if chunk else "length"}],
     }
 

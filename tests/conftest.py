@@ -21,7 +21,7 @@ async def serve_router(
 ) -> AsyncIterator[tuple[str, Any]]:
     """Run the router on 127.0.0.1 (a free port); yield (base URL, the FastAPI app).
     With `source`, its config file is watched (and `config` is ignored)."""
-    values: dict[str, Any] = {"health_interval": 0, "timeouts": {"health": 10.0}, **config}
+    values: dict[str, Any] = {"health": {"interval": 0}, "timeouts": {"health": 10.0}, **config}
     router_config: RouterConfig = source.load() if source else build_config(values, {})
     app = create_app(router_config, source)
     server = uvicorn.Server(

@@ -22,6 +22,7 @@ import re
 import signal
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,7 +30,7 @@ import pytest
 
 from scripts.pd_protocol import KV_USAGE, metric, prefill_leg, probe_body, push_decode_leg
 from scripts.vllm_cpu import Pair
-from tests.e2e.conftest import DUAL_EXTRA_CONFIG, PairManager, ProxyFactory
+from tests.e2e.conftest import DUAL_EXTRA_CONFIG, PairManager, ProxyFactory, RouterProcess
 from tests.e2e.vllm_client import (
     CHAT,
     COMPLETIONS,
@@ -147,6 +148,52 @@ async def test_p_answers_say_it_can_push_and_where(dual_pair: Pair) -> None:
         assert isinstance(params["push_port"], int) and 0 < params["push_port"] < 65536
         # A probe's block is freed at once (stock connectors hold it for the 30 s lease).
         await assert_nothing_held(client, dual_pair, within_s=3)
+
+
+async def test_auto_learns_on_the_pair_and_load_aware_reads_vllms_metrics(
+    dual_pair: Pair, tmp_path: Path
+) -> None:
+    """`auto` takes turns while it learns (both modes measured on the real connector), then
+    keeps to the faster; load_aware balancing parses what real vLLM's /metrics says."""
+    config = tmp_path / "router.yaml"
+    config.write_text("auto: {min_samples: 2, explore: 0}\nbalance: {scrape_interval: 0.2}\n"
+                      "admin_token: e2e-token\n")
+    router = RouterProcess(dual_pair.prefill_url, dual_pair.decode_url, "auto",
+                           ("--config", str(config), "--prefill-policy", "load_aware",
+                            "--decode-policy", "load_aware"))
+    auth = {"Authorization": "Bearer e2e-token"}
+    try:
+        router.wait_healthy()
+        async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+            for _ in range(6):
+                body = make_body(COMPLETIONS)
+                tokens, _ = await decode(client, router.url + COMPLETIONS, body, stream=True)
+                assert tokens == await reference_tokens(client, dual_pair.decode_url,
+                                                        COMPLETIONS, body)
+            decisions = {
+                (dict(labels)["mode"], dict(labels)["reason"]): value
+                for (name, labels), value in (await get_metrics(client, router.url)).items()
+                if name == "pdproxy_auto_mode_decisions_total"
+            }
+            assert decisions.get(("push", "auto_learning")) == 2, decisions
+            assert decisions.get(("pull", "auto_learning")) == 2, decisions
+            faster = {k: v for k, v in decisions.items() if k[1].startswith("auto_faster_")}
+            assert sum(faster.values()) == 2 and len(faster) == 1, decisions
+
+            learned = (await client.get(router.url + "/admin/auto", headers=auth)).json()
+            measured = [row for row in learned["buckets"] if row["samples"]]
+            assert {row["mode"] for row in measured} == {"pull", "push"}, learned
+            assert all(row["avg_ms"] > 0 for row in measured), learned
+
+            servers = (await client.get(router.url + "/admin/endpoints", headers=auth)).json()
+            for server in servers["endpoints"]:
+                load = server["load"]
+                assert load is not None, f"no load scraped from {server['url']}: {server}"
+                assert load["waiting"] >= 0 and load["running"] >= 0, server
+                assert 0.0 <= load["kv_cache_usage"] <= 1.0 and load["age_s"] < 5, server
+        await assert_nothing_held(client, dual_pair)
+    finally:
+        router.stop()
 
 
 # --- the connector's deadlines and failure paths ----------------------------------------------

@@ -99,7 +99,8 @@ class Harness:
             self.stack.push_async_callback(runner.cleanup)
             urls.append(fake_url)
         url, self.app = await self.stack.enter_async_context(
-            serve_router(prefill=urls[:1], decode=urls[1:], limits={"max_body_bytes": MAX_BODY_BYTES})
+            serve_router(prefill=urls[:1], decode=urls[1:], limits={"max_body_bytes": MAX_BODY_BYTES},
+                         auto={"learn": False})  # auto: push, whatever was measured
         )
         self.client = httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S)
         self.stack.push_async_callback(self.client.aclose)

@@ -132,7 +132,7 @@ async def test_the_watched_config_file_is_applied_and_a_bad_one_refused(
 
     def write(decode: list[str], extra: str = "") -> None:
         path.write_text(f"prefill: [{fakes.p_url}]\ndecode: [{', '.join(decode)}]\n"
-                        f"health_interval: 0\nconfig_watch_interval: 0.05\n{extra}")
+                        f"health: {{interval: 0}}\nconfig_watch_interval: 0.05\n{extra}")
 
     write([d0])
     source = ConfigSource(path, lambda: build_config(read_config_file(path), {}))
@@ -149,3 +149,46 @@ async def test_the_watched_config_file_is_applied_and_a_bad_one_refused(
         before = [len(f.seen) for f in fakes.decode[:2]]
         assert await complete(client, url, 4) == [200] * 4
         assert all(len(f.seen) > b for f, b in zip(fakes.decode[:2], before, strict=True))
+
+
+async def test_drain_in_the_config_file_keeps_running_requests_and_takes_no_new_one(
+    fakes: Fakes, tmp_path: Path
+) -> None:
+    path = tmp_path / "router.yaml"
+    d0, d1 = fakes.d_urls[:2]
+
+    def write(drain_d0: bool) -> None:
+        path.write_text(f"prefill: [{fakes.p_url}]\n"
+                        f"decode: [{{url: {d0}, drain: {str(drain_d0).lower()}}}, {d1}]\n"
+                        "health: {interval: 0}\nconfig_watch_interval: 0.05\n"
+                        "admin_token: " + TOKEN + "\n")
+
+    write(False)
+    source = ConfigSource(path, lambda: build_config(read_config_file(path), {}))
+    fakes.decode[0].behavior.delay = 0.5  # a request that is running on d0 while it drains
+    async with serve_router(source=source) as (url, _), httpx.AsyncClient(timeout=10) as client:
+        assert await complete(client, url, 2) == [200, 200]  # one on each D, in turn
+        running = asyncio.create_task(complete(client, url, 1))
+        await fakes.decode[0].until(lambda seen: any(s.outcome == "running" for s in seen))
+        write(True)
+
+        async def drained() -> bool:
+            listing = (await client.get(f"{url}/admin/endpoints", headers=AUTH)).json()
+            return any(e["url"] == d0 and e["draining"] for e in listing["endpoints"])
+
+        deadline = time.monotonic() + 5
+        while not await drained():
+            assert time.monotonic() < deadline, "drain: true in the file was not applied"
+            await asyncio.sleep(0.05)
+        on_d0 = len(fakes.decode[0].seen)
+        assert await complete(client, url, 4) == [200] * 4
+        assert len(fakes.decode[0].seen) == on_d0, "a draining D got a new request"
+        assert await running == [200], "the request running on the drained D was lost"
+
+        write(False)  # and back: d0 takes requests again, its state kept
+        deadline = time.monotonic() + 5
+        while await drained():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await complete(client, url, 4)
+        assert len(fakes.decode[0].seen) > on_d0

@@ -4,6 +4,7 @@ prompt prefix it hashes, and the settings."""
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 
 import msgspec
@@ -12,6 +13,7 @@ import pytest
 from proxy.balance import Balancer
 from proxy.config import Balance, EndpointConfig, Policy, build_config
 from proxy.endpoints import Cluster, ClusterName, Endpoint
+from proxy.load import LoadReport
 from proxy.protocol import Route, parse_request, prefix_key
 
 
@@ -61,7 +63,7 @@ def test_prefix_affinity_spreads_many_prefixes_over_all_endpoints() -> None:
 
 def test_prefix_affinity_bounds_the_load_one_hot_prefix_puts_on_a_server() -> None:
     eps = endpoints(3)
-    balancer = Balancer(Policy.PREFIX_AFFINITY, load_factor=1.25)
+    balancer = Balancer(Policy.PREFIX_AFFINITY, Balance(load_factor=1.25))
     home = balancer.pick(eps, "hot prefix")
     # Requests stay in flight: the hot prefix's home fills up to its bound, then others
     # take the overflow; no server gets more than ceil(1.25 * mean) at any time.
@@ -131,3 +133,22 @@ def test_policies_come_from_the_file_and_flags_win() -> None:
 def test_a_bad_balance_setting_is_refused(balance: dict[str, object]) -> None:
     with pytest.raises(ValueError, match="balance|invalid configuration"):
         build_config({"prefill": ["http://p:1"], "decode": ["http://d:1"], "balance": balance}, {})
+
+
+def test_load_aware_prefers_the_server_whose_vllm_reports_less_load() -> None:
+    eps = endpoints(3)
+    now = time.monotonic()
+    eps[0].load = LoadReport(waiting=5, running=2, kv_cache_usage=0.1, at=now)
+    eps[1].load = LoadReport(waiting=0, running=2, kv_cache_usage=0.9, at=now)  # 0 + 3.6
+    eps[2].load = LoadReport(waiting=1, running=2, kv_cache_usage=0.2, at=now)  # 1 + 0.8
+    balancer = Balancer(Policy.LOAD_AWARE, Balance(waiting_weight=1.0, kv_cache_weight=4.0))
+    assert balancer.pick(eps) is eps[2]
+    eps[2].in_flight = 3  # what this router sent counts too: 4.8 > 3.6
+    assert balancer.pick(eps) is eps[1]
+
+
+def test_load_aware_ignores_stale_reports_and_rotates_ties() -> None:
+    eps = endpoints(2)
+    eps[0].load = LoadReport(waiting=50, running=0, kv_cache_usage=0.0, at=time.monotonic() - 60)
+    balancer = Balancer(Policy.LOAD_AWARE, Balance(scrape_interval=1.0))
+    assert Counter(balancer.pick(eps).url for _ in range(4)) == {eps[0].url: 2, eps[1].url: 2}

@@ -32,3 +32,14 @@ def test_decide_mode(name: str, requested: Mode, known: PrefillCoordinates | Non
                      reason: str, fallback: bool) -> None:
     decision = decide_mode(requested, known)
     assert (decision.used, decision.reason, decision.is_fallback) == (used, reason, fallback)
+
+
+@pytest.mark.parametrize(("requested", "used", "reason"), [
+    (PUSH, PULL, "decode_cannot_push"),
+    (AUTO, PULL, "auto_pair_cannot_push"),
+    (PULL, PULL, "requested"),
+])
+def test_a_decode_server_that_cannot_push_makes_the_pair_pull(requested: Mode, used: Mode,
+                                                               reason: str) -> None:
+    decision = decide_mode(requested, coords(PULL, PUSH), decode_can_push=False)
+    assert (decision.used, decision.reason) == (used, reason)
