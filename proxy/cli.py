@@ -66,9 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-policy", choices=policies,
                        help="how a prefill server is picked (default least_outstanding; "
                             "prefix_affinity keeps prompts that start alike on one P, for "
-                            "its prefix cache)")
+                            "its prefix cache; load_aware reads each server's vLLM /metrics)")
     serve.add_argument("--decode-policy", choices=policies,
-                       help="how a decode server is picked (default least_outstanding)")
+                       help="how a decode server is picked (default least_outstanding; "
+                            "load_aware weighs each D's queue and KV cache usage)")
     return parser
 
 

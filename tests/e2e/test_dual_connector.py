@@ -191,7 +191,7 @@ async def test_auto_learns_on_the_pair_and_load_aware_reads_vllms_metrics(
                 assert load is not None, f"no load scraped from {server['url']}: {server}"
                 assert load["waiting"] >= 0 and load["running"] >= 0, server
                 assert 0.0 <= load["kv_cache_usage"] <= 1.0 and load["age_s"] < 5, server
-        await assert_nothing_held(client, dual_pair)
+            await assert_nothing_held(client, dual_pair)
     finally:
         router.stop()
 
