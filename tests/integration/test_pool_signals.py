@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
 
 from scripts.fake_vllm import Fabric, FakeVLLM, start
 from tests.conftest import serve_router
@@ -25,6 +26,7 @@ class Pool:
         self.fabric = Fabric()
         self.fakes: list[FakeVLLM] = []
         self.urls: dict[int, str] = {}
+        self._runners: dict[int, web.AppRunner] = {}
         self._stack = AsyncExitStack()
 
     async def add(self, role: str, model: str = "fake-model") -> FakeVLLM:
@@ -33,7 +35,12 @@ class Pool:
         self._stack.push_async_callback(runner.cleanup)
         self.fakes.append(fake)
         self.urls[id(fake)] = url
+        self._runners[id(fake)] = runner
         return fake
+
+    async def kill(self, fake: FakeVLLM) -> None:
+        """Stop the server: its port refuses connections from now on."""
+        await self._runners[id(fake)].cleanup()
 
     def url(self, fake: FakeVLLM) -> str:
         return self.urls[id(fake)]
@@ -165,6 +172,37 @@ async def test_the_background_checks_take_a_dead_server_out(pool: Pool) -> None:
         for _ in range(6):
             assert (await complete(client, url)).status_code == 200
         assert len(dead.seen) == 0
+
+
+async def test_a_killed_server_loses_no_request_that_had_not_started(pool: Pool) -> None:
+    prefills = [await pool.add("prefill") for _ in range(2)]
+    decodes = [await pool.add("decode") for _ in range(2)]
+    for fake in decodes:
+        fake.behavior.delay = 0.01
+    config = {"prefill": [pool.url(f) for f in prefills], "decode": [pool.url(f) for f in decodes],
+              "health": {"interval": 0.1, "unhealthy_threshold": 2}, "admin_token": TOKEN}
+    victim = decodes[0]
+    async with serve_router(**config) as (url, _), httpx.AsyncClient(timeout=10) as client:
+        killed_at: list[float] = []
+
+        async def client_loop() -> list[tuple[float, int]]:
+            results = []
+            for _ in range(40):
+                started = time.monotonic()
+                results.append((started, (await complete(client, url)).status_code))
+            return results
+
+        loops = [asyncio.create_task(client_loop()) for _ in range(4)]
+        await victim.until(lambda seen: len(seen) >= 5)
+        await pool.kill(victim)
+        killed_at.append(time.monotonic())
+        await until(lambda: _healthy_is(client, url, pool.url(victim), False),
+                    "the killed D marked down", timeout=2.0)
+        down_after = time.monotonic() - killed_at[0]
+        results = [r for loop in loops for r in await loop]
+    after_kill = [status for started, status in results if started > killed_at[0]]
+    assert after_kill and set(after_kill) == {200}, after_kill
+    assert down_after < 1.0, f"marked down {down_after:.2f} s after the kill"
 
 
 async def _healthy_is(client: httpx.AsyncClient, url: str, server: str, healthy: bool) -> bool:
