@@ -1,0 +1,664 @@
+"""The benchmark suite: the router's numbers and pictures, in one command.
+
+    .venv/bin/python -m scripts.bench                  # every scenario, about 8 min
+    .venv/bin/python -m scripts.bench --quick          # a short pass, about 2 min
+    .venv/bin/python -m scripts.bench --scenarios overhead,streams
+    .venv/bin/python -m scripts.bench --compare-cmd "my-router --prefill {prefill} --decode {decode} --port {port}"
+    .venv/bin/python -m scripts.bench --compare http://127.0.0.1:9000   # see --backend-ports
+
+Scenarios (each measured in this run, so the ratios compare like with like):
+  overhead  fast emulated P and D (canned answers at once): requests/s and latency for
+            calling D directly (the floor), through our router in pull and in push mode,
+            and through another router (--compare / --compare-cmd), non-streamed and
+            streamed, at each concurrency of --concurrency. Also the router's CPU
+            seconds per 1,000 requests.
+  streams   --streams concurrent open SSE streams through our router (slow emulated
+            tokens keep them all open at once) plus --slow-clients clients that read 1
+            byte a second: the router's peak memory, memory per stream, and whether the
+            fast streams still end on time.
+  real      a real CPU 1P1D of vLLM (tiny model, our connector on both): time to first
+            token for pull vs push by prompt length, and output tokens/s per mode.
+
+Output: a progress bar while it runs, a summary with the ratios, a JSON file (--out)
+and PNG plots (--plots: throughput against concurrency, latency CDFs, TTFT by mode and
+prompt length; needs matplotlib: pip install -e .[bench]).
+
+The load comes from wrk when installed (apt-get install wrk: it costs the machine far
+less CPU than a Python client), else from Python. On a 2-core machine the client, the
+router and the emulated servers share the cores: absolute numbers are this machine's,
+the ratios are the point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from tqdm import tqdm
+
+from scripts.bench_proxy import free_port, process, request_body, serve_fake
+
+REPO = Path(__file__).resolve().parents[1]
+SCENARIOS = ("overhead", "streams", "real")
+PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9)
+
+
+def log(message: str) -> None:
+    tqdm.write(f"[bench] {message}")
+
+
+# --- measuring a server process ------------------------------------------------------
+
+
+class ProcessGauge:
+    """CPU seconds and memory of one process (Linux /proc), for the router's costs."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def cpu_seconds(self) -> float:
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    def memory_mib(self) -> dict[str, float]:
+        """Resident memory now (VmRSS) and its peak since the process started (VmHWM)."""
+        values = {}
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0]) / 1024
+        return {"rss_mib": round(values["VmRSS"], 1), "peak_rss_mib": round(values["VmHWM"], 1)}
+
+
+# --- load generators: both return throughput and the latency distribution ------------
+
+
+def wrk_load(url: str, *, seconds: float, concurrency: int, stream: bool,
+             headers: dict[str, str]) -> dict[str, Any]:
+    """Load with wrk (one thread); its Lua `done` hook prints the latency percentiles."""
+    lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(json.dumps(request_body(stream)))}",
+             'wrk.headers["Content-Type"] = "application/json"']
+    lines += [f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in headers.items()]
+    lines += ["done = function(summary, latency, requests)",
+              '  io.write(string.format("RESULT %d %d %d\\n", summary.requests, summary.duration,'
+              " summary.errors.status + summary.errors.connect + summary.errors.read"
+              " + summary.errors.write + summary.errors.timeout))",
+              f"  for _, p in ipairs({{{', '.join(map(str, PERCENTILES))}}}) do",
+              '    io.write(string.format("P %g %d\\n", p, latency:percentile(p)))',
+              "  end", "end"]
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write("\n".join(lines) + "\n")
+    try:
+        out = subprocess.run(
+            ["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "-s", script.name,
+             url], capture_output=True, text=True, check=True, timeout=seconds + 60).stdout
+    finally:
+        os.unlink(script.name)
+    percentiles: dict[str, float] = {}
+    requests = duration_us = errors = 0
+    for line in out.splitlines():
+        parts = line.split()
+        if parts[:1] == ["RESULT"]:
+            requests, duration_us, errors = (int(x) for x in parts[1:4])
+        elif parts[:1] == ["P"]:
+            percentiles[f"p{float(parts[1]):g}"] = int(parts[2]) / 1000  # us -> ms
+    return {"req_per_s": round(requests / (duration_us / 1e6), 1), "requests": requests,
+            "errors": errors, "latency_ms": percentiles}
+
+
+async def python_load(url: str, *, seconds: float, concurrency: int, stream: bool,
+                      headers: dict[str, str]) -> dict[str, Any]:
+    """Load from Python (aiohttp): `concurrency` workers, each one request at a time."""
+    body = json.dumps(request_body(stream)).encode()
+    headers = {"Content-Type": "application/json", **headers}
+    latencies: list[float] = []
+    errors = 0
+    deadline = time.perf_counter() + seconds
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector) as session:
+
+        async def worker() -> None:
+            nonlocal errors
+            while time.perf_counter() < deadline:
+                started = time.perf_counter()
+                try:
+                    async with session.post(url, data=body, headers=headers) as r:
+                        await r.read()
+                        errors += r.status != 200
+                except aiohttp.ClientError:
+                    errors += 1
+                latencies.append(time.perf_counter() - started)
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    return {"req_per_s": round(len(latencies) / wall, 1), "requests": len(latencies),
+            "errors": errors, "latency_ms": percentiles_ms(latencies)}
+
+
+def percentiles_ms(seconds: list[float]) -> dict[str, float]:
+    """{"p50": ms, ...} for PERCENTILES."""
+    ordered = sorted(seconds)
+    if not ordered:
+        return {}
+    return {f"p{p:g}": round(ordered[min(len(ordered) - 1, int(len(ordered) * p / 100))] * 1000, 3)
+            for p in PERCENTILES}
+
+
+# --- overhead ----------------------------------------------------------------------
+
+
+class Targets:
+    """Where the overhead load goes: name -> (URL, headers, process to account, or None)."""
+
+    def __init__(self) -> None:
+        self.items: dict[str, tuple[str, dict[str, str], ProcessGauge | None]] = {}
+
+    def add(self, name: str, url: str, headers: dict[str, str] | None = None,
+            gauge: ProcessGauge | None = None) -> None:
+        self.items[name] = (url, headers or {}, gauge)
+
+
+@contextlib.contextmanager
+def emulated_backends(ports: tuple[int, int]) -> Iterator[tuple[str, str]]:
+    py = sys.executable
+    p_url, d_url = (f"http://127.0.0.1:{port}" for port in ports)
+    with process([py, "-m", "scripts.bench", "--serve-fake", "prefill", str(ports[0])], p_url,
+                 "emulated P"), \
+            process([py, "-m", "scripts.bench", "--serve-fake", "decode", str(ports[1])], d_url,
+                    "emulated D"):
+        yield p_url, d_url
+
+
+def router_command(p_url: str, d_url: str, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "proxy", "serve", "--prefill", p_url, "--decode", d_url,
+            "--port", str(port), "--log-level", "warning", *extra]
+
+
+def run_overhead(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
+    with contextlib.ExitStack() as stack:
+        p_url, d_url = stack.enter_context(emulated_backends(args.backend_ports))
+        targets = Targets()
+        targets.add("direct", f"{d_url}/v1/completions")
+        port = free_port()
+        ours = stack.enter_context(process(router_command(p_url, d_url, port),
+                                           f"http://127.0.0.1:{port}", "our router"))
+        gauge = ProcessGauge(ours.pid)
+        for mode in ("pull", "push"):
+            targets.add(f"ours-{mode}", f"http://127.0.0.1:{port}/v1/completions",
+                        {"X-KV-Transfer-Mode": mode}, gauge)
+        if args.compare_cmd:
+            peer_port = free_port()
+            command = shlex.split(args.compare_cmd.format(prefill=p_url, decode=d_url,
+                                                          port=peer_port))
+            peer = stack.enter_context(process(command, f"http://127.0.0.1:{peer_port}", "peer"))
+            targets.add("peer", f"http://127.0.0.1:{peer_port}/v1/completions",
+                        gauge=ProcessGauge(peer.pid))
+        elif args.compare:
+            targets.add("peer", f"{args.compare.rstrip('/')}/v1/completions")
+        rows = []
+        for stream in args.stream_modes:
+            for concurrency in args.concurrency:
+                for name, (url, headers, gauge_of) in targets.items.items():
+                    bar.set_description(f"overhead {name} c={concurrency}"
+                                        f"{' stream' if stream else ''}")
+                    rows.append(measure(args, name, url, headers, gauge_of, concurrency, stream))
+                    bar.update()
+    return {"backends": {"prefill": p_url, "decode": d_url}, "rows": rows}
+
+
+def measure(args: argparse.Namespace, name: str, url: str, headers: dict[str, str],
+            gauge: ProcessGauge | None, concurrency: int, stream: bool) -> dict[str, Any]:
+    def load(seconds: float) -> dict[str, Any]:
+        kwargs = {"seconds": seconds, "concurrency": concurrency, "stream": stream,
+                  "headers": headers}
+        if args.loader == "wrk":
+            return wrk_load(url, **kwargs)  # type: ignore[arg-type]
+        return asyncio.run(python_load(url, **kwargs))  # type: ignore[arg-type]
+
+    load(args.warmup)
+    cpu_before = gauge.cpu_seconds() if gauge else None
+    result = load(args.seconds)
+    row = {"target": name, "concurrency": concurrency, "stream": stream, **result}
+    if gauge and cpu_before is not None and result["requests"]:
+        row["cpu_s_per_1000"] = round((gauge.cpu_seconds() - cpu_before) / result["requests"] * 1000, 3)
+    p = result["latency_ms"]
+    log(f"{name:<10} c={concurrency:<4}{' stream' if stream else '       '} "
+        f"{result['req_per_s']:>9.1f} req/s  p50 {p.get('p50', 0):>7.2f} ms  "
+        f"p99 {p.get('p99', 0):>7.2f} ms  errors {result['errors']}"
+        + (f"  cpu {row['cpu_s_per_1000']:.2f} s/1000" if "cpu_s_per_1000" in row else ""))
+    return row
+
+
+def overhead_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Throughput of each target over direct's, and ours over the peer's, per point."""
+    by_key = {(r["target"], r["concurrency"], r["stream"]): r for r in rows}
+    ratios = {}
+    for (target, concurrency, stream), row in by_key.items():
+        direct = by_key.get(("direct", concurrency, stream))
+        point = f"c{concurrency}{'-stream' if stream else ''}"
+        if target != "direct" and direct and direct["req_per_s"]:
+            ratios[f"{target}/direct {point}"] = round(row["req_per_s"] / direct["req_per_s"], 3)
+        peer = by_key.get(("peer", concurrency, stream))
+        if target == "ours-pull" and peer and peer["req_per_s"]:
+            ratios[f"ours-pull/peer {point}"] = round(row["req_per_s"] / peer["req_per_s"], 3)
+    return ratios
+
+
+# --- streams -----------------------------------------------------------------------
+
+
+async def slow_reader(url: str, body: bytes, seconds: float) -> int:
+    """A client that reads its answer 1 byte a second for `seconds`, then leaves."""
+    host, port = url.removeprefix("http://").split("/")[0].split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await writer.drain()
+    read = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and await reader.read(1):
+        read += 1
+        await asyncio.sleep(1.0)
+    writer.close()
+    return read
+
+
+async def open_streams(url: str, args: argparse.Namespace, gauge: ProcessGauge,
+                       bar: tqdm) -> dict[str, Any]:
+    body = {"model": "fake-model", "prompt": "hello", "max_tokens": args.stream_tokens,
+            "stream": True}
+    durations: list[float] = []
+    errors = 0
+    peak_in_flight = 0
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def one() -> None:
+            nonlocal errors
+            started = time.perf_counter()
+            try:
+                async with session.post(url + "/v1/completions", json=body) as r:
+                    text = await r.text()
+                    ok = r.status == 200 and text.rstrip().endswith("data: [DONE]")
+            except aiohttp.ClientError:
+                ok = False
+            errors += not ok
+            durations.append(time.perf_counter() - started)
+            bar.update()
+
+        async def watch() -> None:
+            nonlocal peak_in_flight
+            while True:
+                async with session.get(url + "/metrics") as r:
+                    text = await r.text()
+                decode = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                             if line.startswith('pdproxy_endpoint_in_flight{cluster="decode"'))
+                peak_in_flight = max(peak_in_flight, int(decode))
+                await asyncio.sleep(0.25)
+
+        slow_body = json.dumps({**body, "max_tokens": args.stream_tokens}).encode()
+        slow = [asyncio.create_task(slow_reader(url, slow_body, args.slow_seconds))
+                for _ in range(args.slow_clients)]
+        watcher = asyncio.create_task(watch())
+        before = gauge.memory_mib()
+        started = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(args.streams)))
+        wall = time.perf_counter() - started
+        after = gauge.memory_mib()
+        watcher.cancel()
+        slow_bytes = await asyncio.gather(*slow)
+        await asyncio.gather(watcher, return_exceptions=True)
+    ideal = args.stream_tokens * args.token_delay
+    p = percentiles_ms(durations)
+    return {
+        "streams": args.streams, "tokens_per_stream": args.stream_tokens,
+        "token_delay_s": args.token_delay, "ideal_duration_ms": round(ideal * 1000, 1),
+        "errors": errors, "wall_s": round(wall, 2), "peak_streams_open": peak_in_flight,
+        "duration_ms": p, "p99_over_ideal": round(p["p99"] / (ideal * 1000), 3) if p else None,
+        "slow_clients": args.slow_clients, "slow_client_bytes": slow_bytes,
+        "router_rss_before_mib": before["rss_mib"], "router_peak_rss_mib": after["peak_rss_mib"],
+        "kib_per_stream": round((after["peak_rss_mib"] - before["rss_mib"]) * 1024
+                                / max(1, args.streams), 1),
+    }
+
+
+def run_streams(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
+    py = sys.executable
+    p_port, d_port, port = free_port(), free_port(), free_port()
+    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    url = f"http://127.0.0.1:{port}"
+    fake = [py, "-m", "scripts.bench", "--serve-slow-fake"]
+    bar.set_description(f"streams: {args.streams} open at once")
+    with process([*fake, "prefill", str(p_port), "1", "0"], p_url, "emulated P"), \
+            process([*fake, "decode", str(d_port), str(args.stream_tokens), str(args.token_delay)],
+                    d_url, "emulated D"), \
+            process(router_command(p_url, d_url, port), url, "our router") as router:
+        result = asyncio.run(open_streams(url, args, ProcessGauge(router.pid), bar))
+    log(f"streams: {result['streams']} at once (peak open {result['peak_streams_open']}), "
+        f"errors {result['errors']}, p99 {result['duration_ms'].get('p99', 0):.0f} ms for an ideal "
+        f"{result['ideal_duration_ms']:.0f} ms; router peak RSS {result['router_peak_rss_mib']} MiB "
+        f"(from {result['router_rss_before_mib']}), {result['kib_per_stream']} KiB per stream")
+    return result
+
+
+def serve_slow_fake(role: str, port: int, tokens: int, token_delay: float) -> None:
+    """A scripts.fake_vllm server whose D streams `tokens` tokens `token_delay` apart."""
+    from aiohttp import web
+
+    from scripts.fake_vllm import FakeVLLM
+
+    fake = FakeVLLM(role)
+    fake.record = False
+    fake.behavior.tokens = tokens
+    fake.behavior.token_delay = token_delay
+    web.run_app(fake.app, host="127.0.0.1", port=port, access_log=None, print=None,
+                backlog=4096)
+
+
+# --- real vLLM ----------------------------------------------------------------------
+
+
+async def real_cases(url: str, args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
+    import httpx
+
+    from scripts.bench_push import batch
+
+    rng = random.Random(args.seed)
+    ttft: dict[str, dict[str, list[float]]] = {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+        for mode in ("pull", "push"):  # warm both paths
+            await batch(client, url, mode, 64, 2, rng)
+        for prompt_len in args.prompts:
+            for concurrency in args.real_concurrency:
+                key = f"{prompt_len}x{concurrency}"
+                ttft[key] = {"pull": [], "push": []}
+                bar.set_description(f"real: TTFT {prompt_len} tokens x {concurrency}")
+                for _ in range(max(1, args.real_requests // concurrency)):
+                    for mode in ("pull", "push"):  # interleaved: drift hits both alike
+                        ttft[key][mode] += await batch(client, url, mode, prompt_len,
+                                                       concurrency, rng)
+                bar.update()
+                log(f"real {key}: median TTFT pull {statistics.median(ttft[key]['pull']) * 1000:.0f}"
+                    f" ms, push {statistics.median(ttft[key]['push']) * 1000:.0f} ms")
+        throughput = {}
+        for mode in ("pull", "push"):
+            bar.set_description(f"real: throughput {mode}")
+            throughput[mode] = await output_rate(client, url, mode, args, rng)
+            bar.update()
+            log(f"real throughput {mode}: {throughput[mode]['output_tokens_per_s']:.1f} tokens/s")
+    return {"ttft_s": ttft, "throughput": throughput}
+
+
+async def output_rate(client: Any, url: str, mode: str, args: argparse.Namespace,
+                      rng: random.Random) -> dict[str, Any]:
+    """Output tokens per second for `real_requests` requests, 4 at a time."""
+    from scripts.tiny_model import VOCAB_SIZE
+
+    max_tokens = 32
+    semaphore = asyncio.Semaphore(4)
+
+    async def one() -> int:
+        prompt = [rng.randrange(10, VOCAB_SIZE) for _ in range(256)]
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True}
+        async with semaphore:
+            r = await client.post(f"{url}/v1/completions", json=body,
+                                  headers={"X-KV-Transfer-Mode": mode})
+        if r.status_code != 200 or r.headers.get("x-kv-transfer-mode") != mode:
+            raise RuntimeError(f"{mode}: HTTP {r.status_code} {r.text[:200]}")
+        return int(r.json()["usage"]["completion_tokens"])
+
+    started = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one() for _ in range(args.real_requests))))
+    wall = time.perf_counter() - started
+    return {"requests": args.real_requests, "output_tokens": tokens,
+            "output_tokens_per_s": round(tokens / wall, 1)}
+
+
+def run_real(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
+    from scripts import tiny_model
+    from scripts.demo import router
+    from scripts.vllm_cpu import DEFAULT_MODEL_DIR, DUAL_CONNECTOR, pair
+
+    bar.set_description("real: starting a vLLM pair (20-90 s)")
+    tiny_model.build(DEFAULT_MODEL_DIR)
+    with pair(DUAL_CONNECTOR, extra_args=["--max-model-len", "1024"],
+              start_timeout_s=args.start_timeout) as p, \
+            router(p.prefill_url, p.decode_url, "pull") as url:
+        bar.update()
+        return asyncio.run(real_cases(url, args, bar))
+
+
+def real_ratios(real: dict[str, Any]) -> dict[str, float]:
+    ratios = {f"push/pull TTFT {key}": round(statistics.median(v["push"]) / statistics.median(v["pull"]), 3)
+              for key, v in real["ttft_s"].items()}
+    t = real["throughput"]
+    ratios["push/pull output tokens/s"] = round(
+        t["push"]["output_tokens_per_s"] / t["pull"]["output_tokens_per_s"], 3)
+    return ratios
+
+
+# --- plots -------------------------------------------------------------------------
+
+
+def plot_all(result: dict[str, Any], directory: Path) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed (pip install -e .[bench]): no plots")
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(directory / name, dpi=100)
+        plt.close(fig)
+        written.append(directory / name)
+
+    if "overhead" in result:
+        rows = result["overhead"]["rows"]
+        streams = sorted({r["stream"] for r in rows})
+        fig, axes = plt.subplots(1, len(streams), figsize=(6 * len(streams), 4.5), squeeze=False)
+        for ax, stream in zip(axes[0], streams, strict=True):
+            for target in dict.fromkeys(r["target"] for r in rows):
+                points = sorted((r["concurrency"], r["req_per_s"]) for r in rows
+                                if r["target"] == target and r["stream"] == stream)
+                ax.plot(*zip(*points, strict=True), "o-", label=target)
+            ax.set(xscale="log", xlabel="concurrent requests", ylabel="requests/s",
+                   title=f"throughput, {'streamed' if stream else 'not streamed'}")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        save(fig, "throughput.png")
+
+        at = max(r["concurrency"] for r in rows if r["concurrency"] <= 64)
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in rows:
+            if r["concurrency"] == at and r["latency_ms"]:
+                points = sorted((float(k[1:]), v) for k, v in r["latency_ms"].items())
+                ax.plot([v for _, v in points], [k / 100 for k, _ in points], "o-",
+                        label=f"{r['target']}{' stream' if r['stream'] else ''}")
+        ax.set(xscale="log", xlabel="latency (ms)", ylabel="share of requests",
+               title=f"latency CDF at {at} concurrent")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        save(fig, "latency_cdf.png")
+
+    if "real" in result:
+        cases = result["real"]["ttft_s"]
+        concurrencies = sorted({int(k.split("x")[1]) for k in cases})
+        fig, axes = plt.subplots(1, len(concurrencies), figsize=(6 * len(concurrencies), 4.5),
+                                 squeeze=False)
+        for ax, c in zip(axes[0], concurrencies, strict=True):
+            keys = sorted((k for k in cases if int(k.split("x")[1]) == c),
+                          key=lambda k: int(k.split("x")[0]))
+            x = [int(k.split("x")[0]) for k in keys]
+            for mode, style in (("pull", "o-"), ("push", "s-")):
+                ax.plot(x, [statistics.median(cases[k][mode]) * 1000 for k in keys], style,
+                        label=mode)
+            ax.set(xlabel="prompt tokens", ylabel="median TTFT (ms)",
+                   title=f"real vLLM CPU 1P1D, {c} concurrent")
+            ax.grid(alpha=0.3)
+            ax.legend()
+        save(fig, "ttft_by_mode.png")
+    return written
+
+
+# --- the command -------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help=f"comma-separated, of {', '.join(SCENARIOS)} (default: all)")
+    parser.add_argument("--quick", action="store_true",
+                        help="shorter runs and fewer points (a smoke pass)")
+    parser.add_argument("--compare-cmd", metavar="TEMPLATE",
+                        help="start another router for the overhead scenario: a command with "
+                             "{prefill}, {decode} (backend URLs) and {port} (where it must listen)")
+    parser.add_argument("--compare", metavar="URL",
+                        help="another router, already running, in front of the backends at "
+                             "--backend-ports (start it first, pointing at those ports)")
+    parser.add_argument("--backend-ports", type=ints, metavar="P,D",
+                        help="ports of the emulated P and D (default: free ones; 18100,18200 "
+                             "with --compare)")
+    parser.add_argument("--concurrency", type=ints, help="overhead: concurrent requests, "
+                        "comma-separated (default 1,16,64,256,512; --quick 1,16,64)")
+    parser.add_argument("--seconds", type=float, help="overhead: measured seconds per point "
+                        "(default 3; --quick 1)")
+    parser.add_argument("--no-stream", action="store_true", help="overhead: skip streamed runs")
+    parser.add_argument("--loader", choices=["wrk", "python"],
+                        default="wrk" if shutil.which("wrk") else "python",
+                        help="load generator (default wrk when installed)")
+    parser.add_argument("--streams", type=int, help="streams: how many open at once "
+                        "(default 1000; --quick 200)")
+    parser.add_argument("--stream-tokens", type=int, default=10, help="streams: tokens each")
+    parser.add_argument("--token-delay", type=float, default=0.5,
+                        help="streams: seconds between two tokens")
+    parser.add_argument("--slow-clients", type=int, default=5,
+                        help="streams: clients reading 1 byte a second meanwhile")
+    parser.add_argument("--prompts", type=ints, default=(128, 512, 1000),
+                        help="real: prompt lengths in tokens (at most 1020)")
+    parser.add_argument("--real-concurrency", type=ints, default=(1, 4),
+                        help="real: concurrent requests per TTFT round")
+    parser.add_argument("--real-requests", type=int, help="real: requests per mode and case "
+                        "(default 8; --quick 4)")
+    parser.add_argument("--start-timeout", type=float, default=240.0,
+                        help="real: seconds the vLLM pair may take to start")
+    parser.add_argument("--seed", type=int, default=0, help="real: prompt generator seed")
+    parser.add_argument("--out", type=Path, default=REPO / "bench-results" / "bench.json")
+    parser.add_argument("--plots", type=Path, default=REPO / "bench-results",
+                        help="directory for the PNG plots")
+    parser.add_argument("--serve-fake", nargs=2, metavar=("ROLE", "PORT"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve-slow-fake", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve_fake or args.serve_slow_fake:
+        return args
+    args.scenarios = [s for s in args.scenarios.split(",") if s]
+    unknown = set(args.scenarios) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenario(s) {', '.join(sorted(unknown))}")
+    if args.compare and args.compare_cmd:
+        parser.error("give --compare or --compare-cmd, not both")
+    quick = args.quick
+    args.concurrency = args.concurrency or ((1, 16, 64) if quick else (1, 16, 64, 256, 512))
+    args.seconds = args.seconds or (1.0 if quick else 3.0)
+    args.warmup = 0.5 if quick else 1.0
+    args.streams = args.streams or (200 if quick else 1000)
+    args.real_requests = args.real_requests or (4 if quick else 8)
+    args.slow_seconds = args.stream_tokens * args.token_delay + 2
+    args.stream_modes = [False] if args.no_stream else [False, True]
+    if not args.backend_ports:
+        args.backend_ports = (18100, 18200) if args.compare else (free_port(), free_port())
+    return args
+
+
+def steps(args: argparse.Namespace) -> int:
+    """How many progress steps the chosen scenarios take."""
+    targets = 3 + bool(args.compare or args.compare_cmd)
+    count = 0
+    if "overhead" in args.scenarios:
+        count += len(args.stream_modes) * len(args.concurrency) * targets
+    if "streams" in args.scenarios:
+        count += args.streams
+    if "real" in args.scenarios:
+        count += 1 + len(args.prompts) * len(args.real_concurrency) + 2
+    return count
+
+
+def summarize(result: dict[str, Any]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    if "overhead" in result:
+        rows = result["overhead"]["rows"]
+        summary["ratios"] = overhead_ratios(rows)
+        cpu = [r["cpu_s_per_1000"] for r in rows if r["target"] == "ours-pull" and not r["stream"]
+               and "cpu_s_per_1000" in r]
+        if cpu:
+            summary["router_cpu_s_per_1000_requests"] = round(statistics.median(cpu), 3)
+        summary["overhead_errors"] = sum(r["errors"] for r in rows if r["target"] != "peer")
+    if "streams" in result:
+        s = result["streams"]
+        summary["streams"] = {k: s[k] for k in ("streams", "peak_streams_open", "errors",
+                                                "router_peak_rss_mib", "kib_per_stream",
+                                                "p99_over_ideal")}
+    if "real" in result:
+        summary.setdefault("ratios", {}).update(real_ratios(result["real"]))
+    return summary
+
+
+SCENARIO_RUNNERS: dict[str, Callable[[argparse.Namespace, tqdm], dict[str, Any]]] = {
+    "overhead": run_overhead, "streams": run_streams, "real": run_real,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.serve_fake:
+        serve_fake(args.serve_fake[0], int(args.serve_fake[1]))
+        return 0
+    if args.serve_slow_fake:
+        role, port, tokens, delay = args.serve_slow_fake
+        serve_slow_fake(role, int(port), int(tokens), float(delay))
+        return 0
+    started = time.monotonic()
+    result: dict[str, Any] = {"cpus": os.cpu_count(), "loader": args.loader,
+                              "scenarios": args.scenarios}
+    with tqdm(total=steps(args), unit="step", dynamic_ncols=True) as bar:
+        for name in args.scenarios:
+            result[name] = SCENARIO_RUNNERS[name](args, bar)
+    result["summary"] = summarize(result)
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result["summary"], indent=2))
+    print(f"[bench] wrote {args.out}")
+    for path in plot_all(result, args.plots):
+        print(f"[bench] wrote {path}")
+    print(f"[bench] done in {result['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""The benchmark suite's command on emulated backends: a short pass writes the JSON
+result and the PNG plots, measures against a second router started by --compare-cmd,
+and keeps many streams open at once through the router."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_short_bench_writes_results_ratios_and_plots(tmp_path: Path) -> None:
+    peer = f"{sys.executable} -m proxy serve --prefill {{prefill}} --decode {{decode}} " \
+           "--port {port} --log-level warning"
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "scripts.bench", "--scenarios", "overhead,streams", "--quick",
+         "--concurrency", "1,8", "--seconds", "0.5", "--loader", "python", "--streams", "60",
+         "--token-delay", "0.1", "--slow-clients", "2", "--compare-cmd", peer,
+         "--out", str(out), "--plots", str(tmp_path)],
+        capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+
+    rows = result["overhead"]["rows"]
+    targets = {r["target"] for r in rows}
+    assert targets == {"direct", "ours-pull", "ours-push", "peer"}
+    assert len(rows) == 4 * 2 * 2  # targets x concurrencies x (streamed or not)
+    assert all(r["errors"] == 0 and r["req_per_s"] > 0 and r["latency_ms"]["p50"] > 0 for r in rows)
+    assert all(r["cpu_s_per_1000"] > 0 for r in rows if r["target"] in ("ours-pull", "peer"))
+
+    summary = result["summary"]
+    assert summary["router_cpu_s_per_1000_requests"] > 0
+    for point in ("c1", "c8", "c1-stream", "c8-stream"):
+        assert 0 < summary["ratios"][f"ours-pull/direct {point}"]
+        assert 0 < summary["ratios"][f"ours-pull/peer {point}"]
+
+    streams = result["streams"]
+    assert streams["errors"] == 0
+    assert streams["peak_streams_open"] >= 50, "the streams were not open at once"
+    assert streams["router_peak_rss_mib"] > 0 and len(streams["slow_client_bytes"]) == 2
+    assert all(n >= 1 for n in streams["slow_client_bytes"]), "a slow client got nothing"
+
+    for name in ("throughput.png", "latency_cdf.png"):
+        assert (tmp_path / name).read_bytes().startswith(PNG_MAGIC), name
+    assert "done in" in done.stdout
+
+
+def test_bench_help_explains_the_scenarios() -> None:
+    done = subprocess.run([sys.executable, "-m", "scripts.bench", "--help"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0
+    for word in ("overhead", "streams", "real", "--compare", "--quick"):
+        assert word in done.stdout
