@@ -15,7 +15,8 @@
   - `load_aware`: the lowest score from what each server's vLLM says of itself (its
     /metrics, scraped in the background by `proxy.load`): requests in flight from
     this router + `waiting_weight` x its waiting queue + `kv_cache_weight` x its KV cache
-    usage; a server whose last scrape is old or failed is scored by in flight alone.
+    usage; a server whose last scrape failed, or is older than 3 scrape intervals (and
+    2 s), is scored by in flight alone.
     Ties in turn.
 
 A `Balancer` holds one cluster's policy state (its turn counter, its ring); the endpoints
@@ -40,7 +41,10 @@ if TYPE_CHECKING:
     from proxy.endpoints import Endpoint
 
 VIRTUAL_NODES = 64  # ring points per endpoint: spreads prefixes evenly across servers
-STALE_SCRAPES = 3  # a load report older than this many scrape intervals is ignored
+# A load report is ignored once older than this many scrape intervals, and at least
+# STALE_AFTER_S (a busy router's scrapes may run late by a moment).
+STALE_SCRAPES = 3
+STALE_AFTER_S = 2.0
 
 
 def _hash(text: str) -> int:
@@ -92,7 +96,7 @@ class Balancer:
 
         def score(e: Endpoint) -> tuple[float, int]:
             return (load_score(e.in_flight, e.load, now=now,
-                               max_age=STALE_SCRAPES * s.scrape_interval,
+                               max_age=max(STALE_SCRAPES * s.scrape_interval, STALE_AFTER_S),
                                waiting_weight=s.waiting_weight, kv_cache_weight=s.kv_cache_weight),
                     self._last_pick.get(e.url, -1))
 

@@ -11,8 +11,16 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import msgspec
+
 from proxy.endpoints import ClusterName, Endpoint
-from proxy.errors import NoHealthyEndpoint, RouterError, UpstreamConnectError, UpstreamError
+from proxy.errors import (
+    NoHealthyEndpoint,
+    RouterError,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+)
 from proxy.modes import ModeDecision
 from proxy.outlier import counts_as_failure
 from proxy.protocol import ClientRequest
@@ -122,12 +130,15 @@ class Exchange:
                     endpoint=d.url,
                     cluster=d.cluster.value,
                 ) as answer:
-                    d.outlier.success()  # D answered with a success status
                     if not self.request.stream:
                         content = await answer.read()
                         self._decode_first_byte(sent_at)
+                        _check_whole_answer(content, d)
+                        d.outlier.success()
                         await down.whole(answer.status, answer.content_type, content)
                         return
+                    _check_stream_answer(answer.content_type, d)
+                    d.outlier.success()  # D answered a stream with a success status
                     async for chunk in answer.chunks():
                         if not down.started:
                             self._decode_first_byte(sent_at)
@@ -200,6 +211,27 @@ class Exchange:
             f" note={self.note}" if self.note else "",
             f" error={error.message!r}" if error else "",
         )
+
+
+def _check_whole_answer(content: bytes, d: Endpoint) -> None:
+    """D's whole answer must be a JSON object: garbage is D's failure (502), never the
+    client's 200. Decoding once costs microseconds next to a generation."""
+    try:
+        ok = isinstance(msgspec.json.decode(content), dict)
+    except msgspec.DecodeError:
+        ok = False
+    if not ok:
+        raise UpstreamProtocolError(
+            f"decode server {d.url} answered 200 with a body that is not a JSON object: "
+            f"{content[:80]!r}", endpoint=d.url, cluster=d.cluster.value)
+
+
+def _check_stream_answer(content_type: str, d: Endpoint) -> None:
+    """A streamed request must get an event stream (not, say, a JSON body with 200)."""
+    if not content_type.startswith("text/event-stream"):
+        raise UpstreamProtocolError(
+            f"decode server {d.url} answered a streamed request with {content_type!r}, "
+            "not an event stream", endpoint=d.url, cluster=d.cluster.value)
 
 
 def _ms(seconds: float | None) -> str:

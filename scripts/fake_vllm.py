@@ -9,7 +9,9 @@ It speaks the P/D contract the router relies on (see the router's `protocol.py`)
   WRITE.
 Knobs (`Behavior`) add delays and faults, and set the load that `GET /metrics` reports
 (vLLM's waiting, running and KV cache gauges); every request is logged (`Seen`) so tests can
-check what reached each server, when, and whether it was cancelled.
+check what reached each server, when, and whether it was cancelled. `fault_rate` injects
+one random fault (of `fault_kinds`) into that share of inference requests, each fault for
+its request only, and `Seen.fault` names it (a soak test: `python -m scripts.soak`).
 
 Run one alone: `python -m scripts.fake_vllm --role decode --port 8200`.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import random
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +30,8 @@ import msgspec
 from aiohttp import web
 
 MODEL = "fake-model"
+# What `Behavior.fault_kinds` may name; cut_stream applies to a streamed D answer only.
+FAULT_KINDS = ("status_500", "drop_connection", "garbage", "cut_stream", "slow")
 
 
 @dataclasses.dataclass
@@ -48,6 +53,13 @@ class Behavior:
     health_status: int = 200  # what GET /health answers
     waiting: int = 0  # /metrics: requests "queued" on the server (vllm:num_requests_waiting)
     kv_cache_usage: float = 0.0  # /metrics: 0..1, vllm:kv_cache_usage_perc
+    # Random faults, one request at a time: this share of inference requests meets one
+    # fault, drawn from `fault_kinds` (those that apply to the request): status_500,
+    # drop_connection, garbage and cut_stream as the knobs above, for that request only;
+    # slow answers fine but `fault_slow_s` late.
+    fault_rate: float = 0.0
+    fault_kinds: list[str] = dataclasses.field(default_factory=lambda: list(FAULT_KINDS))
+    fault_slow_s: float = 0.5
 
 
 @dataclasses.dataclass
@@ -60,6 +72,7 @@ class Seen:
     arrived: float  # time.perf_counter()
     finished: float | None = None
     outcome: str = "running"  # running, ok, cancelled, failed
+    fault: str | None = None  # the random fault injected into this request (fault_rate)
 
 
 class Fabric:
@@ -81,6 +94,7 @@ class FakeVLLM:
         side_channel_port: int = 5600,
         fabric: Fabric | None = None,
         model: str = MODEL,
+        seed: int | None = None,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
@@ -90,6 +104,7 @@ class FakeVLLM:
         self.fabric = fabric
         self.model = model  # the one model it serves; a request for another gets 404
         self.behavior = Behavior()
+        self.random = random.Random(seed)  # draws the random faults (fault_rate)
         self.record = True  # keep a `Seen` per request (off for long benchmarks)
         self.seen: list[Seen] = []
         self._changed = asyncio.Event()  # set (and replaced) whenever `seen` changes
@@ -161,7 +176,7 @@ class FakeVLLM:
             self._notify()
 
     async def _answer(self, request: web.Request, body: dict[str, Any], seen: Seen) -> web.StreamResponse:
-        b = self.behavior
+        b = self._request_behavior(body, seen)
         if b.hang:
             await asyncio.sleep(3600)
         if b.delay:
@@ -187,14 +202,33 @@ class FakeVLLM:
                 "type": "NotFoundError", "param": "model", "code": 404}}, status=404)
         params = body.get("kv_transfer_params") or {}
         if self.role == "prefill":
-            return self._prefill_answer(request, body, params)
-        return await self._decode_answer(request, body, params, seen)
+            return self._prefill_answer(request, body, params, b)
+        return await self._decode_answer(request, body, params, seen, b)
 
-    def _prefill_answer(self, request: web.Request, body: dict[str, Any], params: dict[str, Any]) -> web.Response:
+    def _request_behavior(self, body: dict[str, Any], seen: Seen) -> Behavior:
+        """The knobs for this request: `behavior`, or with probability `fault_rate` a copy
+        with one fault turned on (named in `seen.fault`)."""
+        b = self.behavior
+        if not b.fault_rate or self.random.random() >= b.fault_rate:
+            return b
+        streamed_decode = self.role == "decode" and bool(body.get("stream"))
+        kinds = [k for k in b.fault_kinds if k != "cut_stream" or streamed_decode]
+        if not kinds:
+            return b
+        seen.fault = self.random.choice(kinds)
+        return _with_fault(b, seen.fault, self._tokens(b, body), self.random)
+
+    @staticmethod
+    def _tokens(b: Behavior, body: dict[str, Any]) -> int:
+        """How many tokens D generates for this body."""
+        return min(b.tokens, int(body.get("max_tokens") or b.tokens))
+
+    def _prefill_answer(self, request: web.Request, body: dict[str, Any], params: dict[str, Any],
+                        b: Behavior) -> web.Response:
         rid = request.headers.get("X-Request-Id", "none")
         prefix = "chatcmpl-" if request.path.endswith("chat/completions") else "cmpl-"
         answer: dict[str, Any] = _completion(request.path, ["p"], rid, self.model)
-        if not self.behavior.omit_kv_params and params.get("do_remote_decode"):
+        if not b.omit_kv_params and params.get("do_remote_decode"):
             answer["kv_transfer_params"] = {
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
@@ -204,7 +238,7 @@ class FakeVLLM:
                 "remote_host": "127.0.0.1",
                 "remote_port": self.side_channel_port,
                 "tp_size": 1,
-                "transfer_modes": list(self.behavior.transfer_modes),
+                "transfer_modes": list(b.transfer_modes),
             }
         transfer_id = params.get("transfer_id")
         if transfer_id and self.fabric is not None:
@@ -212,7 +246,8 @@ class FakeVLLM:
         return web.json_response(answer)
 
     async def _decode_answer(
-        self, request: web.Request, body: dict[str, Any], params: dict[str, Any], seen: Seen
+        self, request: web.Request, body: dict[str, Any], params: dict[str, Any], seen: Seen,
+        b: Behavior,
     ) -> web.StreamResponse:
         if params.get("transfer_id"):
             missing = [
@@ -225,10 +260,10 @@ class FakeVLLM:
                 return web.json_response({"error": {"message": f"push params miss {missing}"}}, status=500)
             if self.fabric is not None:
                 event = self.fabric.event(params["transfer_id"])
-                await asyncio.wait_for(event.wait(), self.behavior.push_wait_timeout)
-                if self.behavior.push_delay:
-                    await asyncio.sleep(self.behavior.push_delay)
-        tokens = min(self.behavior.tokens, int(body.get("max_tokens") or self.behavior.tokens))
+                await asyncio.wait_for(event.wait(), b.push_wait_timeout)
+                if b.push_delay:
+                    await asyncio.sleep(b.push_delay)
+        tokens = self._tokens(b, body)
         words = [f"t{i}" for i in range(tokens)]
         rid = request.headers.get("X-Request-Id", "none")
         if not body.get("stream"):
@@ -236,18 +271,33 @@ class FakeVLLM:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for i, word in enumerate(words):
-            if self.behavior.cut_stream_after is not None and i >= self.behavior.cut_stream_after:
+            if b.cut_stream_after is not None and i >= b.cut_stream_after:
                 seen.outcome = "failed"
                 assert request.transport is not None
                 request.transport.close()
                 return response
-            if i and self.behavior.token_delay:
-                await asyncio.sleep(self.behavior.token_delay)
+            if i and b.token_delay:
+                await asyncio.sleep(b.token_delay)
             chunk = _completion(request.path, [word], rid, self.model, chunk=True)
             await response.write(b"data: " + msgspec.json.encode(chunk) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def _with_fault(b: Behavior, kind: str, tokens: int, rng: random.Random) -> Behavior:
+    """A copy of `b` that answers one request with the fault `kind`."""
+    if kind == "status_500":
+        return dataclasses.replace(b, fail_status=500)
+    if kind == "drop_connection":
+        return dataclasses.replace(b, drop_connection=True)
+    if kind == "garbage":
+        return dataclasses.replace(b, garbage=True)
+    if kind == "cut_stream":  # after 0..tokens-1 chunks: before or within the answer
+        return dataclasses.replace(b, cut_stream_after=rng.randrange(max(1, tokens)))
+    if kind == "slow":
+        return dataclasses.replace(b, delay=b.delay + b.fault_slow_s)
+    raise ValueError(f"unknown fault kind {kind!r}; known: {', '.join(FAULT_KINDS)}")
 
 
 def _completion(path: str, words: list[str], rid: str, model: str, *,
@@ -286,9 +336,16 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--tokens", type=int, default=4, help="tokens D generates")
+    parser.add_argument("--fault-rate", type=float, default=0.0,
+                        help="share of inference requests that meet one random fault (0..1)")
+    parser.add_argument("--fault-kinds", nargs="+", choices=FAULT_KINDS, default=list(FAULT_KINDS),
+                        help="the faults to draw from (default: all)")
+    parser.add_argument("--seed", type=int, help="seed of the random faults (default: random)")
     args = parser.parse_args()
-    fake = FakeVLLM(args.role)
+    fake = FakeVLLM(args.role, seed=args.seed)
     fake.behavior.tokens = args.tokens
+    fake.behavior.fault_rate = args.fault_rate
+    fake.behavior.fault_kinds = args.fault_kinds
     fake.record = False
     try:
         import uvloop

@@ -177,8 +177,9 @@ async def test_auto_learns_on_the_pair_and_load_aware_reads_vllms_metrics(
             }
             assert decisions.get(("push", "auto_learning")) == 2, decisions
             assert decisions.get(("pull", "auto_learning")) == 2, decisions
-            faster = {k: v for k, v in decisions.items() if k[1].startswith("auto_faster_")}
-            assert sum(faster.values()) == 2 and len(faster) == 1, decisions
+            # then the faster by moving average (each new TTFT may move it: either mode)
+            faster = {k: v for k, v in decisions.items() if k[1] == f"auto_faster_{k[0]}"}
+            assert sum(faster.values()) == 2 and sum(decisions.values()) == 6, decisions
 
             learned = (await client.get(router.url + "/admin/auto", headers=auth)).json()
             measured = [row for row in learned["buckets"] if row["samples"]]

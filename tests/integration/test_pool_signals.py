@@ -197,12 +197,12 @@ async def test_a_killed_server_loses_no_request_that_had_not_started(pool: Pool)
         await pool.kill(victim)
         killed_at.append(time.monotonic())
         await until(lambda: _healthy_is(client, url, pool.url(victim), False),
-                    "the killed D marked down", timeout=2.0)
+                    "the killed D marked down", timeout=5.0)
         down_after = time.monotonic() - killed_at[0]
         results = [r for loop in loops for r in await loop]
     after_kill = [status for started, status in results if started > killed_at[0]]
     assert after_kill and set(after_kill) == {200}, after_kill
-    assert down_after < 1.0, f"marked down {down_after:.2f} s after the kill"
+    assert down_after < 2.0, f"marked down {down_after:.2f} s after the kill"
 
 
 async def _healthy_is(client: httpx.AsyncClient, url: str, server: str, healthy: bool) -> bool:
