@@ -65,7 +65,9 @@ _EXTRA_CONFIG: dict[str, dict[str, object]] = {DUAL: DUAL_EXTRA_CONFIG}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Group the tests that need a pair: pull users first, then push users.
+    """Group the tests that need a pair: pull users first, then push, dual, pool; within
+    a group, the tests that kill a server of the pair (`closes_pair`) last, so the pair is
+    started again only for them.
 
     Only the positions those tests already hold are permuted, so every other test keeps
     its place and order.
@@ -75,7 +77,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for index, item in enumerate(items):
         used = [rank[name] for name in getattr(item, "fixturenames", ()) if name in rank]
         if used:
-            positions.append((index, min(used)))
+            positions.append((index, (min(used), item.get_closest_marker("closes_pair") is not None)))
     ordered = sorted(positions, key=lambda pos: pos[1])  # stable
     picked = [items[index] for index, _ in ordered]
     for (index, _), item in zip(positions, picked, strict=True):

@@ -246,6 +246,7 @@ async def test_a_client_that_leaves_mid_push_frees_ds_blocks(dual_pair: Pair) ->
         assert time.monotonic() - left < REGISTRATION_TTL_S - 2, "freed only by the deadline"
 
 
+@pytest.mark.closes_pair
 async def test_p_killed_after_d_registered_ends_ds_wait_within_seconds(
     dual_pair: Pair, pair_manager: PairManager
 ) -> None:
@@ -272,6 +273,7 @@ async def test_p_killed_after_d_registered_ends_ds_wait_within_seconds(
         pair_manager.close()
 
 
+@pytest.mark.closes_pair
 async def test_d_killed_after_registering_leaves_nothing_held_on_p(
     dual_pair: Pair, pair_manager: PairManager
 ) -> None:
