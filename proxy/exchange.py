@@ -24,7 +24,7 @@ from proxy.errors import (
 from proxy.modes import ModeDecision
 from proxy.outlier import counts_as_failure
 from proxy.protocol import ClientRequest
-from proxy.relay import Downstream
+from proxy.relay import Downstream, EventFramer
 from proxy.retry import retry_reason
 
 if TYPE_CHECKING:
@@ -139,17 +139,25 @@ class Exchange:
                         return
                     _check_stream_answer(answer.content_type, d)
                     d.outlier.success()  # D answered a stream with a success status
+                    # Whole events only: if D breaks off mid-event, the client's
+                    # stream still ends with a readable error event.
+                    framer = EventFramer()
                     async for chunk in answer.chunks():
-                        if not down.started:
+                        events = framer.feed(chunk)
+                        if answer.at_end:
+                            events += framer.rest()  # D's last bytes go out as they are
+                        if events and not down.started:
                             self._decode_first_byte(sent_at)
                             await down.start(answer.status, answer.content_type)
                         if answer.at_end:  # the last chunk: send it with the end
-                            await down.end(chunk)
-                            return
-                        await down.write(chunk)
+                            break
+                        if events:
+                            await down.write(events)
+                    else:
+                        events = framer.rest()
                     if not down.started:
                         await down.start(answer.status, answer.content_type)
-                    await down.end()
+                    await down.end(events)
             except UpstreamError as exc:
                 self._upstream_failed(d, exc)
                 raise

@@ -69,6 +69,8 @@ class Response:
                 raise self.error
             if self.complete:
                 return b""
+            if self.idle is not None:  # the server is late only while we wait for it
+                self.deadline = time.monotonic() + self.idle
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
@@ -86,6 +88,13 @@ class Response:
         if self.idle is not None:
             self.deadline = time.monotonic() + self.idle
         return chunk
+
+    @property
+    def awaited(self) -> bool:
+        """Someone waits on the server: for the head, or for a chunk. A streamed body's
+        reader that is busy elsewhere (writing to a slow client) does not make the
+        server late."""
+        return self._waiter is not None or not self.head.done()
 
     @property
     def at_end(self) -> bool:
@@ -316,7 +325,8 @@ class Deadlines:
     """Times out responses whose `deadline` passed, checking every `TICK_S`.
 
     One timer for all requests instead of one per wait: arming an asyncio timer per
-    request was a tenth of the router's CPU. Precision is a tick, fine for limits given
+    request was a tenth of the router's CPU. Only a response someone is waiting on can
+    time out. Precision is a tick, fine for limits given
     in seconds. A timed-out response fails with TimeoutError and its connection closes
     (the server then aborts the request)."""
 
@@ -342,7 +352,7 @@ class Deadlines:
         for response in list(self._watched):
             if response.complete or response.error is not None:
                 self._watched.discard(response)
-            elif response.deadline <= now:
+            elif response.deadline <= now and response.awaited:
                 self._watched.discard(response)
                 response._finish(TimeoutError("no answer within the time limit"))
                 response._connection.close()

@@ -23,6 +23,35 @@ from proxy.errors import RouterError, internal_error, sse_error_event
 logger = logging.getLogger("pdproxy.relay")
 
 
+class EventFramer:
+    """Cuts a relayed SSE byte stream at event boundaries, so only whole events go out.
+
+    An upstream's chunks need not end where its events do. Holding back a trailing
+    partial event costs nothing in the usual case (vLLM writes whole events) and means a
+    stream that breaks off mid-event still ends with an error event the client can read,
+    never with half an event glued to it."""
+
+    __slots__ = ("_partial",)
+
+    def __init__(self) -> None:
+        self._partial = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The whole events that `chunk` completes (b"" when none yet)."""
+        if self._partial:
+            chunk, self._partial = self._partial + chunk, b""
+        if chunk.endswith(b"\n\n") or chunk.endswith(b"\r\n\r\n"):
+            return chunk
+        lf, crlf = chunk.rfind(b"\n\n"), chunk.rfind(b"\r\n\r\n")
+        cut = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+        self._partial = chunk[cut:]
+        return chunk[:cut]
+
+    def rest(self) -> bytes:
+        """What is held back (the stream's end: sent as it is)."""
+        rest, self._partial = self._partial, b""
+        return rest
+
 
 class Downstream:
     """The client's side of one exchange."""
