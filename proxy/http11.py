@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httptools
@@ -237,8 +238,10 @@ class Pool:
         ssl: bool,
         limit: asyncio.Semaphore | None,
         deadlines: Deadlines,
+        evict_idle: Callable[[], None] = lambda: None,
     ) -> None:
         self._deadlines = deadlines
+        self._evict_idle = evict_idle
         self.host = host
         self.port = port
         self._ssl = ssl
@@ -264,6 +267,8 @@ class Pool:
         connection = self._idle_connection()
         if connection is None:
             if self._limit is not None:
+                if self._limit.locked():  # at the cap: an idle connection to any server makes room
+                    self._evict_idle()
                 await self._limit.acquire()
             try:
                 async with asyncio.timeout(connect_timeout):
@@ -298,6 +303,13 @@ class Pool:
 
     def put_back(self, connection: Connection) -> None:
         self._idle.append(connection)
+
+    def close_oldest_idle(self) -> bool:
+        """Close the connection idle the longest, if any (its slot under the cap frees)."""
+        if not self._idle:
+            return False
+        self._idle[0].close()  # put_back appends: the first is the oldest
+        return True
 
     def forget(self, connection: Connection) -> None:
         if connection in self._all:
@@ -381,10 +393,19 @@ class Client:
         pool = self._pools.get(key)
         if pool is None:
             pool = self._pools[key] = Pool(
-                key[1], key[2], ssl=tls, limit=self._limit, deadlines=self._deadlines
+                key[1], key[2], ssl=tls, limit=self._limit, deadlines=self._deadlines,
+                evict_idle=self._evict_idle,
             )
         path = parts.path or "/"
         return pool, f"{path}?{parts.query}" if parts.query else path
+
+    def _evict_idle(self) -> None:
+        """At the connection cap, a request to one server must not wait for idle
+        keep-alive connections to other servers (a burst of P legs would otherwise hold
+        every slot that the D legs then need): close one."""
+        for pool in self._pools.values():
+            if pool.close_oldest_idle():
+                return
 
     def close(self) -> None:
         self._deadlines.close()

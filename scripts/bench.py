@@ -56,6 +56,7 @@ from scripts.bench_proxy import free_port, process, request_body, serve_fake
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = ("overhead", "streams", "real")
 PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9)
+STREAM_STEPS = 10  # progress steps of the streams scenario
 
 
 def log(message: str) -> None:
@@ -95,9 +96,9 @@ def wrk_load(url: str, *, seconds: float, concurrency: int, stream: bool,
              'wrk.headers["Content-Type"] = "application/json"']
     lines += [f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in headers.items()]
     lines += ["done = function(summary, latency, requests)",
-              '  io.write(string.format("RESULT %d %d %d\\n", summary.requests, summary.duration,'
-              " summary.errors.status + summary.errors.connect + summary.errors.read"
-              " + summary.errors.write + summary.errors.timeout))",
+              '  local e = summary.errors',
+              '  io.write(string.format("RESULT %d %d %d %d %d %d %d\\n", summary.requests,'
+              " summary.duration, e.status, e.connect, e.read, e.write, e.timeout))",
               f"  for _, p in ipairs({{{', '.join(map(str, PERCENTILES))}}}) do",
               '    io.write(string.format("P %g %d\\n", p, latency:percentile(p)))',
               "  end", "end"]
@@ -110,15 +111,18 @@ def wrk_load(url: str, *, seconds: float, concurrency: int, stream: bool,
     finally:
         os.unlink(script.name)
     percentiles: dict[str, float] = {}
-    requests = duration_us = errors = 0
+    requests = duration_us = 0
+    errors: dict[str, int] = {}
     for line in out.splitlines():
         parts = line.split()
         if parts[:1] == ["RESULT"]:
-            requests, duration_us, errors = (int(x) for x in parts[1:4])
+            requests, duration_us = int(parts[1]), int(parts[2])
+            kinds = ("status", "connect", "read", "write", "timeout")
+            errors = {k: int(v) for k, v in zip(kinds, parts[3:8], strict=True) if int(v)}
         elif parts[:1] == ["P"]:
             percentiles[f"p{float(parts[1]):g}"] = int(parts[2]) / 1000  # us -> ms
     return {"req_per_s": round(requests / (duration_us / 1e6), 1), "requests": requests,
-            "errors": errors, "latency_ms": percentiles}
+            "errors": sum(errors.values()), "error_kinds": errors, "latency_ms": percentiles}
 
 
 async def python_load(url: str, *, seconds: float, concurrency: int, stream: bool,
@@ -204,8 +208,10 @@ def run_overhead(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
                         {"X-KV-Transfer-Mode": mode}, gauge)
         if args.compare_cmd:
             peer_port = free_port()
-            command = shlex.split(args.compare_cmd.format(prefill=p_url, decode=d_url,
-                                                          port=peer_port))
+            p_port, d_port = args.backend_ports
+            command = shlex.split(args.compare_cmd.format(
+                prefill=p_url, decode=d_url, port=peer_port, prefill_host="127.0.0.1",
+                prefill_port=p_port, decode_host="127.0.0.1", decode_port=d_port))
             peer = stack.enter_context(process(command, f"http://127.0.0.1:{peer_port}", "peer"))
             targets.add("peer", f"http://127.0.0.1:{peer_port}/v1/completions",
                         gauge=ProcessGauge(peer.pid))
@@ -241,6 +247,7 @@ def measure(args: argparse.Namespace, name: str, url: str, headers: dict[str, st
     log(f"{name:<10} c={concurrency:<4}{' stream' if stream else '       '} "
         f"{result['req_per_s']:>9.1f} req/s  p50 {p.get('p50', 0):>7.2f} ms  "
         f"p99 {p.get('p99', 0):>7.2f} ms  errors {result['errors']}"
+        + (f" {result['error_kinds']}" if result.get("error_kinds") else "")
         + (f"  cpu {row['cpu_s_per_1000']:.2f} s/1000" if "cpu_s_per_1000" in row else ""))
     return row
 
@@ -301,7 +308,8 @@ async def open_streams(url: str, args: argparse.Namespace, gauge: ProcessGauge,
                 ok = False
             errors += not ok
             durations.append(time.perf_counter() - started)
-            bar.update()
+            if len(durations) % max(1, args.streams // STREAM_STEPS) == 0:
+                bar.update()
 
         async def watch() -> None:
             nonlocal peak_in_flight
@@ -537,7 +545,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="shorter runs and fewer points (a smoke pass)")
     parser.add_argument("--compare-cmd", metavar="TEMPLATE",
                         help="start another router for the overhead scenario: a command with "
-                             "{prefill}, {decode} (backend URLs) and {port} (where it must listen)")
+                             "{prefill}, {decode} (backend URLs; or {prefill_host}, "
+                             "{prefill_port}, {decode_host}, {decode_port}) and {port} (where "
+                             "it must listen)")
     parser.add_argument("--compare", metavar="URL",
                         help="another router, already running, in front of the backends at "
                              "--backend-ports (start it first, pointing at those ports)")
@@ -602,7 +612,7 @@ def steps(args: argparse.Namespace) -> int:
     if "overhead" in args.scenarios:
         count += len(args.stream_modes) * len(args.concurrency) * targets
     if "streams" in args.scenarios:
-        count += args.streams
+        count += STREAM_STEPS
     if "real" in args.scenarios:
         count += 1 + len(args.prompts) * len(args.real_concurrency) + 2
     return count

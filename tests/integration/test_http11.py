@@ -138,3 +138,30 @@ async def test_cut_answer_and_refused_connection_raise(server: tuple[Server, str
     with pytest.raises(ConnectFailed):
         await fetch(client, "http://127.0.0.1:9/json")
     client.close()
+
+
+async def test_at_the_cap_an_idle_connection_to_another_server_makes_room(
+    server: tuple[Server, str]
+) -> None:
+    """Both slots hold idle keep-alive connections to server A: a request to server B
+    closes one of them instead of waiting for A to drop it (a burst of P legs must not
+    starve the D legs that follow)."""
+    state_a, url_a = server
+    other = Server()
+    runner = web.AppRunner(other.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url_b = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    client = Client(max_connections=2)
+    try:
+        await asyncio.gather(*(fetch(client, f"{url_a}/json", "POST", b"a") for _ in range(2)))
+        assert len(state_a.peers) == 2  # two connections, now idle in A's pool
+        async with asyncio.timeout(2):
+            status, body = await fetch(client, f"{url_b}/json", "POST", b"b")
+        assert status == 200 and body == b'{"echo": "b"}'
+        status, _ = await fetch(client, f"{url_a}/json", "POST", b"a")  # A still has one
+        assert status == 200 and len(state_a.peers) == 2
+    finally:
+        client.close()
+        await runner.cleanup()
