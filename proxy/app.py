@@ -13,11 +13,14 @@ error leaves as OpenAI-shaped JSON; the mapping from exceptions is here, once.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
+from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -120,6 +123,28 @@ def create_app(config: RouterConfig, source: ConfigSource | None = None) -> Rout
         admin.install(app, admin_token)
     _install_error_handlers(app)
     return RouterApp(app, config)
+
+
+@contextlib.asynccontextmanager
+async def serving(app: ASGIApp, *, name: str = "router") -> AsyncIterator[tuple[str, Any]]:
+    """Serve `app` with uvicorn on 127.0.0.1 (a free port) inside the running event loop,
+    for tests and tools that embed the router; yields (base URL, the uvicorn server)."""
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    )
+    task = asyncio.create_task(server.serve(), name=name)
+    async with asyncio.timeout(10):
+        while not server.started:
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        server.should_exit = True
+        async with asyncio.timeout(10):
+            await task
 
 
 async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:

@@ -57,7 +57,7 @@ import aiohttp
 import uvicorn
 from aiohttp import web
 
-from proxy.app import create_app
+from proxy.app import create_app, serving
 from proxy.config import build_config
 from scripts.fake_vllm import FAULT_KINDS, MODEL, Fabric, FakeVLLM, start
 
@@ -188,23 +188,8 @@ def router_config(fleet: Fleet, options: SoakOptions) -> dict[str, Any]:
 @contextlib.asynccontextmanager
 async def serve_router(config: dict[str, Any]) -> AsyncIterator[tuple[str, uvicorn.Server]]:
     """The router under uvicorn on a free port, in this event loop."""
-    app = create_app(build_config(config, {}))
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-    )
-    task = asyncio.create_task(server.serve(), name="soak-router")
-    async with asyncio.timeout(10):
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", server
-    finally:
-        server.should_exit = True
-        async with asyncio.timeout(10):
-            await task
+    async with serving(create_app(build_config(config, {})), name="soak-router") as served:
+        yield served
 
 
 ROUTER_LOGGERS = ("pdproxy", "uvicorn.error", "asyncio")

@@ -3,14 +3,11 @@ own event loop, so that HTTP, streaming and client disconnects behave as in prod
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-import uvicorn
-
-from proxy.app import create_app
+from proxy.app import create_app, serving
 from proxy.config import RouterConfig, build_config
 from proxy.router import ConfigSource
 
@@ -24,19 +21,5 @@ async def serve_router(
     values: dict[str, Any] = {"health": {"interval": 0}, "timeouts": {"health": 10.0}, **config}
     router_config: RouterConfig = source.load() if source else build_config(values, {})
     app = create_app(router_config, source)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-    )
-    task = asyncio.create_task(server.serve(), name="test-router")
-    async with asyncio.timeout(10):
-        while not server.started:
-            if task.done():
-                task.result()
-            await asyncio.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        async with asyncio.timeout(10):
-            await task
+    async with serving(app, name="test-router") as (url, _server):
+        yield url, app
