@@ -38,6 +38,7 @@ from proxy.errors import (
     error_body,
     internal_error,
 )
+from proxy.openapi import openapi_document
 from proxy.protocol import Route, body_too_large, parse_request
 from proxy.router import ConfigSource, Router
 
@@ -121,6 +122,8 @@ def create_app(config: RouterConfig, source: ConfigSource | None = None) -> Rout
     admin_token = config.admin_token or os.environ.get("PDPROXY_ADMIN_TOKEN")
     if admin_token:
         admin.install(app, admin_token)
+    document = openapi_document(admin=bool(admin_token))
+    app.openapi = lambda: document  # type: ignore[method-assign]
     _install_error_handlers(app)
     return RouterApp(app, config)
 
