@@ -28,6 +28,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -60,11 +61,35 @@ class ServerStartError(RuntimeError):
     """A vLLM server exited or did not become healthy in time; the message has its log."""
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _listen_ports() -> range:
+    """Ports below the kernel's ephemeral range: no outgoing connection can take one in
+    the tens of seconds between choosing it and the server binding it."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(10000, max(12000, min(low, 32768)))
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A TCP port on 127.0.0.1, free now, outside the ephemeral range, and not handed out
+    before by this process (a server binds its ports well after they are chosen)."""
+    ports = _listen_ports()
+    for _ in range(1000):
+        port = random.choice(ports)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1}")
 
 
 def kv_transfer_config(connector: str, **extra_config: object) -> str:
