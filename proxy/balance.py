@@ -1,6 +1,7 @@
 """Choosing one endpoint of a cluster for a request: filter, then score, then pick.
 
-- **filter**: healthy endpoints, minus one to avoid (a retry's failed server).
+- **filter** (in `Cluster.pick`): healthy, not draining, serving the model, not ejected,
+  able to do the mode, and not a retry's failed server.
 - **score and pick**, by the cluster's policy:
   - `round_robin`: each in turn.
   - `least_outstanding`: fewest requests in flight; ties in turn (the default).
@@ -31,7 +32,7 @@ import itertools
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from proxy.config import Balance, Policy
@@ -84,25 +85,21 @@ class Balancer:
             return self._least_loaded(candidates)
         return self._least_outstanding(candidates)
 
-    def _least_outstanding(self, candidates: Sequence[Endpoint]) -> Endpoint:
-        """Fewest in flight; among equals, the one picked longest ago."""
-        chosen = min(candidates, key=lambda e: (e.in_flight, self._last_pick.get(e.url, -1)))
+    def _least(self, candidates: Sequence[Endpoint], score: Callable[[Endpoint], float]) -> Endpoint:
+        """The lowest `score`; among equals, the one picked longest ago."""
+        chosen = min(candidates, key=lambda e: (score(e), self._last_pick.get(e.url, -1)))
         self._last_pick[chosen.url] = next(self._turn)
         return chosen
+
+    def _least_outstanding(self, candidates: Sequence[Endpoint]) -> Endpoint:
+        return self._least(candidates, lambda e: e.in_flight)
 
     def _least_loaded(self, candidates: Sequence[Endpoint]) -> Endpoint:
-        """Lowest load score; among equals, the one picked longest ago."""
         s, now = self.settings, time.monotonic()
-
-        def score(e: Endpoint) -> tuple[float, int]:
-            return (load_score(e.in_flight, e.load, now=now,
-                               max_age=max(STALE_SCRAPES * s.scrape_interval, STALE_AFTER_S),
-                               waiting_weight=s.waiting_weight, kv_cache_weight=s.kv_cache_weight),
-                    self._last_pick.get(e.url, -1))
-
-        chosen = min(candidates, key=score)
-        self._last_pick[chosen.url] = next(self._turn)
-        return chosen
+        max_age = max(STALE_SCRAPES * s.scrape_interval, STALE_AFTER_S)
+        return self._least(candidates, lambda e: load_score(
+            e.in_flight, e.load, now=now, max_age=max_age, waiting_weight=s.waiting_weight,
+            kv_cache_weight=s.kv_cache_weight))
 
     def _by_prefix(self, candidates: Sequence[Endpoint], key: str) -> Endpoint:
         by_url = {e.url: e for e in candidates}

@@ -102,9 +102,11 @@ class Endpoint:
         return self.learned_models
 
     def serves(self, model: str) -> bool:
-        """True unless it is known not to serve `model`."""
-        models = self.models
-        return models is None or model in models
+        """True unless it is known not to serve `model` (on every request's path: no
+        set is built here)."""
+        if self.config.models is not None:
+            return model in self.config.models
+        return self.learned_models is None or model in self.learned_models
 
     def record_check(self, passed: bool, *, healthy_after: int, unhealthy_after: int) -> bool:
         """Count one active health check; True when it changed `healthy` (it takes

@@ -53,7 +53,8 @@ class Response:
         self.complete = False
         self.error: BaseException | None = None
         # Monotonic time by which the next byte must arrive, enforced by the client's
-        # `Deadlines` sweep. `idle`, once set, pushes it that far ahead at every chunk.
+        # `Deadlines` sweep while someone waits (`awaited`). `idle`, once set, pushes it
+        # that far ahead whenever a chunk arrives and whenever a wait for one begins.
         self.deadline = float("inf")
         self.idle: float | None = None
 
@@ -80,14 +81,11 @@ class Response:
         return self._take()
 
     def _take(self) -> bytes:
-        """Hand out the oldest buffered chunk. While we consume, the server is not late:
-        the idle clock restarts (a slow client must not time out a healthy server)."""
+        """Hand out the oldest buffered chunk (reading resumes below the high water)."""
         chunk = self._chunks.popleft()
         self._buffered -= len(chunk)
         if self._buffered < HIGH_WATER:
             self._connection.resume_reading()
-        if self.idle is not None:
-            self.deadline = time.monotonic() + self.idle
         return chunk
 
     @property
@@ -338,9 +336,9 @@ class Deadlines:
 
     One timer for all requests instead of one per wait: arming an asyncio timer per
     request was a tenth of the router's CPU. Only a response someone is waiting on can
-    time out. Precision is a tick, fine for limits given
-    in seconds. A timed-out response fails with TimeoutError and its connection closes
-    (the server then aborts the request)."""
+    time out. Precision is a tick, fine for limits given in seconds. A timed-out response
+    fails with TimeoutError and its connection closes (the server then aborts the
+    request)."""
 
     TICK_S = 0.05
 

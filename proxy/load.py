@@ -164,13 +164,9 @@ class LoadScraper:
 
     def _failed(self, endpoint: Endpoint, why: str) -> None:
         endpoint.load = None
-        if endpoint.url in self._failing:
-            logger.debug("%s %s: no load metrics: %s", endpoint.cluster.value, endpoint.url, why)
-        else:
-            self._failing.add(endpoint.url)
-            logger.warning(
-                "%s %s: no load metrics: %s", endpoint.cluster.value, endpoint.url, why
-            )
+        level = logging.DEBUG if endpoint.url in self._failing else logging.WARNING
+        self._failing.add(endpoint.url)
+        logger.log(level, "%s %s: no load metrics: %s", endpoint.cluster.value, endpoint.url, why)
 
     async def _run(self) -> None:
         while True:

@@ -16,7 +16,6 @@ remove it once `in_flight` is 0 (GET /admin/endpoints shows it).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import time
@@ -158,8 +157,10 @@ class ConfigWatcher:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self._interval)
-            with contextlib.suppress(Exception):  # logged in check; one bad round is not fatal
+            try:
                 self.check()
+            except Exception:  # one bad round must not end the watch
+                logger.exception("config %s: applying it failed", self._path)
 
     def check(self) -> list[str] | None:
         """Re-read the file if it changed; None when nothing was applied."""

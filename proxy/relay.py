@@ -40,7 +40,7 @@ class EventFramer:
         """The whole events that `chunk` completes (b"" when none yet)."""
         if self._partial:
             chunk, self._partial = self._partial + chunk, b""
-        if chunk.endswith(b"\n\n") or chunk.endswith(b"\r\n\r\n"):
+        if chunk.endswith((b"\n\n", b"\r\n\r\n")):
             return chunk
         lf, crlf = chunk.rfind(b"\n\n"), chunk.rfind(b"\r\n\r\n")
         cut = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
