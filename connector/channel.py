@@ -9,8 +9,8 @@ prefill's blocks, comes back from `take_actions`, which the engine calls every s
 D runs a `DecodeChannel`: one DEALER socket per P (identity: D's engine id, so P's
 answers find their way back) and a thread that sends registrations, aborts and pings and
 watches the answers and the deadlines. D's engine learns which pushes failed from
-`take_failures` (it then recomputes those prompts, or frees the blocks of an aborted
-request); a push that succeeds is known to D's workers from the WRITE's own NIXL
+`take_failures` (it then reads P's blocks where P offers them, recomputes the other
+prompts, or frees the blocks of an aborted request); a push that succeeds is known to D's workers from the WRITE's own NIXL
 notification, and D's engine then calls `forget`.
 
 ZMQ sockets are used only by the channel's thread. Every wait is bounded: the thread
@@ -39,6 +39,7 @@ from connector.messages import (
     Ping,
     Pong,
     ProtocolError,
+    PullOffer,
     PushDone,
     PushFailed,
     RegisterBlocks,
@@ -221,6 +222,9 @@ class PrefillChannel(_ChannelThread):
         self._actions: queue.SimpleQueue[PrefillAction] = queue.SimpleQueue()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # A reply to a D whose connection is gone fails instead of vanishing: P then
+        # knows that blocks it kept for that D's READ can go at once.
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
             self._socket.bind(self.address)
         except zmq.ZMQError as exc:
@@ -243,8 +247,12 @@ class PrefillChannel(_ChannelThread):
     def prefill_aborted(self, transfer_id: TransferId) -> None:
         self._post("aborted", transfer_id)
 
-    def write_ended(self, transfer_id: TransferId, error: str | None) -> None:
-        self._post("written", transfer_id, error)
+    def write_ended(self, transfer_id: TransferId, error: str | None, *,
+                    pull_ttl: float | None = None) -> None:
+        """The WRITE is over on every rank. `pull_ttl`: it failed, and P's workers keep
+        the blocks that long for D to READ instead (offered to D, or freed at once when
+        D no longer wants them)."""
+        self._post("written", transfer_id, error, pull_ttl)
 
     def _close_sockets(self) -> None:
         self._socket.close()  # no-op when the thread already closed it
@@ -327,15 +335,23 @@ class PrefillChannel(_ChannelThread):
             if release is not None:
                 self._released(release)
         elif kind == "written":
-            (error,) = args
+            error, pull_ttl = args
             if self.registry.state_of(transfer_id) is not TransferState.WRITING:
                 return  # gone already (cannot happen: a WRITING transfer has no deadline)
             if error is None:
                 self._released(self.registry.write_done(transfer_id), freed_by_engine=True)
-            else:
-                release = self.registry.write_failed(transfer_id, FailReason.WRITE_ERROR)
-                if release is not None:
-                    self._released(release, freed_by_engine=True, message=error)
+                return
+            release = self.registry.write_failed(transfer_id, FailReason.WRITE_ERROR)
+            if release is None:
+                return
+            offer = None
+            if pull_ttl is not None and release.state is TransferState.FAILED \
+                    and release.request_id is not None and release.block_ids is not None:
+                offer = PullOffer(request_id=release.request_id, block_ids=release.block_ids,
+                                  ttl_s=pull_ttl)
+            # Blocks kept for a READ that D will not do (it aborted) are freed at once.
+            self._released(release, freed_by_engine=pull_ttl is None or offer is not None,
+                           message=error, pull=offer)
 
     def _on_outcome(self, outcome: Any, registration: RegisterBlocks | None) -> None:
         """Act on what the registry said about a registration or a finished prefill."""
@@ -362,9 +378,9 @@ class PrefillChannel(_ChannelThread):
             self._released(outcome)
 
     def _released(self, release: Release, *, freed_by_engine: bool = False,
-                  message: str = "") -> None:
-        """A transfer ended: free P's blocks (unless the engine's WRITE path did) and
-        tell D, if D registered."""
+                  message: str = "", pull: PullOffer | None = None) -> None:
+        """A transfer ended: free P's blocks (unless the engine's WRITE path did, or
+        keeps them for D's READ: `pull`) and tell D, if D registered."""
         if release.request_id is not None and release.block_ids is not None \
                 and not freed_by_engine:
             self._actions.put(FreeBlocks(release.transfer_id, release.request_id,
@@ -375,18 +391,24 @@ class PrefillChannel(_ChannelThread):
                 self._send(to, PushDone(transfer_id=release.transfer_id))
             else:
                 reason = release.reason or FailReason.WRITE_ERROR
-                self._send(to, PushFailed(transfer_id=release.transfer_id, reason=reason,
-                                          message=message))
+                delivered = self._send(to, PushFailed(
+                    transfer_id=release.transfer_id, reason=reason, message=message, pull=pull))
+                if pull is not None and not delivered:  # D is gone: nobody will READ
+                    self._actions.put(FreeBlocks(release.transfer_id, pull.request_id,
+                                                 "decode_gone"))
         level = logging.DEBUG if release.state is TransferState.DONE else logging.INFO
         logger.log(level, "push %s ended: %s%s", release.transfer_id, release.state.value,
                    f" ({release.reason.value})" if release.reason else "")
 
-    def _send(self, identity: bytes, message: Message) -> None:
+    def _send(self, identity: bytes, message: Message) -> bool:
+        """Send to D `identity`; False when it could not go (D not connected)."""
         try:
             self._socket.send_multipart([identity, encode(message)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             logger.warning("push side channel: could not send %s to %r: %s",
                            type(message).__name__, identity, exc)
+            return False
+        return True
 
 
 # --- D -------------------------------------------------------------------------------------
@@ -399,6 +421,7 @@ class PushFailure:
     request_id: str
     transfer_id: TransferId
     why: str
+    pull: PullOffer | None = None  # P kept the blocks: READ them instead
 
 
 @dataclass(slots=True)
@@ -558,7 +581,8 @@ class DecodeChannel(_ChannelThread):
                                 f"{message.message}")
         elif isinstance(message, PushFailed):
             self._fail(pending, f"P will not write: {message.reason.value}"
-                                f"{': ' + message.message if message.message else ''}")
+                                f"{': ' + message.message if message.message else ''}",
+                       pull=None if pending.aborting else message.pull)
         elif isinstance(message, PushDone) and not pending.aborting:
             pass  # D's workers learn it from the WRITE's notification, then `forget`
 
@@ -588,13 +612,14 @@ class DecodeChannel(_ChannelThread):
                          for peer in self._peers.values() if peer.transfers)
         return min(deadlines, default=None)
 
-    def _fail(self, pending: _Pending, why: str) -> None:
+    def _fail(self, pending: _Pending, why: str, pull: PullOffer | None = None) -> None:
         reg = pending.registration
-        self._failures.put(PushFailure(reg.request_id, reg.transfer_id, why))
+        self._failures.put(PushFailure(reg.request_id, reg.transfer_id, why, pull))
         self._drop(reg.transfer_id)
         log = logger.info if pending.aborting else logger.warning
-        log("push %s for request %s %s: %s", reg.transfer_id, reg.request_id,
-            "released" if pending.aborting else "failed", why)
+        log("push %s for request %s %s: %s%s", reg.transfer_id, reg.request_id,
+            "released" if pending.aborting else "failed", why,
+            "; P offers its blocks to read instead" if pull is not None else "")
 
     def _drop(self, tid: TransferId) -> None:
         pending = self._pending.pop(tid, None)

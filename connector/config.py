@@ -29,6 +29,8 @@ KEYS = (
     "ping_interval",
     "peer_timeout",
     "stats_interval",
+    "pull_fallback_ttl",
+    "fault_injection",
 )
 
 
@@ -58,6 +60,13 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     peer_timeout: float = 3.0
     # At most this often, a log line with the push counts (when they changed).
     stats_interval: float = 30.0
+    # P: when a push's WRITE fails, P keeps the prompt's blocks this long for D to read
+    # them instead, like a pull (seconds). 0: P frees them at once and D computes the
+    # prompt itself.
+    pull_fallback_ttl: float = 30.0
+    # P: honour `"fail_write": true` in a push request's kv_transfer_params by failing
+    # its WRITE on purpose, before it starts. For tests and failure drills; leave off.
+    fault_injection: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.push_port <= MAX_PORT:
@@ -69,6 +78,9 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value}")
+        if not (math.isfinite(self.pull_fallback_ttl) and self.pull_fallback_ttl >= 0):
+            raise ConfigError("pull_fallback_ttl must be a finite number of seconds >= 0 "
+                              f"(0 turns the fallback to pull off), got {self.pull_fallback_ttl}")
         if self.peer_timeout <= self.ping_interval:
             raise ConfigError(
                 f"peer_timeout ({self.peer_timeout}) must be longer than ping_interval "

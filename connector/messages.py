@@ -7,7 +7,8 @@ sides; nothing else is matched):
     P -> D  Ack             registered; here is P's layout. Or:
     P -> D  Nack            refused (reason code); D falls back to recompute.
     P -> D  PushDone        P wrote every block and freed its own.
-    P -> D  PushFailed      P could not write (or never will); D falls back.
+    P -> D  PushFailed      P could not write (or never will); D falls back: it reads
+                            the blocks P offers (`pull`), or computes the prompt.
     D -> P  Abort           D's request is gone; P frees the blocks it holds for it and
                             answers PushFailed(aborted) once nothing more will be written.
     D -> P  Ping            D still waits on this P; P answers Pong at once (liveness).
@@ -32,7 +33,8 @@ import msgspec
 
 # Protocol versions. Bump on any change to a message's fields, tags or meaning.
 #   1: RegisterBlocks, Ack, Nack, Abort, PushDone, PushFailed, Ping, Pong.
-PROTOCOL_VERSION = 1
+#   2: PushFailed.pull, P's offer to be read instead after a failed WRITE.
+PROTOCOL_VERSION = 2
 
 TransferId = NewType("TransferId", str)
 EngineId = NewType("EngineId", str)
@@ -156,11 +158,33 @@ class PushDone(_TransferMessage, frozen=True, kw_only=True, tag="push_done"):
     """P -> D: every block is written and P freed its own; D's KV is complete."""
 
 
+class PullOffer(msgspec.Struct, frozen=True, kw_only=True):
+    """P still holds the prompt's KV after a failed WRITE: D may READ it, like a pull.
+
+    `request_id` is P's (D's READ notification names it), `block_ids` P's blocks, one
+    list per KV-cache group; P keeps them `ttl_s` from when it sent this."""
+
+    request_id: str
+    block_ids: list[list[int]]
+    ttl_s: float
+
+    def __post_init__(self) -> None:
+        _require_id(self.request_id, "request_id")
+        _require(len(self.block_ids) >= 1, "block_ids must hold at least one KV-cache group")
+        for group in self.block_ids:
+            bad = [block for block in group if block < 0]
+            _require(not bad, f"block ids must be >= 0, got {bad}")
+        _require(math.isfinite(self.ttl_s) and self.ttl_s > 0,
+                 f"ttl_s must be a finite number > 0, got {self.ttl_s}")
+
+
 class PushFailed(_TransferMessage, frozen=True, kw_only=True, tag="push_failed"):
-    """P -> D: P will not write this transfer; D falls back to pull or recompute."""
+    """P -> D: P will not write this transfer. D reads P's blocks instead when P offers
+    them (`pull`), and computes the prompt itself otherwise."""
 
     reason: FailReason
     message: str = ""
+    pull: PullOffer | None = None
 
 
 class Ping(_Message, frozen=True, kw_only=True, tag="ping"):

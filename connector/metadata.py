@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
-from connector.messages import TransferId
+from connector.messages import PullOffer, TransferId
 from connector.registry import BlockIds
 
 
@@ -28,6 +28,7 @@ class PushJob:
     decode_port: int
     decode_tp_size: int
     decode_block_ids: BlockIds
+    fail_on_purpose: bool = False  # fault injection (`fail_write`): fail, do not WRITE
 
 
 @dataclass(slots=True)
@@ -43,29 +44,67 @@ class PushStep:
     jobs: list[PushJob] = field(default_factory=list)
     # P: requests whose held blocks no WRITE will read: free them now.
     release: set[str] = field(default_factory=set)
+    # D: pushes that failed while P kept the prompt's KV: READ P's blocks instead.
+    pull: dict[str, PullOffer] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
 class PushEnd:
-    """How one WRITE ended on a worker: `error` None when every block was written."""
+    """How one WRITE ended on `ranks` of P's workers (one, until merged): `error` None
+    when every one of them wrote all its blocks. A rank whose share failed keeps its
+    blocks for a READ instead (`pull_fallback_ttl`); `holding_ranks` counts those."""
 
     error: str | None
     seconds: float
     blocks: int
+    ranks: int = 1
+    holding_ranks: int = 0
+
+    def merge(self, other: PushEnd) -> PushEnd:
+        """Both ranks' shares (of the same blocks): failed if either failed; as long as
+        the slower one."""
+        return PushEnd(self.error if self.error is not None else other.error,
+                       max(self.seconds, other.seconds), max(self.blocks, other.blocks),
+                       self.ranks + other.ranks, self.holding_ranks + other.holding_ranks)
 
 
 class PushReport(KVConnectorWorkerMetadata):
-    """Workers -> scheduler: the WRITEs that ended since the last step, by transfer."""
+    """Workers -> scheduler: the WRITEs that ended since the last step, by transfer.
+
+    vLLM merges the reports of all ranks of one step with `aggregate`; ranks whose
+    share ends in a later step report then, so the scheduler adds them up (`WriteTally`)."""
 
     def __init__(self, ended: dict[TransferId, PushEnd] | None = None) -> None:
         self.ended: dict[TransferId, PushEnd] = dict(ended or {})
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> PushReport:
-        """Merge the reports of several ranks: a transfer failed if any rank failed."""
         assert isinstance(other, PushReport)
         merged = dict(self.ended)
         for tid, end in other.ended.items():
             mine = merged.get(tid)
-            if mine is None or (end.error is not None and mine.error is None):
-                merged[tid] = end
+            merged[tid] = end if mine is None else mine.merge(end)
         return PushReport(merged)
+
+
+class WriteTally:
+    """P's scheduler: a push's WRITE is over once every one of P's `ranks` workers
+    (TP x PP) reported its share, whichever steps those reports came in."""
+
+    def __init__(self, ranks: int) -> None:
+        self.ranks = ranks
+        self._partial: dict[TransferId, PushEnd] = {}
+
+    def add(self, report: PushReport) -> dict[TransferId, PushEnd]:
+        """The transfers that `report` completes, each merged over all ranks."""
+        complete: dict[TransferId, PushEnd] = {}
+        for tid, end in report.ended.items():
+            mine = self._partial.pop(tid, None)
+            end = end if mine is None else mine.merge(end)
+            if end.ranks >= self.ranks:
+                complete[tid] = end
+            else:
+                self._partial[tid] = end
+        return complete
+
+    def __len__(self) -> int:
+        return len(self._partial)

@@ -12,7 +12,9 @@ unchanged. The push part, on each side:
   side channel (`DecodeChannel`) and waits, like a pull, in WAITING_FOR_REMOTE_KVS. Its
   workers finish the receive on the WRITE's NIXL notification; if the push fails instead
   (P refused, failed, went silent), the receive is failed (`PushStep.failed`) and vLLM
-  recomputes the prompt locally (with `kv_load_failure_policy: "recompute"`).
+  recomputes the prompt locally (with `kv_load_failure_policy: "recompute"`). When the
+  WRITE failed but every P worker kept the blocks, P offers them (`PushFailed.pull`)
+  and D's workers READ them instead (`PushStep.pull`), as in a pull.
 
 Every P answer also says what this P can do (`transfer_modes`) and where its push side
 channel is (`push_host`, `push_port`), which the router passes on to D. A probe (the
@@ -35,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
 from connector.channel import DecodeChannel, FreeBlocks, PrefillChannel, StartWrite
 from connector.config import DualConfig
 from connector.messages import EngineId, RegisterBlocks, TransferId
-from connector.metadata import PushJob, PushReport, PushStep
+from connector.metadata import PushJob, PushReport, PushStep, WriteTally
 from connector.registry import PushRegistry, RegistryConfig
 
 if TYPE_CHECKING:
@@ -70,6 +72,8 @@ class PushStats:
     write_seconds: float = 0.0  # P: summed WRITE time, registration match to completion
     registrations: int = 0  # D: pushes registered with a P
     received: int = 0  # D: pushes whose KV arrived
+    pull_offers: int = 0  # P: failed WRITEs whose blocks P kept for D to read
+    pulled_instead: int = 0  # D: failed pushes read from P instead
     fell_back: int = 0  # D: pushes that failed: the prompt was recomputed
     aborted: int = 0  # D: pushes ended by D's own abort (client gone)
 
@@ -96,6 +100,8 @@ class DualScheduler(NixlPullConnectorScheduler):
         self.push_port = config.push_port + vllm_config.parallel_config.data_parallel_index
         self.registration_ttl = config.registration_ttl
         self.stats_interval = config.stats_interval
+        self.pull_fallback_ttl = config.pull_fallback_ttl
+        self.fault_injection = config.fault_injection
         registry = PushRegistry(RegistryConfig(
             engine_id=EngineId(engine_id), block_size=self.block_size,
             tp_size=self.transfer_tp_size, registration_ttl=config.registration_ttl,
@@ -112,6 +118,9 @@ class DualScheduler(NixlPullConnectorScheduler):
         self._incoming: dict[str, TransferId] = {}
         self._aborting: set[str] = set()  # D: aborted requests, until P answers
         self._step = PushStep()
+        # P: WRITEs some of P's workers (TP x PP ranks) finished, waiting for the rest.
+        self._write_tally = WriteTally(vllm_config.parallel_config.world_size)
+        self._fail_on_purpose: set[str] = set()  # P: requests asking for `fail_write`
         self.stats = PushStats()
         self._logged = (PushStats(), time.monotonic())
         logger.info("dual connector: modes %s; push side channel on %s:%d",
@@ -181,6 +190,8 @@ class DualScheduler(NixlPullConnectorScheduler):
                 return delay_free, answer
             # The push registry holds these blocks now, not vLLM's pull lease.
             self._stop_pull_lease(rid)
+            if self.fault_injection and params.get("fail_write"):
+                self._fail_on_purpose.add(rid)
             self.prefill_channel.prefill_finished(tid, rid, answer["remote_block_ids"])
             answer["transfer_mode"] = "push"
             self.stats.push_prefills += 1
@@ -222,12 +233,19 @@ class DualScheduler(NixlPullConnectorScheduler):
         meta = super().build_connector_meta(scheduler_output)
         step, self._step = self._step, PushStep()
         for failure in self.decode_channel.take_failures():
-            self._incoming.pop(failure.request_id, None)
-            step.failed.add(failure.request_id)
-            if failure.request_id in self._aborting:
-                self._aborting.discard(failure.request_id)
+            rid = failure.request_id
+            self._incoming.pop(rid, None)
+            if rid in self._aborting:
+                self._aborting.discard(rid)
+                step.failed.add(rid)
                 self.stats.aborted += 1
+            elif failure.pull is not None:
+                step.pull[rid] = failure.pull
+                self.stats.pulled_instead += 1
+                logger.info("push %s for request %s failed; reading P's blocks instead",
+                            failure.transfer_id, rid)
             else:
+                step.failed.add(rid)
                 self.stats.fell_back += 1
         self.prefill_channel.wait_caught_up(CATCH_UP_S)  # a prefill that just finished
         for action in self.prefill_channel.take_actions():
@@ -238,9 +256,12 @@ class DualScheduler(NixlPullConnectorScheduler):
                     block_ids=action.block_ids, decode_engine_id=reg.engine_id,
                     decode_request_id=reg.request_id, decode_host=reg.host,
                     decode_port=reg.port, decode_tp_size=reg.tp_size,
-                    decode_block_ids=reg.block_ids))
+                    decode_block_ids=reg.block_ids,
+                    fail_on_purpose=action.request_id in self._fail_on_purpose))
+                self._fail_on_purpose.discard(action.request_id)
             elif isinstance(action, FreeBlocks):
                 step.release.add(action.request_id)
+                self._fail_on_purpose.discard(action.request_id)
         meta.push = step  # type: ignore[attr-defined]
         self._log_stats()
         return meta
@@ -255,12 +276,13 @@ class DualScheduler(NixlPullConnectorScheduler):
         mean_ms = s.write_seconds / s.writes_done * 1000 if s.writes_done else 0.0
         logger.info(
             "push stats: P prefills pull %d push %d probes %d; writes done %d failed %d "
-            "(%d blocks, mean %.1f ms); registry matched %d expired %d+%d aborted %d "
-            "refused %d; D registered %d received %d fell back %d aborted %d",
+            "(%d blocks, mean %.1f ms), offered for pull %d; registry matched %d expired "
+            "%d+%d aborted %d refused %d; D registered %d received %d pulled instead %d "
+            "fell back %d aborted %d",
             s.pull_prefills, s.push_prefills, s.probes, s.writes_done, s.writes_failed,
-            s.blocks_written, mean_ms, r.matched, r.expired_registrations,
+            s.blocks_written, mean_ms, s.pull_offers, r.matched, r.expired_registrations,
             r.expired_unclaimed, r.aborted, r.rejected + r.duplicates, s.registrations,
-            s.received, s.fell_back, s.aborted)
+            s.received, s.pulled_instead, s.fell_back, s.aborted)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
@@ -271,8 +293,13 @@ class DualScheduler(NixlPullConnectorScheduler):
                 self.stats.received += rid not in connector_output.failed_recving
         report = connector_output.kv_connector_worker_meta
         if isinstance(report, PushReport):
-            for tid, end in report.ended.items():
-                self.prefill_channel.write_ended(tid, end.error)
+            for tid, end in self._write_tally.add(report).items():
+                # Every rank kept its blocks: D may read them all. Otherwise the ranks
+                # that kept theirs free them when their lease ends.
+                offer = end.error is not None and end.holding_ranks == end.ranks
+                self.prefill_channel.write_ended(
+                    tid, end.error, pull_ttl=self.pull_fallback_ttl if offer else None)
+                self.stats.pull_offers += offer
                 if end.error is None:
                     self.stats.writes_done += 1
                     self.stats.blocks_written += end.blocks

@@ -9,9 +9,14 @@ Push adds, per step (`PushStep`, from the scheduler):
 - P: each job (started in `start_step`, when the step's metadata is bound, before the
   forward pass) performs the NIXL handshake with D's agent if none is cached yet
   (vLLM's own, on its background executor), then WRITEs this rank's share of the blocks
-  with vLLM's push descriptor code; when every WRITE handle is done (or failed), the request
-  is reported finished sending, which frees P's blocks, and the outcome goes back to the
+  with vLLM's push descriptor code; when every WRITE handle is done, the request is
+  reported finished sending, which frees P's blocks, and the outcome goes back to the
   scheduler in a `PushReport`. `release` requests are reported finished at once.
+- P, a WRITE that failed or could not start: the blocks stay, under vLLM's own pull
+  lease (`pull_fallback_ttl`), so that D can READ them instead; D's READ notification,
+  the lease's end or a `release` order frees them.
+- D: `pull` requests (the push failed, P offered its blocks) READ them with vLLM's pull
+  code, as if they had been a pull from the start.
 
 WRITEs in flight are driven by a small progress thread (`_progress_writes`): NIXL moves
 a WRITE's bytes only when the agent is polled, and the engine polls once per step, which
@@ -42,7 +47,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
     NixlPushConnectorWorker,
 )
 
-from connector.messages import TransferId
+from connector.config import DualConfig
+from connector.messages import PullOffer, TransferId
 from connector.metadata import PushEnd, PushJob, PushReport, PushStep
 
 if TYPE_CHECKING:
@@ -66,6 +72,9 @@ class DualWorker(NixlPullConnectorWorker):
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
     ) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
+        assert vllm_config.kv_transfer_config is not None
+        self._pull_fallback_ttl = DualConfig.from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config).pull_fallback_ttl
         # P: WRITE handles by P's request id, as vLLM's push code fills them.
         self._sending_transfers: defaultdict[str, list[int]] = defaultdict(list)
         self._sending_transfers_lock = threading.Lock()
@@ -106,10 +115,25 @@ class DualWorker(NixlPullConnectorWorker):
         for rid in step.failed:
             if self._awaiting_push.pop(rid, None) is not None:
                 self._failed_recv_reqs.put(rid)
+        for rid, offer in step.pull.items():
+            self._pull_instead(rid, offer)
         for job in step.jobs:
             self._start_job(job)
         self._write_handshaken()
-        self._released.update(step.release)
+        for rid in step.release:
+            if self._reqs_to_send.pop(rid, None) is not None:  # a failed push's lease
+                self._reqs_to_process.discard(rid)
+            self._released.add(rid)
+
+    def _pull_instead(self, rid: str, offer: PullOffer) -> None:
+        """D: P's WRITE failed but P kept the blocks: READ them, as vLLM's pull does."""
+        if self._awaiting_push.pop(rid, None) is None:
+            return  # the push landed after all, or the request is gone
+        meta = self._recving_metadata[rid]
+        assert meta.remote is not None
+        meta.remote.block_ids = [list(group) for group in offer.block_ids]
+        meta.remote.request_id = offer.request_id
+        self._read_blocks_for_req(rid, meta)
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         """After the forward pass: vLLM's pull READs, and WRITEs whose handshake ended."""
@@ -146,6 +170,9 @@ class DualWorker(NixlPullConnectorWorker):
     def _write(self, job: PushJob) -> None:
         started = self._writing.get(job.request_id, (job, time.perf_counter()))[1]
         self._writing[job.request_id] = (job, started)
+        if job.fail_on_purpose:
+            self._end(job, "WRITE failed on purpose (fail_write, fault_injection on)", started)
+            return
         local = [list(group) for group in job.block_ids]
         meta = ReqMeta(
             local_block_ids=local,
@@ -196,11 +223,19 @@ class DualWorker(NixlPullConnectorWorker):
                 time.sleep(_PROGRESS_POLL_S)
 
     def _end(self, job: PushJob, error: str | None, started: float) -> None:
-        """The job is over on this rank: free P's blocks and report the outcome."""
-        self._writing.pop(job.request_id, None)
-        self._released.add(job.request_id)
+        """The job is over on this rank: report the outcome, and free P's blocks, or,
+        when the WRITE failed, keep them under vLLM's pull lease for D to READ."""
+        rid = job.request_id
+        self._writing.pop(rid, None)
+        held = error is not None and self._pull_fallback_ttl > 0
+        if held:
+            self._reqs_to_process.add(rid)
+            self._reqs_to_send[rid] = time.perf_counter() + self._pull_fallback_ttl
+        else:
+            self._released.add(rid)
         blocks = sum(len(group) for group in job.block_ids)
-        self._ended[job.transfer_id] = PushEnd(error, time.perf_counter() - started, blocks)
+        self._ended[job.transfer_id] = PushEnd(
+            error, time.perf_counter() - started, blocks, holding_ranks=int(held))
 
     # --- each step: what finished ------------------------------------------------------
 

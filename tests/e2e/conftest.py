@@ -59,8 +59,11 @@ PULL = "NixlConnector"
 PUSH = "NixlPushConnector"
 DUAL = "NixlDualConnector"
 # Our connector's deadlines in the e2e pair: short, so the expiry tests take seconds.
-DUAL_EXTRA_CONFIG = {"registration_ttl": 8.0, "unclaimed_ttl": 8.0, "ack_timeout": 3.0,
-                     "ping_interval": 0.5, "peer_timeout": 2.0, "stats_interval": 1.0}
+# `fault_injection` lets a test ask P to fail one push's WRITE (`fail_write`); requests
+# that do not ask are unaffected.
+DUAL_EXTRA_CONFIG: dict[str, object] = {
+    "registration_ttl": 8.0, "unclaimed_ttl": 8.0, "ack_timeout": 3.0, "ping_interval": 0.5,
+    "peer_timeout": 2.0, "stats_interval": 1.0, "fault_injection": True}
 _EXTRA_CONFIG: dict[str, dict[str, object]] = {DUAL: DUAL_EXTRA_CONFIG}
 
 

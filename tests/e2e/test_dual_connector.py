@@ -45,6 +45,7 @@ from tests.e2e.vllm_client import (
 
 pytestmark = pytest.mark.e2e
 
+NIXL_READS = "vllm:nixl_bytes_transferred_count"  # on D: its own READs (a push has none)
 UNCLAIMED_TTL_S = float(DUAL_EXTRA_CONFIG["unclaimed_ttl"])  # type: ignore[arg-type]
 REGISTRATION_TTL_S = float(DUAL_EXTRA_CONFIG["registration_ttl"])  # type: ignore[arg-type]
 
@@ -244,6 +245,40 @@ async def test_a_client_that_leaves_mid_push_frees_ds_blocks(dual_pair: Pair) ->
             await waiting
         await assert_nothing_held(client, dual_pair, within_s=10)
         assert time.monotonic() - left < REGISTRATION_TTL_S - 2, "freed only by the deadline"
+
+
+async def test_a_failed_write_is_read_by_d_instead(dual_pair: Pair) -> None:
+    """P's WRITE fails (on purpose: `fail_write`). P keeps the prompt's blocks and offers
+    them; D READs them, as in a pull, instead of computing the prompt. The tokens are one
+    server's, D's own NIXL counters show the READ, and both servers end empty long
+    before the fallback's lease would free P's blocks."""
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        p_params = await coordinates(client, dual_pair)
+        body = make_body(COMPLETIONS)
+        leg, request_id = push_to_d(body, p_params)
+        d_before = await get_metrics(client, dual_pair.decode_url)
+        decoding = asyncio.create_task(decode(client, dual_pair.decode_url + COMPLETIONS, leg,
+                                              stream=False, headers={"X-Request-Id": request_id}))
+        await wait_until_held(client, dual_pair.decode_url)  # D registered its blocks
+        resp = await client.post(dual_pair.prefill_url + COMPLETIONS, json=prefill_leg(
+            body, transfer_id=request_id, transfer_mode="push", fail_write=True))
+        assert resp.status_code == 200, resp.text
+        tokens, prompt_tokens = await asyncio.wait_for(decoding, timeout=30)
+        done = time.monotonic()
+        d_after = await wait_for_metric(
+            client, dual_pair.decode_url,
+            lambda s: metric(s, NIXL_READS) > metric(d_before, NIXL_READS))
+        assert metric(d_after, NIXL_READS) > metric(d_before, NIXL_READS), "D did not READ"
+        assert external_kv_tokens(d_after) - external_kv_tokens(d_before) == prompt_tokens
+        assert tokens == await reference_tokens(client, dual_pair.decode_url, COMPLETIONS, body)
+        await assert_nothing_held(client, dual_pair, within_s=10)
+        assert time.monotonic() - done < 15, "P's blocks waited for the fallback's lease"
+    p_log = dual_pair.prefill.spec.log_path.read_text()
+    d_log = dual_pair.decode.spec.log_path.read_text()
+    assert re.search(rf"push {re.escape(request_id)}: WRITE failed: WRITE failed on purpose",
+                     p_log), "P did not log the failed WRITE"
+    assert re.search(rf"push {re.escape(request_id)} for request \S+ failed; reading P's "
+                     r"blocks instead", d_log), "D did not log its READ instead"
 
 
 @pytest.mark.closes_pair

@@ -29,10 +29,12 @@ from connector.channel import (
     StartWrite,
 )
 from connector.messages import (
+    PROTOCOL_VERSION,
     Ack,
     EngineId,
     Ping,
     Pong,
+    PullOffer,
     RegisterBlocks,
     TransferId,
     decode,
@@ -258,6 +260,44 @@ def test_a_failed_write_fails_the_push_on_d(channels: Channels) -> None:
     wait_for(lambda: not d.has_pending_work(), 2.0, "D no longer waits")
 
 
+def test_a_failed_write_whose_blocks_p_kept_is_offered_to_d_for_reading(
+    channels: Channels,
+) -> None:
+    p, d, reg = start_write(channels)
+    p.write_ended(reg.transfer_id, "boom", pull_ttl=12.5)
+    (failure,) = wait_failures(d)
+    assert failure.request_id == reg.request_id and "boom" in failure.why, failure
+    assert failure.pull == PullOffer(request_id=P_REQ, block_ids=P_BLOCKS, ttl_s=12.5)
+    wait_for(lambda: not p.has_pending_work(), 2.0, "P is idle")
+    assert p.take_actions() == [], "P's workers keep the blocks, under their pull lease"
+    assert len(p.registry) == 0 and p.registry.snapshot().counters.failed == 1
+    wait_for(lambda: not d.has_pending_work(), 2.0, "D no longer waits")
+
+
+def test_a_failed_write_after_ds_abort_frees_the_kept_blocks_at_once(
+    channels: Channels,
+) -> None:
+    p, d, reg = start_write(channels, ack_timeout=3.0)
+    d.abort(reg.transfer_id)
+    time.sleep(0.3)  # P has D's abort: nobody will read the blocks
+    p.write_ended(reg.transfer_id, "boom", pull_ttl=12.5)
+    (failure,) = wait_failures(d)
+    assert "aborted" in failure.why and failure.pull is None, failure
+    (action,) = wait_actions(p)
+    assert action == FreeBlocks(reg.transfer_id, P_REQ, "aborted"), action
+    wait_for(lambda: len(p.registry) == 0, 2.0, "P holds nothing")
+
+
+def test_blocks_kept_for_a_d_that_is_gone_are_freed_at_once(channels: Channels) -> None:
+    p, d, reg = start_write(channels)
+    channels.stop(d)  # D's process ends: its connection to P closes
+    time.sleep(0.5)
+    p.write_ended(reg.transfer_id, "boom", pull_ttl=12.5)
+    (action,) = wait_actions(p)
+    assert action == FreeBlocks(reg.transfer_id, P_REQ, "decode_gone"), action
+    wait_for(lambda: len(p.registry) == 0, 2.0, "P holds nothing")
+
+
 def test_a_successful_write_fails_nothing_and_empties_p(channels: Channels) -> None:
     p, d, reg = start_write(channels)
     p.write_ended(reg.transfer_id, None)
@@ -379,7 +419,7 @@ def test_p_killed_after_d_registered_ends_d_wait_within_peer_timeout(
     channels: Channels, p_process: tuple[subprocess.Popen[str], str],
 ) -> None:
     process, address = p_process
-    d = channels.decode(ack_timeout=0.5, ping_interval=0.2, peer_timeout=1.0)
+    d = channels.decode(ack_timeout=1.5, ping_interval=0.2, peer_timeout=1.0)
     reg = registration(d, "t-1")
     registered_at = time.monotonic()
     d.register(address, reg)
@@ -446,7 +486,7 @@ def test_garbage_and_another_version_are_refused_and_p_keeps_serving(
         request_id="d-req-1", tp_size=1, tp_rank=0, block_ids=D_BLOCKS,
         block_size=BLOCK_SIZE, host=HOST, port=5601, ttl_s=30.0)
     future = msgspec.to_builtins(reg)
-    future["version"] = 2
+    future["version"] = PROTOCOL_VERSION + 1
     sock.send(b"\x00not msgpack at all")
     sock.send(msgspec.msgpack.encode(future))  # the same transfer, in another version
     sock.send_multipart([b"two", b"frames"])  # not [identity, payload] on P's side
@@ -456,13 +496,14 @@ def test_garbage_and_another_version_are_refused_and_p_keeps_serving(
     assert answer == Ack(transfer_id=reg.transfer_id, engine_id=P_ENGINE,
                          block_size=BLOCK_SIZE, tp_size=1), answer
     assert len(p.registry) == 1
-    assert p.registry.snapshot().counters.registered == 1, "the version-2 copy was refused"
+    assert p.registry.snapshot().counters.registered == 1, "the newer copy was refused"
     sock.send(encode(Ping()))
     assert receive(sock) == Pong()
     refused = [r.getMessage() for r in caplog.records if "refused a message" in r.getMessage()]
     assert len(refused) == 2, refused
     assert "malformed side-channel message" in refused[0], refused
-    assert "protocol version mismatch" in refused[1] and "version 2" in refused[1], refused
+    assert "protocol version mismatch" in refused[1], refused
+    assert f"version {PROTOCOL_VERSION + 1}" in refused[1], refused
 
 
 # --- stopping -----------------------------------------------------------------------------------

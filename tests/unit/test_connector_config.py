@@ -15,6 +15,12 @@ def test_only_our_keys_are_read_and_the_defaults_fill_the_rest() -> None:
     assert config.push_host is None
     assert (config.registration_ttl, config.unclaimed_ttl) == (120.0, 120.0)
     assert (config.ack_timeout, config.ping_interval, config.peer_timeout) == (5.0, 1.0, 3.0)
+    assert (config.pull_fallback_ttl, config.fault_injection) == (30.0, False)
+
+
+def test_a_pull_fallback_ttl_of_zero_turns_the_fallback_off() -> None:
+    assert DualConfig.from_extra_config(
+        {"push_port": 5700, "pull_fallback_ttl": 0}).pull_fallback_ttl == 0
 
 
 def test_numbers_given_as_strings_are_accepted() -> None:
@@ -40,6 +46,10 @@ def test_push_port_is_required(extra: dict[str, Any] | None) -> None:
     pytest.param({"push_port": 5700, "ping_interval": 2, "peer_timeout": 2}, "peer_timeout",
                  id="peer-timeout-not-above-ping"),
     pytest.param({"push_port": 5700, "stats_interval": 0}, "stats_interval", id="stats-zero"),
+    pytest.param({"push_port": 5700, "pull_fallback_ttl": -1}, "pull_fallback_ttl",
+                 id="pull-fallback-negative"),
+    pytest.param({"push_port": 5700, "fault_injection": "maybe"}, "fault_injection",
+                 id="fault-injection-not-a-bool"),
 ])
 def test_a_bad_value_fails_the_start_naming_the_key(extra: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
