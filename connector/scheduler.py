@@ -310,9 +310,6 @@ class DualScheduler(NixlPullConnectorScheduler):
                     self.stats.writes_failed += 1
                     logger.warning("push %s: WRITE failed: %s", tid, end.error)
 
-    def has_pending_push_work(self) -> bool:
-        return self.prefill_channel.has_pending_work() or self.decode_channel.has_pending_work()
-
     def shutdown(self) -> None:
         super().shutdown()  # type: ignore[no-untyped-call]
         self.prefill_channel.stop()

@@ -84,6 +84,9 @@ class DualWorker(NixlPullConnectorWorker):
         self._handshaken: queue.SimpleQueue[tuple[PushJob, BaseException | None]] = (
             queue.SimpleQueue())
         self._released: set[str] = set()  # P: report finished sending next time
+        # P: failed WRITEs' blocks to put under vLLM's pull lease (expiry), at the next
+        # start_load_kv (see `_lease_for_pull`).
+        self._to_lease: dict[str, float] = {}
         self._ended: dict[TransferId, PushEnd] = {}  # P: for the next PushReport
         # D: requests that wait for a WRITE, and how many notifications each has had;
         # and those whose WRITE landed while D's handshake with their P was not done.
@@ -121,7 +124,9 @@ class DualWorker(NixlPullConnectorWorker):
             self._start_job(job)
         self._write_handshaken()
         for rid in step.release:
-            if self._reqs_to_send.pop(rid, None) is not None:  # a failed push's lease
+            # A failed push's blocks, kept for a READ that will not come: drop the lease.
+            if self._to_lease.pop(rid, None) is None \
+                    and self._reqs_to_send.pop(rid, None) is not None:
                 self._reqs_to_process.discard(rid)
             self._released.add(rid)
 
@@ -138,7 +143,17 @@ class DualWorker(NixlPullConnectorWorker):
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         """After the forward pass: vLLM's pull READs, and WRITEs whose handshake ended."""
         super().start_load_kv(metadata)
+        self._lease_for_pull()
         self._write_handshaken()
+
+    def _lease_for_pull(self) -> None:
+        """P: put failed WRITEs' blocks under vLLM's pull lease. Only here, after vLLM's
+        pull code has handled the step's `reqs_not_processed`: it holds that none of
+        those has a lease, and a push that fails at once is in that list in its step."""
+        for rid, expiry in self._to_lease.items():
+            self._reqs_to_process.add(rid)
+            self._reqs_to_send[rid] = expiry
+        self._to_lease.clear()
 
     def _write_handshaken(self) -> None:
         """WRITE the jobs whose handshake with D finished since the last call."""
@@ -229,8 +244,7 @@ class DualWorker(NixlPullConnectorWorker):
         self._writing.pop(rid, None)
         held = error is not None and self._pull_fallback_ttl > 0
         if held:
-            self._reqs_to_process.add(rid)
-            self._reqs_to_send[rid] = time.perf_counter() + self._pull_fallback_ttl
+            self._to_lease[rid] = time.perf_counter() + self._pull_fallback_ttl
         else:
             self._released.add(rid)
         blocks = sum(len(group) for group in job.block_ids)
