@@ -17,6 +17,7 @@ from collections.abc import Callable
 from proxy.config import HealthChecks
 from proxy.endpoints import ClusterName, Endpoint
 from proxy.errors import UpstreamError
+from proxy.periodic import Periodic
 from proxy.probe import CoordinateProber
 from proxy.upstream import UpstreamClient
 
@@ -38,17 +39,13 @@ class HealthChecker:
         self._prober = prober
         self._settings = settings
         self._timeout = timeout
-        self._task: asyncio.Task[None] | None = None
+        self._rounds = Periodic("health-checker", settings.interval, self.check_all)
 
     def start(self) -> None:
-        if self._settings.interval > 0 and self._task is None:
-            self._task = asyncio.create_task(self._run(), name="health-checker")
+        self._rounds.start()
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await self._rounds.aclose()
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(e) for e in self._endpoints()))
@@ -89,11 +86,3 @@ class HealthChecker:
             return
         if endpoint.mark_down(why):
             logger.warning("%s %s is unhealthy: %s", endpoint.cluster.value, endpoint.url, why)
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._settings.interval)
-            try:
-                await self.check_all()
-            except Exception:  # one bad round must not end the checks
-                logger.exception("health check round failed")

@@ -21,6 +21,7 @@ import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.errors import UpstreamError
+from proxy.periodic import Periodic
 from proxy.upstream import UpstreamClient
 
 if TYPE_CHECKING:
@@ -121,20 +122,15 @@ class LoadScraper:
     ) -> None:
         self._endpoints = endpoints
         self._client = client
-        self._interval = interval
         self._timeout = timeout
-        self._task: asyncio.Task[None] | None = None
+        self._rounds = Periodic("load-scraper", interval, self.scrape_all, at_once=True)
         self._failing: set[str] = set()  # urls whose last scrape failed (warned once)
 
     def start(self) -> None:
-        if self._interval > 0 and self._task is None:
-            self._task = asyncio.create_task(self._run(), name="load-scraper")
+        self._rounds.start()
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        await self._rounds.aclose()
 
     async def scrape_all(self) -> None:
         """One round: every current endpoint at once."""
@@ -167,11 +163,3 @@ class LoadScraper:
         level = logging.DEBUG if endpoint.url in self._failing else logging.WARNING
         self._failing.add(endpoint.url)
         logger.log(level, "%s %s: no load metrics: %s", endpoint.cluster.value, endpoint.url, why)
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.scrape_all()
-            except Exception:  # one bad round must not end the scrapes
-                logger.exception("load scrape round failed")
-            await asyncio.sleep(self._interval)

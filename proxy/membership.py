@@ -15,7 +15,6 @@ remove it once `in_flight` is 0 (GET /admin/endpoints shows it).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import time
@@ -28,6 +27,7 @@ import msgspec
 from proxy.config import EndpointConfig, RouterConfig
 from proxy.endpoints import BOTH_MODES, Cluster, ClusterName, Endpoint
 from proxy.errors import Conflict, NotFound
+from proxy.periodic import Periodic
 
 if TYPE_CHECKING:
     from proxy.router import Router
@@ -135,17 +135,14 @@ class ConfigWatcher:
         self._load = load
         self._membership = membership
         self._running = running
-        self._interval = interval
         self._seen = self._stamp()
-        self._task: asyncio.Task[None] | None = None
+        self._rounds = Periodic(f"config watcher ({path})", interval, self._check_round)
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="config-watcher")
+        self._rounds.start()
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self._rounds.aclose()
 
     def _stamp(self) -> tuple[float, int] | None:
         try:
@@ -154,13 +151,8 @@ class ConfigWatcher:
             return None
         return stat.st_mtime, stat.st_size
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval)
-            try:
-                self.check()
-            except Exception:  # one bad round must not end the watch
-                logger.exception("config %s: applying it failed", self._path)
+    async def _check_round(self) -> None:
+        self.check()
 
     def check(self) -> list[str] | None:
         """Re-read the file if it changed; None when nothing was applied."""
