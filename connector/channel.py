@@ -10,8 +10,8 @@ D runs a `DecodeChannel`: one DEALER socket per P (identity: D's engine id, so P
 answers find their way back) and a thread that sends registrations, aborts and pings and
 watches the answers and the deadlines. D's engine learns which pushes failed from
 `take_failures` (it then reads P's blocks where P offers them, recomputes the other
-prompts, or frees the blocks of an aborted request); a push that succeeds is known to D's workers from the WRITE's own NIXL
-notification, and D's engine then calls `forget`.
+prompts, or frees the blocks of an aborted request); a push that succeeds is known to
+D's workers from the WRITE's own NIXL notification, and D's engine then calls `forget`.
 
 ZMQ sockets are used only by the channel's thread. Every wait is bounded: the thread
 wakes at the earliest deadline it holds, or at least every `_MAX_SLEEP_S`.
