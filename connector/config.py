@@ -31,6 +31,7 @@ KEYS = (
     "stats_interval",
     "pull_fallback_ttl",
     "fault_injection",
+    "nixl_progress_thread",
 )
 
 
@@ -67,6 +68,12 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # P: honour `"fail_write": true` in a push request's kv_transfer_params by failing
     # its WRITE on purpose, before it starts. For tests and failure drills; leave off.
     fault_injection: bool = False
+    # Give this server's NIXL agent NIXL's own progress thread. That thread spins a whole
+    # core for as long as the server runs, idle or not. Without it (the default) nothing
+    # is lost: vLLM polls its transfers and notifications every engine step, and our own
+    # thread drives P's WRITEs between steps. Turn it on only where a transport needs the
+    # target side to make progress on its own between steps.
+    nixl_progress_thread: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.push_port <= MAX_PORT:

@@ -27,14 +27,19 @@ alive).
 
 from __future__ import annotations
 
+import importlib
 import logging
 import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlConnectorMetadata,
     RemoteMeta,
@@ -61,6 +66,34 @@ logger = logging.getLogger("vllm.pd_connector.worker")
 _PROGRESS_POLL_S = 0.0005  # between polls of the WRITEs in flight
 
 
+@contextmanager
+def _nixl_progress_thread(enabled: bool) -> Iterator[None]:
+    """While vLLM's worker is built, have it build its NIXL agent with or without NIXL's
+    progress thread (`nixl_progress_thread`).
+
+    vLLM takes NIXL's default, a thread that spins a core for the server's whole life, and
+    offers no setting. Its worker builds the agent's config from the `nixl_agent_config`
+    name in its module, so that name is swapped for as long as the constructor runs, and
+    put back after. Without the progress thread, UCX is only made safe for calls from
+    several threads (vLLM's handshakes, the engine, our WRITE poller) when the agent is
+    asked for NIXL's reader/writer locking; so it is."""
+    name = "nixl_agent_config"
+    factory = getattr(base_worker, name, None)
+    if enabled or factory is None:  # None: NIXL is missing, and vLLM says so itself
+        if not enabled and not hasattr(base_worker, name):
+            logger.warning("this vLLM builds its NIXL agent differently: NIXL's progress "
+                           "thread stays on (and spins a core)")
+        yield
+        return
+    sync = importlib.import_module(factory.__module__).nixl_thread_sync_t
+    setattr(base_worker, name, partial(
+        factory, enable_prog_thread=False, sync_mode=sync.NIXL_THREAD_SYNC_RW))
+    try:
+        yield
+    finally:
+        setattr(base_worker, name, factory)
+
+
 class DualWorker(NixlPullConnectorWorker):
     # vLLM's push worker turns one request's blocks into per-rank WRITE descriptors
     # (TP mapping, block-size ratios, prefix caching, MLA replication). We reuse that
@@ -71,10 +104,12 @@ class DualWorker(NixlPullConnectorWorker):
     def __init__(
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
     ) -> None:
-        super().__init__(vllm_config, engine_id, kv_cache_config)
         assert vllm_config.kv_transfer_config is not None
-        self._pull_fallback_ttl = DualConfig.from_extra_config(
-            vllm_config.kv_transfer_config.kv_connector_extra_config).pull_fallback_ttl
+        config = DualConfig.from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config)
+        with _nixl_progress_thread(config.nixl_progress_thread):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        self._pull_fallback_ttl = config.pull_fallback_ttl
         # P: WRITE handles by P's request id, as vLLM's push code fills them.
         self._sending_transfers: defaultdict[str, list[int]] = defaultdict(list)
         self._sending_transfers_lock = threading.Lock()

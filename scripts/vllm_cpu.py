@@ -36,7 +36,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -254,6 +254,13 @@ class VllmServer:
             return 0
         return _group_rss_bytes(self.proc.pid)
 
+    def cpu_seconds(self) -> float:
+        """CPU time used so far by the whole process group, all threads, user + system."""
+        if self.proc is None:
+            return 0.0
+        return sum(_group_stats(self.proc.pid, lambda stat: (
+            int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")))
+
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return log_tail(self.spec.log_path, lines)
 
@@ -291,20 +298,26 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
-def _group_rss_bytes(pgid: int) -> int:
-    total = 0
-    page = os.sysconf("SC_PAGE_SIZE")
+def _group_stats(pgid: int, field: Callable[[list[str]], float]) -> list[float]:
+    """`field` of each live process in the group, from its /proc/PID/stat fields (the
+    list starts after the command name, at the state field)."""
+    values = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             if os.getpgid(int(entry.name)) != pgid:
                 continue
-            resident_pages = int((entry / "statm").read_text().split()[1])
+            stat = (entry / "stat").read_text()
+            values.append(field(stat[stat.rindex(")") + 2:].split()))
         except (OSError, ValueError, IndexError):
             continue
-        total += resident_pages * page
-    return total
+    return values
+
+
+def _group_rss_bytes(pgid: int) -> int:
+    page = os.sysconf("SC_PAGE_SIZE")
+    return int(sum(_group_stats(pgid, lambda stat: int(stat[21]) * page)))
 
 
 def wait_all_healthy(

@@ -151,6 +151,23 @@ async def test_p_answers_say_it_can_push_and_where(dual_pair: Pair) -> None:
         await assert_nothing_held(client, dual_pair, within_s=3)
 
 
+async def test_idle_servers_leave_the_cores_free(dual_pair: Pair) -> None:
+    # With NIXL's own progress thread each server would spin a core for its whole life;
+    # the connector turns it off (`nixl_progress_thread`). vLLM's engine keeps stepping
+    # while any block is held, and its processes poll each other for a second after any
+    # work: so wait until nothing is held, then for a quiet spell, then measure.
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        await assert_nothing_held(client, dual_pair)
+    await asyncio.sleep(2)
+    servers = (dual_pair.prefill, dual_pair.decode)
+    before = [server.cpu_seconds() for server in servers]
+    started = time.monotonic()
+    await asyncio.sleep(3)
+    elapsed = time.monotonic() - started
+    cores = [(server.cpu_seconds() - used) / elapsed for server, used in zip(servers, before, strict=True)]
+    assert max(cores) < 0.3, f"idle P and D used {cores[0]:.2f} and {cores[1]:.2f} cores"
+
+
 async def test_auto_learns_on_the_pair_and_load_aware_reads_vllms_metrics(
     dual_pair: Pair, tmp_path: Path
 ) -> None:

@@ -16,6 +16,7 @@ def test_only_our_keys_are_read_and_the_defaults_fill_the_rest() -> None:
     assert (config.registration_ttl, config.unclaimed_ttl) == (120.0, 120.0)
     assert (config.ack_timeout, config.ping_interval, config.peer_timeout) == (5.0, 1.0, 3.0)
     assert (config.pull_fallback_ttl, config.fault_injection) == (30.0, False)
+    assert config.nixl_progress_thread is False
 
 
 def test_a_pull_fallback_ttl_of_zero_turns_the_fallback_off() -> None:
@@ -50,6 +51,8 @@ def test_push_port_is_required(extra: dict[str, Any] | None) -> None:
                  id="pull-fallback-negative"),
     pytest.param({"push_port": 5700, "fault_injection": "maybe"}, "fault_injection",
                  id="fault-injection-not-a-bool"),
+    pytest.param({"push_port": 5700, "nixl_progress_thread": "sometimes"},
+                 "nixl_progress_thread", id="progress-thread-not-a-bool"),
 ])
 def test_a_bad_value_fails_the_start_naming_the_key(extra: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
