@@ -18,10 +18,12 @@ Push adds, per step (`PushStep`, from the scheduler):
 - D: `pull` requests (the push failed, P offered its blocks) READ them with vLLM's pull
   code, as if they had been a pull from the start.
 
-WRITEs in flight are driven by a small progress thread (`_progress_writes`): NIXL moves
-a WRITE's bytes only when the agent is polled, and the engine polls once per step, which
-on P is after a whole forward pass. Their completion is collected by the engine thread
-in `get_transfer_results` (the scheduler keeps P's engine stepping while any push is
+A small poller thread (`_poll`) keeps both ends of a push moving between engine steps:
+NIXL moves a WRITE only while the agents at both ends are polled, and the engine polls
+once per step, which on P is after a whole forward pass. On P it polls the WRITEs in
+flight; on D, while a push is awaited, it fetches the notifications for the engine
+thread. The engine thread still collects finished WRITEs in `get_transfer_results`, and
+handles every notification (the scheduler keeps the engines stepping while a push is
 alive).
 """
 
@@ -63,7 +65,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("vllm.pd_connector.worker")
 
-_PROGRESS_POLL_S = 0.0005  # between polls of the WRITEs in flight
+_POLL_S = 0.0002  # between two polls of the poller thread, while it has work
 
 
 @contextmanager
@@ -127,10 +129,13 @@ class DualWorker(NixlPullConnectorWorker):
         # and those whose WRITE landed while D's handshake with their P was not done.
         self._awaiting_push: dict[str, int] = {}
         self._landed: set[str] = set()
-        # P: the thread that polls WRITEs in flight (started with the first WRITE).
-        self._writes_posted = threading.Event()
+        # The poller thread (started with the first push), woken when a push starts; and
+        # the notifications it fetched on D, for the engine thread.
+        self._poll_wanted = threading.Event()
         self._stopping = threading.Event()
-        self._progress_thread: threading.Thread | None = None
+        self._poller: threading.Thread | None = None
+        self._inbox: list[list[bytes]] = []
+        self._inbox_lock = threading.Lock()
 
     # --- each step: the scheduler's orders ------------------------------------------------
 
@@ -144,6 +149,7 @@ class DualWorker(NixlPullConnectorWorker):
                 meta.local_block_ids, self._physical_blocks_per_logical_kv_block)
             self._recving_metadata[rid] = meta
             self._awaiting_push[rid] = 0
+            self._wake_poller()
             # vLLM finishes a receive with P's layout (from the NIXL handshake with P),
             # so D needs that handshake even though P does the writing: start it now,
             # while P computes the prompt. A full one: a later pull from P reuses it.
@@ -245,32 +251,52 @@ class DualWorker(NixlPullConnectorWorker):
         if not submitted:
             self._end(job, "WRITE could not start (see the log above)", started)
             return
-        if self._progress_thread is None:
-            self._progress_thread = threading.Thread(
-                target=self._progress_writes, name="pd-push-progress", daemon=True)
-            self._progress_thread.start()
-        self._writes_posted.set()
+        if self._poll_writes():  # a small WRITE is often done at its first poll
+            self._wake_poller()
 
-    def _progress_writes(self) -> None:
-        """Poll the WRITEs in flight until none is left, then sleep until the next one.
+    def _wake_poller(self) -> None:
+        if self._poller is None:
+            self._poller = threading.Thread(target=self._poll, name="pd-nixl-poller",
+                                            daemon=True)
+            self._poller.start()
+        self._poll_wanted.set()
+
+    def _poll(self) -> None:
+        """The poller thread: poll while P has WRITEs in flight or D awaits a push, then
+        sleep until the next push starts."""
+        while not self._stopping.is_set():
+            self._poll_wanted.wait()
+            self._poll_wanted.clear()
+            while not self._stopping.is_set() and (self._poll_writes() | self._poll_notifs()):
+                time.sleep(_POLL_S)
+
+    def _poll_writes(self) -> bool:
+        """Poll every WRITE in flight once: NIXL moves a WRITE's bytes, and sends its
+        notification, only while it is polled. True while any is still going.
 
         Only polls: the engine thread collects and releases finished handles (under the
         same lock) in `get_transfer_results`."""
-        while not self._stopping.is_set():
-            self._writes_posted.wait()
-            self._writes_posted.clear()
-            while not self._stopping.is_set():
-                with self._sending_transfers_lock:
-                    handles = [h for hs in self._sending_transfers.values() for h in hs]
-                    pending = False
-                    for handle in handles:
-                        try:
-                            pending |= self.nixl_wrapper.check_xfer_state(handle) == "PROC"
-                        except Exception:  # the engine thread reports it when it polls
-                            continue
-                if not pending:
-                    break
-                time.sleep(_PROGRESS_POLL_S)
+        pending = False
+        with self._sending_transfers_lock:
+            for handles in self._sending_transfers.values():
+                for handle in handles:
+                    try:
+                        pending |= self.nixl_wrapper.check_xfer_state(handle) == "PROC"
+                    except Exception:  # the engine thread reports it when it polls
+                        continue
+        return pending
+
+    def _poll_notifs(self) -> bool:
+        """D: while a push is awaited, fetch the notifications (P's WRITE completes only
+        as fast as D's agent is polled) and keep them for the engine thread, which
+        handles them in `_get_new_notifs`. True while a push is awaited."""
+        if not self._awaiting_push:
+            return False
+        fetched = self.nixl_wrapper.get_new_notifs()
+        if fetched:
+            with self._inbox_lock:
+                self._inbox.extend(fetched.values())
+        return True
 
     def _end(self, job: PushJob, error: str | None, started: float) -> None:
         """The job is over on this rank: report the outcome, and free P's blocks, or,
@@ -310,7 +336,10 @@ class DualWorker(NixlPullConnectorWorker):
         read P's blocks (P, pull: vLLM's accounting). Heartbeats extend pull leases."""
         assert self.transfer_topo is not None
         read_by_d: set[str] = set()
-        for notifs in self.nixl_wrapper.get_new_notifs().values():
+        fetched = list(self.nixl_wrapper.get_new_notifs().values())
+        with self._inbox_lock:
+            fetched, self._inbox = self._inbox + fetched, []
+        for notifs in fetched:
             for notif in notifs:
                 msg = notif.decode("utf-8")
                 if msg.startswith("HB:"):
@@ -377,9 +406,9 @@ class DualWorker(NixlPullConnectorWorker):
 
     def shutdown(self) -> None:
         self._stopping.set()
-        self._writes_posted.set()
-        if self._progress_thread is not None:
-            self._progress_thread.join(timeout=2)
+        self._poll_wanted.set()
+        if self._poller is not None:
+            self._poller.join(timeout=2)
         with self._sending_transfers_lock:
             for handles in self._sending_transfers.values():
                 for handle in handles:
