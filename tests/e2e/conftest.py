@@ -6,10 +6,10 @@
   push per request), with short push deadlines so expiry tests finish quickly.
 - `proxy_for(pair, mode)`: the router (`python -m proxy serve`) in front of a pair.
 
-Only one pair runs at a time. Two pairs are four servers, and each server's NIXL
-progress thread spins about a core even when idle: on a 2-core machine they would
-starve each other (memory, ~2.6 GiB per server, would fit). So a session-scoped
-`PairManager` owns the single running pair: asking for the other kind stops the running
+Only one pair runs at a time. Two pairs are four servers, and with vLLM's own connectors
+each server's NIXL progress thread spins about a core even when idle (ours turns it
+off): on a 2-core machine they would starve each other (memory, ~2.6 GiB per server,
+would fit). So a session-scoped `PairManager` owns the single running pair: asking for the other kind stops the running
 one first. To start each kind once per session, the tests that use a pair are reordered
 (stably): all `pull_pair` users first, then `push_pair` users, then `dual_pair` users.
 A test cannot use two pairs.
@@ -53,7 +53,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 MODEL_DIR = REPO_ROOT / ".cache" / "tiny-model"
 LOG_DIR = REPO_ROOT / ".cache" / "e2e-logs"
 PAIR_START_TIMEOUT_S = float(os.environ.get("E2E_PAIR_START_TIMEOUT", "240"))
-# Generous: a new Python process competes for 2 cores with a pair whose NIXL threads spin.
+# Generous: a new Python process competes for 2 cores with a pair that may spin (stock NIXL).
 PROXY_START_TIMEOUT_S = 120.0
 PULL = "NixlConnector"
 PUSH = "NixlPushConnector"
