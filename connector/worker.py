@@ -292,7 +292,10 @@ class DualWorker(NixlPullConnectorWorker):
         handles them in `_get_new_notifs`. True while a push is awaited."""
         if not self._awaiting_push:
             return False
-        fetched = self.nixl_wrapper.get_new_notifs()
+        try:
+            fetched = self.nixl_wrapper.get_new_notifs()
+        except Exception:  # the engine thread meets it too when it polls, and reports it
+            return True
         if fetched:
             with self._inbox_lock:
                 self._inbox.extend(fetched.values())
