@@ -71,8 +71,8 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Give this server's NIXL agent NIXL's own progress thread. That thread spins a whole
     # core for as long as the server runs, idle or not. Without it (the default) nothing
     # is lost: vLLM polls its transfers and notifications every engine step, and our own
-    # thread drives P's WRITEs between steps. Turn it on only where a transport needs the
-    # target side to make progress on its own between steps.
+    # poller thread keeps a push moving between steps (P's WRITEs, D's notifications).
+    # Turn it on only where a transport needs an agent to progress on its own, unpolled.
     nixl_progress_thread: bool = False
 
     def __post_init__(self) -> None:

@@ -80,11 +80,11 @@ def _nixl_progress_thread(enabled: bool) -> Iterator[None]:
     several threads (vLLM's handshakes, the engine, our WRITE poller) when the agent is
     asked for NIXL's reader/writer locking; so it is."""
     name = "nixl_agent_config"
+    if not enabled and not hasattr(base_worker, name):
+        logger.warning("this vLLM builds its NIXL agent differently: NIXL's progress "
+                       "thread stays on (and spins a core)")
     factory = getattr(base_worker, name, None)
     if enabled or factory is None:  # None: NIXL is missing, and vLLM says so itself
-        if not enabled and not hasattr(base_worker, name):
-            logger.warning("this vLLM builds its NIXL agent differently: NIXL's progress "
-                           "thread stays on (and spins a core)")
         yield
         return
     sync = importlib.import_module(factory.__module__).nixl_thread_sync_t

@@ -258,8 +258,9 @@ class VllmServer:
         """CPU time used so far by the whole process group, all threads, user + system."""
         if self.proc is None:
             return 0.0
+        tick = os.sysconf("SC_CLK_TCK")
         return sum(_group_stats(self.proc.pid, lambda stat: (
-            int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")))
+            int(stat[_STAT_UTIME]) + int(stat[_STAT_STIME])) / tick))
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return log_tail(self.spec.log_path, lines)
@@ -298,6 +299,11 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
         os.killpg(pgid, sig)
 
 
+# Positions in a /proc/PID/stat line's fields after the command name (0: the state):
+# user and system CPU time in clock ticks, resident memory in pages (proc(5)).
+_STAT_UTIME, _STAT_STIME, _STAT_RSS = 11, 12, 21
+
+
 def _group_stats(pgid: int, field: Callable[[list[str]], float]) -> list[float]:
     """`field` of each live process in the group, from its /proc/PID/stat fields (the
     list starts after the command name, at the state field)."""
@@ -317,7 +323,7 @@ def _group_stats(pgid: int, field: Callable[[list[str]], float]) -> list[float]:
 
 def _group_rss_bytes(pgid: int) -> int:
     page = os.sysconf("SC_PAGE_SIZE")
-    return int(sum(_group_stats(pgid, lambda stat: int(stat[21]) * page)))
+    return int(sum(_group_stats(pgid, lambda stat: int(stat[_STAT_RSS]) * page)))
 
 
 def wait_all_healthy(
