@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 
 MAX_PORT = 65535
+MAX_PAUSE = 0.05  # push_wait_pause: longer would hold up the engine's other work
 
 # The keys this module owns inside kv_connector_extra_config.
 KEYS = (
@@ -32,6 +33,7 @@ KEYS = (
     "pull_fallback_ttl",
     "fault_injection",
     "nixl_progress_thread",
+    "push_wait_pause",
 )
 
 
@@ -74,6 +76,12 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # poller thread keeps a push moving between steps (P's WRITEs, D's notifications).
     # Turn it on only where a transport needs an agent to progress on its own, unpolled.
     nixl_progress_thread: bool = False
+    # D: while its engine has nothing to run and only waits for pushes, each engine step
+    # pauses this long (seconds). vLLM steps a waiting engine back to back, which keeps
+    # about half a core busy on CPU servers for as long as P computes the prompt; where P
+    # and D share cores that is taken from P. A landed push is seen up to this much
+    # later. 0 (the default): no pause, as vLLM does; 0.002-0.005 on shared CPU hosts.
+    push_wait_pause: float = 0.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.push_port <= MAX_PORT:
@@ -88,6 +96,9 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not (math.isfinite(self.pull_fallback_ttl) and self.pull_fallback_ttl >= 0):
             raise ConfigError("pull_fallback_ttl must be a finite number of seconds >= 0 "
                               f"(0 turns the fallback to pull off), got {self.pull_fallback_ttl}")
+        if not (math.isfinite(self.push_wait_pause) and 0 <= self.push_wait_pause <= MAX_PAUSE):
+            raise ConfigError(f"push_wait_pause must be in 0..{MAX_PAUSE} seconds "
+                              f"(0 turns the pause off), got {self.push_wait_pause}")
         if self.peer_timeout <= self.ping_interval:
             raise ConfigError(
                 f"peer_timeout ({self.peer_timeout}) must be longer than ping_interval "

@@ -47,6 +47,9 @@ class PushStep:
     # D: pushes that failed while P kept the prompt's KV: READ P's blocks instead.
     pull: dict[str, PullOffer] = field(default_factory=dict)
 
+    def is_empty(self) -> bool:
+        return not (self.recv or self.failed or self.jobs or self.release or self.pull)
+
 
 @dataclass(frozen=True, slots=True)
 class PushEnd:

@@ -102,6 +102,7 @@ class DualScheduler(NixlPullConnectorScheduler):
         self.stats_interval = config.stats_interval
         self.pull_fallback_ttl = config.pull_fallback_ttl
         self.fault_injection = config.fault_injection
+        self.push_wait_pause = config.push_wait_pause
         registry = PushRegistry(RegistryConfig(
             engine_id=EngineId(engine_id), block_size=self.block_size,
             tp_size=self.transfer_tp_size, registration_ttl=config.registration_ttl,
@@ -264,7 +265,15 @@ class DualScheduler(NixlPullConnectorScheduler):
                 self._fail_on_purpose.discard(action.request_id)
         meta.push = step  # type: ignore[attr-defined]
         self._log_stats()
+        if self._only_awaiting_pushes(scheduler_output, step):
+            time.sleep(self.push_wait_pause)
         return meta
+
+    def _only_awaiting_pushes(self, scheduler_output: SchedulerOutput, step: PushStep) -> bool:
+        """D: this step runs nothing and orders nothing; all D does is wait for pushes.
+        vLLM would step again at once; a short pause leaves the CPU to others (P)."""
+        return (self.push_wait_pause > 0 and bool(self._incoming) and step.is_empty()
+                and scheduler_output.total_num_scheduled_tokens == 0)
 
     def _log_stats(self) -> None:
         last, at = self._logged

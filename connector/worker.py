@@ -57,8 +57,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 from connector.config import DualConfig
 from connector.messages import PullOffer, TransferId
 from connector.metadata import PushEnd, PushJob, PushReport, PushStep
+from connector.pages import small_pages
 
 if TYPE_CHECKING:
+    import torch
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -136,6 +138,14 @@ class DualWorker(NixlPullConnectorWorker):
         self._poller: threading.Thread | None = None
         self._inbox: list[list[bytes]] = []
         self._inbox_lock = threading.Lock()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        cache = next(iter(kv_caches.values()), None)
+        if cache is not None and cache.device.type == "cpu" and small_pages(cache.data_ptr()):
+            logger.info("the KV cache is on 4 KiB pages: start vLLM with "
+                        "THP_MEM_ALLOC_ENABLE=1 to put it on huge pages, which makes KV "
+                        "transfers between CPU servers (pull and push) faster")
+        super().register_kv_caches(kv_caches)
 
     # --- each step: the scheduler's orders ------------------------------------------------
 

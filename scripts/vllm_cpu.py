@@ -47,6 +47,8 @@ Role = Literal["prefill", "decode"]
 DUAL_CONNECTOR = "NixlDualConnector"
 CONNECTORS = (DUAL_CONNECTOR, "NixlConnector", "NixlPullConnector", "NixlPushConnector")
 SERVED_MODEL_NAME = "tiny"
+# vLLM's engine-core process names itself "VLLM::EngineCore"; Linux keeps 15 characters.
+ENGINE_CORE = "VLLM::EngineCor"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / ".cache" / "tiny-model"
 DEFAULT_LOG_DIR = REPO_ROOT / ".cache" / "vllm-logs"
@@ -157,6 +159,9 @@ class ServerSpec:
         env.update(
             VLLM_CPU_KVCACHE_SPACE="1",
             VLLM_CPU_OMP_THREADS_BIND=self.cpu_bind,
+            # torch puts large allocations, the KV cache among them, on transparent huge
+            # pages: NIXL's copies between the servers are faster on them.
+            THP_MEM_ALLOC_ENABLE="1",
             VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
             # No usage-stats thread phoning home from a machine with no internet.
             VLLM_NO_USAGE_STATS="1",
@@ -254,13 +259,15 @@ class VllmServer:
             return 0
         return _group_rss_bytes(self.proc.pid)
 
-    def cpu_seconds(self) -> float:
-        """CPU time used so far by the whole process group, all threads, user + system."""
+    def cpu_seconds(self, process: str | None = None) -> float:
+        """CPU time used so far by the whole process group, all threads, user + system;
+        or only by its processes whose name starts with `process` (vLLM names its own,
+        such as ENGINE_CORE)."""
         if self.proc is None:
             return 0.0
         tick = os.sysconf("SC_CLK_TCK")
         return sum(_group_stats(self.proc.pid, lambda stat: (
-            int(stat[_STAT_UTIME]) + int(stat[_STAT_STIME])) / tick))
+            int(stat[_STAT_UTIME]) + int(stat[_STAT_STIME])) / tick, process))
 
     def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         return log_tail(self.spec.log_path, lines)
@@ -304,9 +311,11 @@ def _signal_group(pgid: int, sig: signal.Signals) -> None:
 _STAT_UTIME, _STAT_STIME, _STAT_RSS = 11, 12, 21
 
 
-def _group_stats(pgid: int, field: Callable[[list[str]], float]) -> list[float]:
-    """`field` of each live process in the group, from its /proc/PID/stat fields (the
-    list starts after the command name, at the state field)."""
+def _group_stats(pgid: int, field: Callable[[list[str]], float],
+                 name_prefix: str | None = None) -> list[float]:
+    """`field` of each live process in the group (or of those whose name starts with
+    `name_prefix`), from its /proc/PID/stat fields (the list starts after the process
+    name, at the state field)."""
     values = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -315,6 +324,9 @@ def _group_stats(pgid: int, field: Callable[[list[str]], float]) -> list[float]:
             if os.getpgid(int(entry.name)) != pgid:
                 continue
             stat = (entry / "stat").read_text()
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            if name_prefix is not None and not name.startswith(name_prefix):
+                continue
             values.append(field(stat[stat.rindex(")") + 2:].split()))
         except (OSError, ValueError, IndexError):
             continue

@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from scripts.pd_protocol import KV_USAGE, metric, prefill_leg, probe_body, push_decode_leg
-from scripts.vllm_cpu import Pair
+from scripts.vllm_cpu import ENGINE_CORE, Pair
 from tests.e2e.conftest import DUAL_EXTRA_CONFIG, PairManager, ProxyFactory, RouterProcess
 from tests.e2e.vllm_client import (
     CHAT,
@@ -216,6 +216,26 @@ async def test_auto_learns_on_the_pair_and_load_aware_reads_vllms_metrics(
 
 
 # --- the connector's deadlines and failure paths ----------------------------------------------
+
+
+async def test_d_waiting_for_a_push_leaves_the_cpu_to_p(dual_pair: Pair) -> None:
+    """D registered and waits for P's WRITE, which does not come yet: D's engine pauses
+    between its idle steps (`push_wait_pause`) instead of stepping back to back, which
+    took about half a core from P's prefill."""
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        p_params = await coordinates(client, dual_pair)
+        leg, request_id = push_to_d(make_body(COMPLETIONS), p_params)
+        waiting = asyncio.create_task(client.post(
+            dual_pair.decode_url + COMPLETIONS, json=leg, headers={"X-Request-Id": request_id}))
+        await wait_until_held(client, dual_pair.decode_url)
+        before, started = dual_pair.decode.cpu_seconds(ENGINE_CORE), time.monotonic()
+        await asyncio.sleep(2)
+        cores = (dual_pair.decode.cpu_seconds(ENGINE_CORE) - before) / (time.monotonic() - started)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await assert_nothing_held(client, dual_pair)
+    assert cores < 0.25, f"D's engine core used {cores:.2f} of a core while it waited"
 
 
 async def test_a_prefill_no_d_claims_is_freed_at_its_deadline(dual_pair: Pair) -> None:

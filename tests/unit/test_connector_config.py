@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from connector.config import ConfigError, DualConfig
+from connector.config import MAX_PAUSE, ConfigError, DualConfig
 
 
 def test_only_our_keys_are_read_and_the_defaults_fill_the_rest() -> None:
@@ -17,11 +17,17 @@ def test_only_our_keys_are_read_and_the_defaults_fill_the_rest() -> None:
     assert (config.ack_timeout, config.ping_interval, config.peer_timeout) == (5.0, 1.0, 3.0)
     assert (config.pull_fallback_ttl, config.fault_injection) == (30.0, False)
     assert config.nixl_progress_thread is False
+    assert config.push_wait_pause == 0.0
 
 
 def test_a_pull_fallback_ttl_of_zero_turns_the_fallback_off() -> None:
     assert DualConfig.from_extra_config(
         {"push_port": 5700, "pull_fallback_ttl": 0}).pull_fallback_ttl == 0
+
+
+def test_a_push_wait_pause_up_to_the_limit_is_accepted() -> None:
+    assert DualConfig.from_extra_config(
+        {"push_port": 5700, "push_wait_pause": MAX_PAUSE}).push_wait_pause == MAX_PAUSE
 
 
 def test_numbers_given_as_strings_are_accepted() -> None:
@@ -53,6 +59,10 @@ def test_push_port_is_required(extra: dict[str, Any] | None) -> None:
                  id="fault-injection-not-a-bool"),
     pytest.param({"push_port": 5700, "nixl_progress_thread": "sometimes"},
                  "nixl_progress_thread", id="progress-thread-not-a-bool"),
+    pytest.param({"push_port": 5700, "push_wait_pause": -0.001}, "push_wait_pause",
+                 id="pause-negative"),
+    pytest.param({"push_port": 5700, "push_wait_pause": 1}, "push_wait_pause",
+                 id="pause-too-long"),
 ])
 def test_a_bad_value_fails_the_start_naming_the_key(extra: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
