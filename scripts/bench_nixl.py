@@ -17,6 +17,14 @@ With `--noncontiguous` both sides hold a pool of twice as many blocks, and the b
 are a fixed pseudo-random selection of pool slots on each side, in random order (as KV cache
 blocks are); otherwise block i goes to slot i, and NIXL may merge neighbouring descriptors.
 
+By default every WRITE moves the same slots, so after the warm-up the copy runs from and
+into the CPU's caches. With `--fresh-mib N` the pools repeat that layout until they hold at
+least N MiB, and each WRITE takes the next copy in turn: like a KV transfer, which reads
+blocks the forward pass wrote and writes blocks nobody touched lately, it meets memory that
+is not in cache. Both pools are written once in full before the first WRITE, as vLLM's KV
+cache is when it is allocated; numpy puts buffers this large on transparent huge pages, as
+torch does vLLM's KV cache when the server runs with THP_MEM_ALLOC_ENABLE=1.
+
 Reported: GB/s (10^9 bytes per second; median and best iteration), iteration latency p50/p99,
 the writer's own post-to-DONE time, and the latency of a one-block WRITE with its
 notification. At the end the target checks byte for byte that its blocks hold the writer's
@@ -65,11 +73,23 @@ class Params:
     one_block_rounds: int
     progress_thread: bool
     timeout: float  # seconds for the whole run; also bounds every single wait
+    fresh_mib: int = 0  # 0: every WRITE moves the same slots; else pools of >= this, in turn
+
+    @property
+    def window_blocks(self) -> int:
+        """The slots one WRITE chooses from: room to scatter into when non-contiguous."""
+        return 2 * self.blocks if self.noncontiguous else self.blocks
+
+    @property
+    def windows(self) -> int:
+        """How many windows each pool holds; WRITE n uses window n modulo this."""
+        window_bytes = self.window_blocks * self.block_bytes
+        return max(1, -(-self.fresh_mib * 2**20 // window_bytes))
 
     @property
     def pool_blocks(self) -> int:
-        """Blocks each side holds: room to scatter into when non-contiguous."""
-        return 2 * self.blocks if self.noncontiguous else self.blocks
+        """Blocks each side holds."""
+        return self.window_blocks * self.windows
 
     @property
     def mem_type(self) -> str:
@@ -88,14 +108,24 @@ class BenchError(RuntimeError):
 # ---------------------------------------------------------------- what is written where
 
 
-def block_indices(params: Params) -> tuple[np.ndarray, np.ndarray]:
-    """(writer slots, target slots): block k goes from writer slot src[k] to target slot dst[k]."""
-    if not params.noncontiguous:
-        same = np.arange(params.blocks, dtype=np.int32)
-        return same, same.copy()
-    rng = np.random.default_rng(SEED)
-    src = rng.choice(params.pool_blocks, size=params.blocks, replace=False).astype(np.int32)
-    dst = rng.choice(params.pool_blocks, size=params.blocks, replace=False).astype(np.int32)
+def block_indices(params: Params, round_no: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(writer slots, target slots) of WRITE `round_no`: block k goes from writer slot src[k]
+    to target slot dst[k]. The same selection every time, in the round's window."""
+    if params.noncontiguous:
+        rng = np.random.default_rng(SEED)
+        src = rng.choice(params.window_blocks, size=params.blocks, replace=False)
+        dst = rng.choice(params.window_blocks, size=params.blocks, replace=False)
+    else:
+        src = dst = np.arange(params.blocks)
+    offset = (round_no % params.windows) * params.window_blocks
+    return (src + offset).astype(np.int32), (dst + offset).astype(np.int32)
+
+
+def round_indices(params: Params, round_no: int) -> tuple[np.ndarray, np.ndarray]:
+    """What WRITE `round_no` moves: all its blocks, or only the first in a one-block round."""
+    src, dst = block_indices(params, round_no)
+    if round_no >= params.warmup + params.iterations:
+        return src[:1], dst[:1]
     return src, dst
 
 
@@ -148,6 +178,7 @@ def allocate(params: Params) -> Buffer:
     shape = (params.pool_blocks, params.block_bytes)
     if params.device == "cpu":
         array = np.zeros(shape, dtype=np.uint8)
+        array.fill(0)  # written once, so its pages are in memory (the kernel maps them lazily)
         return Buffer(array, int(array.ctypes.data), 0)
     import torch
 
@@ -264,23 +295,25 @@ def run_target(params: Params, conn: multiprocessing.connection.Connection) -> d
 
 
 def verify(buffer: Buffer, params: Params) -> dict[str, Any]:
-    """Byte-for-byte check: every written slot holds its source block, every other slot
-    is still zero."""
-    src, dst = block_indices(params)
+    """Byte-for-byte check: every written slot holds the block last written into it, every
+    other slot is still zero."""
+    source_of: dict[int, int] = {}  # target slot -> writer slot, replaying every WRITE
+    for round_no in range(params.rounds):
+        src, dst = round_indices(params, round_no)
+        source_of.update(zip(dst.tolist(), src.tolist(), strict=True))
     data = buffer.read_back()
-    for k in range(params.blocks):
-        expected = pattern_block(int(src[k]), params.block_bytes)
-        if not np.array_equal(data[dst[k]], expected):
-            bad = int(np.flatnonzero(data[dst[k]] != expected)[0])
+    for slot, source in source_of.items():
+        expected = pattern_block(source, params.block_bytes)
+        if not np.array_equal(data[slot], expected):
+            bad = int(np.flatnonzero(data[slot] != expected)[0])
             raise BenchError(
-                f"data check failed: target slot {dst[k]} (block {k}, from writer slot "
-                f"{src[k]}) differs first at byte {bad}: got {data[dst[k], bad]}, "
-                f"expected {expected[bad]}"
+                f"data check failed: target slot {slot} (from writer slot {source}) differs "
+                f"first at byte {bad}: got {data[slot, bad]}, expected {expected[bad]}"
             )
-    untouched = np.setdiff1d(np.arange(params.pool_blocks), dst)
+    untouched = np.setdiff1d(np.arange(params.pool_blocks), list(source_of))
     if untouched.size and data[untouched].any():
         raise BenchError("data check failed: a slot that nothing was written to is not zero")
-    return {"verified": True, "verified_bytes": params.blocks * params.block_bytes}
+    return {"verified": True, "verified_bytes": len(source_of) * params.block_bytes}
 
 
 # ---------------------------------------------------------------- the writer ("P")
@@ -288,7 +321,6 @@ def verify(buffer: Buffer, params: Params) -> dict[str, Any]:
 
 def run_writer(params: Params, conn: multiprocessing.connection.Connection) -> dict[str, Any]:
     deadline = time.monotonic() + params.timeout
-    src, dst = block_indices(params)
     buffer = allocate(params)
     host = np.stack([pattern_block(slot, params.block_bytes) for slot in range(params.pool_blocks)])
     buffer.fill_from(host)
@@ -335,16 +367,14 @@ def run_writer(params: Params, conn: multiprocessing.connection.Connection) -> d
                 raise BenchError(f"target saw round {report['round']}, expected {round_no}")
             return prepared - started, done - started, report["seen_ns"] - started
 
-        one_src, one_dst = src[:1].copy(), dst[:1].copy()
         measured: list[tuple[int, int, int]] = []
         one_block: list[int] = []
         for round_no in range(params.rounds):
-            if round_no < params.warmup + params.iterations:
-                timing = write(round_no, src, dst)
-                if round_no >= params.warmup:
-                    measured.append(timing)
-            else:
-                one_block.append(write(round_no, one_src, one_dst)[2])
+            timing = write(round_no, *round_indices(params, round_no))
+            if round_no >= params.warmup + params.iterations:
+                one_block.append(timing[2])
+            elif round_no >= params.warmup:
+                measured.append(timing)
         conn.send({"end": True})
         return summarize(params, measured, one_block)
     finally:
@@ -501,6 +531,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="write a scattered selection of block slots, as KV blocks are")
     parser.add_argument("--one-block-rounds", type=int, default=20,
                         help="one-block WRITEs timed for the latency figure (0 to skip)")
+    parser.add_argument("--fresh-mib", type=int, default=0, metavar="N",
+                        help="pools of at least N MiB, each WRITE into the next slots in "
+                             "turn, so it meets memory that is not in cache, as a KV "
+                             "transfer does (default 0: the same slots every time)")
     parser.add_argument("--progress-thread", action="store_true",
                         help="give each agent NIXL's own progress thread (NIXL's default; off "
                              "here because every wait polls the agent anyway, and the thread's "
@@ -511,8 +545,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.block_bytes < 1 or args.blocks < 1 or args.iterations < 1 or args.warmup < 0:
         parser.error("--block-bytes, --blocks and --iterations must be positive")
-    if args.one_block_rounds < 0 or args.timeout <= 0:
-        parser.error("--one-block-rounds must not be negative, --timeout must be positive")
+    if args.one_block_rounds < 0 or args.timeout <= 0 or args.fresh_mib < 0:
+        parser.error("--one-block-rounds and --fresh-mib must not be negative, "
+                     "--timeout must be positive")
     return args
 
 
@@ -522,10 +557,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         device=args.device, block_bytes=args.block_bytes, blocks=args.blocks,
         iterations=args.iterations, warmup=args.warmup, noncontiguous=args.noncontiguous,
         one_block_rounds=args.one_block_rounds, progress_thread=args.progress_thread,
-        timeout=args.timeout,
+        timeout=args.timeout, fresh_mib=args.fresh_mib,
     )
     result = run(params)
     layout = "scattered" if params.noncontiguous else "contiguous"
+    if params.fresh_mib:
+        layout += f", fresh slots each time from {params.pool_blocks * params.block_bytes / 2**20:.0f} MiB"
     one = result["one_block_latency_us_p50"]
     print(
         f"NIXL WRITE {params.mem_type}->{params.mem_type}, {params.blocks} x "

@@ -31,6 +31,33 @@ def test_small_scattered_write_between_two_processes(tmp_path: Path) -> None:
     assert result["one_block_latency_us_p50"] > 0
 
 
+def test_fresh_slots_each_write_cover_the_pool_and_are_all_checked(tmp_path: Path) -> None:
+    out = tmp_path / "nixl.json"
+    bench_nixl.main([
+        "--blocks", "16", "--block-bytes", "4096", "--iterations", "10", "--warmup", "1",
+        "--one-block-rounds", "3", "--noncontiguous", "--fresh-mib", "1", "--timeout", "60",
+        "--out", str(out),
+    ])
+    result = json.loads(out.read_text())
+    # 1 MiB holds 8 windows of 32 slots; 14 WRITEs went round them all, and the target
+    # checked every slot written (16 per window), and that the rest stayed zero.
+    assert result["fresh_mib"] == 1 and result["verified"] is True
+    assert result["verified_bytes"] == 8 * 16 * 4096
+    assert len(result["iteration_latencies_ms"]) == 10
+
+
+def test_each_write_takes_the_next_window_and_wraps() -> None:
+    params = bench_nixl.Params(
+        device="cpu", block_bytes=4096, blocks=4, iterations=3, warmup=0, noncontiguous=True,
+        one_block_rounds=0, progress_thread=False, timeout=10, fresh_mib=1,
+    )
+    assert params.windows == 2**20 // (8 * 4096) and params.pool_blocks == 8 * params.windows
+    first, second = bench_nixl.block_indices(params, 0), bench_nixl.block_indices(params, 1)
+    assert (second[1] == first[1] + 8).all() and (second[0] == first[0] + 8).all()
+    wrapped = bench_nixl.block_indices(params, params.windows)
+    assert (wrapped[1] == first[1]).all()
+
+
 def _written_target(params: bench_nixl.Params) -> bench_nixl.Buffer:
     """A target buffer holding exactly what a correct run leaves there."""
     src, dst = bench_nixl.block_indices(params)
