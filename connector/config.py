@@ -19,6 +19,7 @@ import msgspec
 
 MAX_PORT = 65535
 MAX_PAUSE = 0.05  # push_wait_pause: longer would hold up the engine's other work
+CPU_PAUSE = 0.005  # push_wait_pause on a CPU server, unless set
 
 # The keys this module owns inside kv_connector_extra_config.
 KEYS = (
@@ -78,10 +79,11 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     nixl_progress_thread: bool = False
     # D: while its engine has nothing to run and only waits for pushes, each engine step
     # pauses this long (seconds). vLLM steps a waiting engine back to back, which keeps
-    # about half a core busy on CPU servers for as long as P computes the prompt; where P
-    # and D share cores that is taken from P. A landed push is seen up to this much
-    # later. 0 (the default): no pause, as vLLM does; 0.002-0.005 on shared CPU hosts.
-    push_wait_pause: float = 0.0
+    # about half a core busy on a CPU server for as long as P computes the prompt, CPU
+    # that P's prefill and D's own NIXL polling then lack. A landed push is seen up to
+    # this much later. None (the default): CPU_PAUSE on CPU servers, 0 (no pause, as
+    # vLLM does) on GPU ones, whose engine does not compete with the forward pass.
+    push_wait_pause: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.push_port <= MAX_PORT:
@@ -96,14 +98,21 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
         if not (math.isfinite(self.pull_fallback_ttl) and self.pull_fallback_ttl >= 0):
             raise ConfigError("pull_fallback_ttl must be a finite number of seconds >= 0 "
                               f"(0 turns the fallback to pull off), got {self.pull_fallback_ttl}")
-        if not (math.isfinite(self.push_wait_pause) and 0 <= self.push_wait_pause <= MAX_PAUSE):
+        pause = self.push_wait_pause
+        if pause is not None and not (math.isfinite(pause) and 0 <= pause <= MAX_PAUSE):
             raise ConfigError(f"push_wait_pause must be in 0..{MAX_PAUSE} seconds "
-                              f"(0 turns the pause off), got {self.push_wait_pause}")
+                              f"(0 turns the pause off), got {pause}")
         if self.peer_timeout <= self.ping_interval:
             raise ConfigError(
                 f"peer_timeout ({self.peer_timeout}) must be longer than ping_interval "
                 f"({self.ping_interval}), or a live P would be taken for dead"
             )
+
+    def wait_pause(self, on_cpu: bool) -> float:
+        """`push_wait_pause`, or its default for this kind of server."""
+        if self.push_wait_pause is not None:
+            return self.push_wait_pause
+        return CPU_PAUSE if on_cpu else 0.0
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> DualConfig:

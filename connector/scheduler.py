@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
+from vllm.platforms import current_platform
 
 from connector.channel import DecodeChannel, FreeBlocks, PrefillChannel, StartWrite
 from connector.config import DualConfig
@@ -102,7 +103,7 @@ class DualScheduler(NixlPullConnectorScheduler):
         self.stats_interval = config.stats_interval
         self.pull_fallback_ttl = config.pull_fallback_ttl
         self.fault_injection = config.fault_injection
-        self.push_wait_pause = config.push_wait_pause
+        self.push_wait_pause = config.wait_pause(on_cpu=current_platform.is_cpu())
         registry = PushRegistry(RegistryConfig(
             engine_id=EngineId(engine_id), block_size=self.block_size,
             tp_size=self.transfer_tp_size, registration_ttl=config.registration_ttl,
@@ -124,8 +125,9 @@ class DualScheduler(NixlPullConnectorScheduler):
         self._fail_on_purpose: set[str] = set()  # P: requests asking for `fail_write`
         self.stats = PushStats()
         self._logged = (PushStats(), time.monotonic())
-        logger.info("dual connector: modes %s; push side channel on %s:%d",
-                    ",".join(TRANSFER_MODES), self.push_host, self.push_port)
+        logger.info("dual connector: modes %s; push side channel on %s:%d; idle steps while "
+                    "waiting for pushes pause %.1f ms", ",".join(TRANSFER_MODES),
+                    self.push_host, self.push_port, self.push_wait_pause * 1000)
 
     # --- D: register allocated blocks with P ---------------------------------------------
 

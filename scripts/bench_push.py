@@ -101,7 +101,8 @@ async def run_pair(connector: str, modes: Sequence[str], args: argparse.Namespac
     say(f"starting a P/D pair with {connector} ... (20-60 s)")
     ttfts: dict[str, dict[str, list[float]]] = {}
     nixl: dict[str, float] = {}
-    with pair(connector, extra_args=["--max-model-len", "1024"],
+    extra = args.connector_config if connector == DUAL_CONNECTOR else None
+    with pair(connector, extra_args=["--max-model-len", "1024"], kv_extra_config=extra,
               start_timeout_s=args.start_timeout) as p, \
             router(p.prefill_url, p.decode_url, "pull") as url:
         async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
@@ -243,6 +244,16 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object of settings")
+    return value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m scripts.bench_push", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -255,6 +266,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="requests per mode and case (rounded to whole rounds)")
     parser.add_argument("--no-stock", action="store_true",
                         help="skip the vLLM NixlPushConnector pair")
+    parser.add_argument("--connector-config", type=json_object, default={}, metavar="JSON",
+                        help="our connector's settings for the pair (kv_connector_extra_"
+                             "config), e.g. '{\"push_wait_pause\": 0.005}'")
     parser.add_argument("--raw-iterations", type=int, default=20,
                         help="measured raw NIXL WRITEs")
     parser.add_argument("--start-timeout", type=float, default=240.0,

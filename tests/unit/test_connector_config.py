@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from connector.config import MAX_PAUSE, ConfigError, DualConfig
+from connector.config import CPU_PAUSE, MAX_PAUSE, ConfigError, DualConfig
 
 
 def test_only_our_keys_are_read_and_the_defaults_fill_the_rest() -> None:
@@ -17,7 +17,7 @@ def test_only_our_keys_are_read_and_the_defaults_fill_the_rest() -> None:
     assert (config.ack_timeout, config.ping_interval, config.peer_timeout) == (5.0, 1.0, 3.0)
     assert (config.pull_fallback_ttl, config.fault_injection) == (30.0, False)
     assert config.nixl_progress_thread is False
-    assert config.push_wait_pause == 0.0
+    assert config.push_wait_pause is None
 
 
 def test_a_pull_fallback_ttl_of_zero_turns_the_fallback_off() -> None:
@@ -28,6 +28,15 @@ def test_a_pull_fallback_ttl_of_zero_turns_the_fallback_off() -> None:
 def test_a_push_wait_pause_up_to_the_limit_is_accepted() -> None:
     assert DualConfig.from_extra_config(
         {"push_port": 5700, "push_wait_pause": MAX_PAUSE}).push_wait_pause == MAX_PAUSE
+
+
+def test_the_push_wait_pause_defaults_to_a_pause_on_cpu_only() -> None:
+    default = DualConfig.from_extra_config({"push_port": 5700})
+    assert (default.wait_pause(on_cpu=True), default.wait_pause(on_cpu=False)) == (CPU_PAUSE, 0.0)
+    off = DualConfig.from_extra_config({"push_port": 5700, "push_wait_pause": 0})
+    assert (off.wait_pause(on_cpu=True), off.wait_pause(on_cpu=False)) == (0.0, 0.0)
+    set_ = DualConfig.from_extra_config({"push_port": 5700, "push_wait_pause": 0.01})
+    assert set_.wait_pause(on_cpu=False) == 0.01
 
 
 def test_numbers_given_as_strings_are_accepted() -> None:
