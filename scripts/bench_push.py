@@ -7,15 +7,18 @@ What it runs, in one go (progress is printed as it goes):
 1. a P/D pair with our `NixlDualConnector` and the router in front: for each prompt
    length and concurrency, rounds of streamed completions alternating pull and push
    (chosen per request by header, on the same pair), each with a fresh random prompt
-   (no prefix-cache hits); TTFT is measured at the client, to the first token;
+   (no prefix-cache hits); TTFT is measured at the client, to the first token; and,
+   in the same rounds, the same requests sent whole to P alone ("direct": no router, no
+   KV hand-over), the floor a hand-over adds to, so direct/pull is as low as push/pull
+   could go;
 2. the same with vLLM's `NixlPushConnector` (push only), for comparison;
 3. a raw NIXL WRITE between two processes of the same bytes and descriptor count as
    one of our pushes (`scripts.bench_nixl`), after the servers are gone: once into fresh
    blocks each time from a 256 MiB pool, not in cache, as a KV transfer's are (the
    target's baseline), and once into the same cache-hot blocks every time.
 
-It prints, per case, the median TTFT of each and the ratios push/pull (target: 0.85 or
-less from 512 tokens on) and stock push/pull; and our push path's WRITE throughput
+It prints, per case, the median TTFT of each and the ratios direct/pull, push/pull
+(target: 0.85 or less from 512 tokens on) and stock push/pull; and our push path's WRITE throughput
 (from P's `vllm:nixl_*` metrics: bytes over NIXL's own transfer time, and over the time
 inside NIXL's post alone) against the raw WRITE's into fresh blocks (target: 0.7 or
 more) and into cache-hot ones. Results go to a JSON file and, with matplotlib
@@ -49,6 +52,7 @@ STOCK_PUSH = "NixlPushConnector"
 DEFAULT_PROMPTS = (128, 256, 512, 1000)  # the tiny model has 1,024 positions
 DEFAULT_CONCURRENCY = (1, 4)
 MAX_TOKENS = 2
+DIRECT = "direct"  # the whole request on P alone: no router, no KV hand-over
 VOCAB = tiny_model.VOCAB_SIZE
 NIXL_BYTES = "vllm:nixl_bytes_transferred"
 NIXL_TIME = "vllm:nixl_xfer_time_seconds"
@@ -67,11 +71,12 @@ async def first_token_seconds(client: httpx.AsyncClient, url: str, prompt: list[
             "stream": True, "ignore_eos": True}
     started = time.perf_counter()
     ttft = None
+    headers = {} if mode == DIRECT else {"X-KV-Transfer-Mode": mode}
     async with client.stream("POST", f"{url}/v1/completions", json=body,
-                             headers={"X-KV-Transfer-Mode": mode}) as resp:
+                             headers=headers) as resp:
         if resp.status_code != 200:
             raise RuntimeError(f"{mode}: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        if resp.headers.get("x-kv-transfer-mode") != mode:
+        if mode != DIRECT and resp.headers.get("x-kv-transfer-mode") != mode:
             raise RuntimeError(f"asked {mode}, the router used {resp.headers.get('x-kv-transfer-mode')}")
         async for line in resp.aiter_lines():
             if ttft is None and line.startswith("data: {"):
@@ -104,10 +109,11 @@ async def run_pair(connector: str, modes: Sequence[str], args: argparse.Namespac
     extra = args.connector_config if connector == DUAL_CONNECTOR else None
     with pair(connector, extra_args=["--max-model-len", "1024"], kv_extra_config=extra,
               start_timeout_s=args.start_timeout) as p, \
-            router(p.prefill_url, p.decode_url, "pull") as url:
+            router(p.prefill_url, p.decode_url, "pull") as router_url:
+        urls = {mode: p.prefill_url if mode == DIRECT else router_url for mode in modes}
         async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
-            for mode in modes:  # warm both paths (handshakes, first allocations)
-                await batch(client, url, mode, 128, 2, rng)
+            for mode in modes:  # warm every path (handshakes, first allocations)
+                await batch(client, urls[mode], mode, 128, 2, rng)
             before = await p_nixl_counters(client, p.prefill_url)
             cases = [(n, c) for n in args.prompts for c in args.concurrency]
             for index, (prompt_len, concurrency) in enumerate(cases, 1):
@@ -116,7 +122,7 @@ async def run_pair(connector: str, modes: Sequence[str], args: argparse.Namespac
                 rounds = max(1, args.requests // concurrency)
                 for _ in range(rounds):  # modes interleaved, so drift hits both alike
                     for mode in modes:
-                        ttfts[key][mode] += await batch(client, url, mode, prompt_len,
+                        ttfts[key][mode] += await batch(client, urls[mode], mode, prompt_len,
                                                         concurrency, rng)
                 medians = ", ".join(f"{m} {statistics.median(v) * 1000:.0f} ms"
                                     for m, v in ttfts[key].items())
@@ -155,12 +161,15 @@ def summarize(dual: dict[str, Any], stock: dict[str, Any] | None,
     rows = []
     for key, by_mode in dual["ttft_s"].items():
         pull, push = statistics.median(by_mode["pull"]), statistics.median(by_mode["push"])
+        direct = statistics.median(by_mode[DIRECT]) if by_mode.get(DIRECT) else None
         stock_push = (statistics.median(stock["ttft_s"][key]["push"])
                       if stock and key in stock["ttft_s"] else None)
         prompt_len, concurrency = (int(x) for x in key.split("x"))
         rows.append({
             "prompt_tokens": prompt_len, "concurrency": concurrency,
             "pull_ms": pull * 1000, "push_ms": push * 1000,
+            "direct_ms": None if direct is None else direct * 1000,
+            "direct_over_pull": None if direct is None else direct / pull,
             "stock_push_ms": None if stock_push is None else stock_push * 1000,
             "push_over_pull": push / pull,
             "stock_push_over_pull": None if stock_push is None else stock_push / pull,
@@ -188,16 +197,18 @@ def summarize(dual: dict[str, Any], stock: dict[str, Any] | None,
 
 
 def print_summary(summary: dict[str, Any]) -> None:
-    print(f"\n{'prompt':>7} {'conc':>4} {'pull ms':>8} {'push ms':>8} {'stock ms':>9} "
-          f"{'push/pull':>9} {'stock/pull':>10}")
+    def cell(value: float | None, form: str) -> str:
+        return "-" if value is None else format(value, form)
+
+    print(f"\n{'prompt':>7} {'conc':>4} {'direct ms':>9} {'pull ms':>8} {'push ms':>8} "
+          f"{'stock ms':>9} {'direct/pull':>11} {'push/pull':>9} {'stock/pull':>10}")
     for row in summary["cases"]:
-        stock = "-" if row["stock_push_ms"] is None else f"{row['stock_push_ms']:.0f}"
-        stock_ratio = ("-" if row["stock_push_over_pull"] is None
-                       else f"{row['stock_push_over_pull']:.2f}")
         target = " (target <= 0.85)" if row["prompt_tokens"] >= 512 else ""
-        print(f"{row['prompt_tokens']:>7} {row['concurrency']:>4} {row['pull_ms']:>8.0f} "
-              f"{row['push_ms']:>8.0f} {stock:>9} {row['push_over_pull']:>9.2f} "
-              f"{stock_ratio:>10}{target}")
+        print(f"{row['prompt_tokens']:>7} {row['concurrency']:>4} "
+              f"{cell(row['direct_ms'], '.0f'):>9} {row['pull_ms']:>8.0f} "
+              f"{row['push_ms']:>8.0f} {cell(row['stock_push_ms'], '.0f'):>9} "
+              f"{cell(row['direct_over_pull'], '.2f'):>11} {row['push_over_pull']:>9.2f} "
+              f"{cell(row['stock_push_over_pull'], '.2f'):>10}{target}")
     w = summary["write"]
     if w["ours_gbps"] is not None:
         def raw(gbps: float | None, ratio: float | None) -> str:
@@ -230,6 +241,8 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
         x = [r["prompt_tokens"] for r in rows]
         ax.plot(x, [r["pull_ms"] for r in rows], "o-", label="pull (ours)")
         ax.plot(x, [r["push_ms"] for r in rows], "s-", label="push (ours)")
+        if all(r["direct_ms"] is not None for r in rows):
+            ax.plot(x, [r["direct_ms"] for r in rows], "k:", label="direct to P (no hand-over)")
         if all(r["stock_push_ms"] is not None for r in rows):
             ax.plot(x, [r["stock_push_ms"] for r in rows], "^--", label="push (vLLM NixlPushConnector)")
         ax.set_title(f"TTFT through the router, concurrency {concurrency}")
@@ -285,7 +298,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     tiny_model.build(DEFAULT_MODEL_DIR)
-    dual = await run_pair(DUAL_CONNECTOR, ("pull", "push"), args, rng)
+    dual = await run_pair(DUAL_CONNECTOR, (DIRECT, "pull", "push"), args, rng)
     stock = None if args.no_stock else await run_pair(STOCK_PUSH, ("push",), args, rng)
     raw_fresh = raw_write_baseline(dual["prefill_nixl"], args, fresh_mib=FRESH_MIB)
     raw = raw_write_baseline(dual["prefill_nixl"], args, fresh_mib=0)

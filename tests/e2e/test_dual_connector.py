@@ -218,22 +218,34 @@ async def test_auto_learns_on_the_pair_and_load_aware_reads_vllms_metrics(
 # --- the connector's deadlines and failure paths ----------------------------------------------
 
 
-async def test_d_waiting_for_a_push_leaves_the_cpu_to_p(dual_pair: Pair) -> None:
-    """D registered and waits for P's WRITE, which does not come yet: D's engine pauses
-    between its idle steps (`push_wait_pause`) instead of stepping back to back, which
-    took about half a core from P's prefill."""
+async def d_waiting_for_a_push(client: httpx.AsyncClient, running: Pair) -> asyncio.Task[Any]:
+    """D's leg of a push whose P leg never comes, running; returns once D has registered
+    its blocks with P and holds them, waiting for a WRITE."""
+    p_params = await coordinates(client, running)
+    leg, request_id = push_to_d(make_body(COMPLETIONS), p_params)
+    waiting = asyncio.create_task(client.post(
+        running.decode_url + COMPLETIONS, json=leg, headers={"X-Request-Id": request_id}))
+    await wait_until_held(client, running.decode_url)
+    return waiting
+
+
+async def leave(waiting: asyncio.Task[Any]) -> None:
+    """The client goes away: its connection to D is closed."""
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+
+
+async def test_d_waiting_for_a_push_keeps_its_engine_quiet(dual_pair: Pair) -> None:
+    """While D only waits for P's WRITE, its engine pauses between idle steps
+    (`push_wait_pause`, 5 ms on CPU) instead of stepping back to back, which kept about
+    half a core busy."""
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-        p_params = await coordinates(client, dual_pair)
-        leg, request_id = push_to_d(make_body(COMPLETIONS), p_params)
-        waiting = asyncio.create_task(client.post(
-            dual_pair.decode_url + COMPLETIONS, json=leg, headers={"X-Request-Id": request_id}))
-        await wait_until_held(client, dual_pair.decode_url)
+        waiting = await d_waiting_for_a_push(client, dual_pair)
         before, started = dual_pair.decode.cpu_seconds(ENGINE_CORE), time.monotonic()
         await asyncio.sleep(2)
         cores = (dual_pair.decode.cpu_seconds(ENGINE_CORE) - before) / (time.monotonic() - started)
-        waiting.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await waiting
+        await leave(waiting)
         await assert_nothing_held(client, dual_pair)
     assert cores < 0.25, f"D's engine core used {cores:.2f} of a core while it waited"
 
@@ -271,15 +283,9 @@ async def test_a_client_that_leaves_mid_push_frees_ds_blocks(dual_pair: Pair) ->
     """D registered and waits for P's WRITE; the client leaves: D tells P, P confirms
     nothing will be written, and D frees the blocks, well before any deadline."""
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-        p_params = await coordinates(client, dual_pair)
-        leg, request_id = push_to_d(make_body(COMPLETIONS), p_params)
-        waiting = asyncio.create_task(client.post(
-            dual_pair.decode_url + COMPLETIONS, json=leg, headers={"X-Request-Id": request_id}))
-        await wait_until_held(client, dual_pair.decode_url)
-        waiting.cancel()
+        waiting = await d_waiting_for_a_push(client, dual_pair)
         left = time.monotonic()
-        with pytest.raises(asyncio.CancelledError):
-            await waiting
+        await leave(waiting)
         await assert_nothing_held(client, dual_pair, within_s=10)
         assert time.monotonic() - left < REGISTRATION_TTL_S - 2, "freed only by the deadline"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,14 +13,18 @@ import pytest
 from scripts import bench_nixl
 
 
-def test_small_scattered_write_between_two_processes(tmp_path: Path) -> None:
+def run_bench(tmp_path: Path, *args: str) -> dict[str, Any]:
+    """The benchmark's command line, run here; what it wrote to its JSON file."""
     out = tmp_path / "nixl.json"
-    bench_nixl.main([
-        "--device", "cpu", "--blocks", "64", "--block-bytes", "4096", "--iterations", "3",
-        "--warmup", "1", "--one-block-rounds", "3", "--noncontiguous", "--timeout", "60",
-        "--out", str(out),
-    ])
-    result = json.loads(out.read_text())
+    bench_nixl.main([*args, "--timeout", "60", "--out", str(out)])
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def test_small_scattered_write_between_two_processes(tmp_path: Path) -> None:
+    result = run_bench(tmp_path, "--device", "cpu", "--blocks", "64", "--block-bytes", "4096",
+                       "--iterations", "3", "--warmup", "1", "--one-block-rounds", "3",
+                       "--noncontiguous")
     assert result["device"] == "cpu" and result["mem_type"] == "DRAM"
     assert result["blocks"] == 64 and result["block_bytes"] == 4096 and result["noncontiguous"]
     assert result["bytes_per_iteration"] == 64 * 4096
@@ -32,13 +37,9 @@ def test_small_scattered_write_between_two_processes(tmp_path: Path) -> None:
 
 
 def test_fresh_slots_each_write_cover_the_pool_and_are_all_checked(tmp_path: Path) -> None:
-    out = tmp_path / "nixl.json"
-    bench_nixl.main([
-        "--blocks", "16", "--block-bytes", "4096", "--iterations", "10", "--warmup", "1",
-        "--one-block-rounds", "3", "--noncontiguous", "--fresh-mib", "1", "--timeout", "60",
-        "--out", str(out),
-    ])
-    result = json.loads(out.read_text())
+    result = run_bench(tmp_path, "--blocks", "16", "--block-bytes", "4096", "--iterations", "10",
+                       "--warmup", "1", "--one-block-rounds", "3", "--noncontiguous",
+                       "--fresh-mib", "1")
     # 1 MiB holds 8 windows of 32 slots; 14 WRITEs went round them all, and the target
     # checked every slot written (16 per window), and that the rest stayed zero.
     assert result["fresh_mib"] == 1 and result["verified"] is True
