@@ -69,7 +69,13 @@ def router(prefill_url: str, decode_url: str, mode: str) -> Iterator[str]:
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(15)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            say("the router did not exit 15 s after SIGTERM; killing it")
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
 
 
 def external_kv_tokens(decode_url: str) -> float:
