@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeGuard
 
+import zmq
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
@@ -40,6 +41,7 @@ from connector.config import DualConfig
 from connector.messages import EngineId, RegisterBlocks, TransferId
 from connector.metadata import PushJob, PushReport, PushStep, WriteTally
 from connector.registry import PushRegistry, RegistryConfig
+from connector.wake import WakeListener
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -104,6 +106,8 @@ class DualScheduler(NixlPullConnectorScheduler):
         self.pull_fallback_ttl = config.pull_fallback_ttl
         self.fault_injection = config.fault_injection
         self.push_wait_pause = config.wait_pause(on_cpu=current_platform.is_cpu())
+        self._wake = self._wake_listener(
+            engine_id, vllm_config.parallel_config.data_parallel_index)
         registry = PushRegistry(RegistryConfig(
             engine_id=EngineId(engine_id), block_size=self.block_size,
             tp_size=self.transfer_tp_size, registration_ttl=config.registration_ttl,
@@ -268,8 +272,23 @@ class DualScheduler(NixlPullConnectorScheduler):
         meta.push = step  # type: ignore[attr-defined]
         self._log_stats()
         if self._only_awaiting_pushes(scheduler_output, step):
-            time.sleep(self.push_wait_pause)
+            if self._wake is not None:
+                self._wake.wait(self.push_wait_pause)  # a worker wakes it when a push lands
+            else:
+                time.sleep(self.push_wait_pause)
         return meta
+
+    def _wake_listener(self, engine_id: str, dp_index: int) -> WakeListener | None:
+        """D: where the workers wake the pausing engine when a push lands (None: no pause,
+        or no IPC socket could be made; then the pause is a plain sleep)."""
+        if self.push_wait_pause <= 0:
+            return None
+        try:
+            return WakeListener(engine_id, dp_index)
+        except zmq.ZMQError as exc:
+            logger.warning("no wake-up socket for the push-wait pause (%s): a landed push "
+                           "is seen up to %.1f ms late", exc, self.push_wait_pause * 1000)
+            return None
 
     def _only_awaiting_pushes(self, scheduler_output: SchedulerOutput, step: PushStep) -> bool:
         """D: this step runs nothing and orders nothing; all D does is wait for pushes.
@@ -325,3 +344,5 @@ class DualScheduler(NixlPullConnectorScheduler):
         super().shutdown()  # type: ignore[no-untyped-call]
         self.prefill_channel.stop()
         self.decode_channel.stop()
+        if self._wake is not None:
+            self._wake.close()

@@ -58,6 +58,7 @@ from connector.config import DualConfig
 from connector.messages import PullOffer, TransferId
 from connector.metadata import PushEnd, PushJob, PushReport, PushStep
 from connector.pages import small_pages
+from connector.wake import WakeSender
 
 if TYPE_CHECKING:
     import torch
@@ -138,6 +139,9 @@ class DualWorker(NixlPullConnectorWorker):
         self._poller: threading.Thread | None = None
         self._inbox: list[list[bytes]] = []
         self._inbox_lock = threading.Lock()
+        # D: the poller tells the scheduler, which may be pausing, that notifications came.
+        self._wake_at = (engine_id, vllm_config.parallel_config.data_parallel_index)
+        self._wake: WakeSender | None = None  # the poller thread's own
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         cache = next(iter(kv_caches.values()), None)
@@ -274,11 +278,15 @@ class DualWorker(NixlPullConnectorWorker):
     def _poll(self) -> None:
         """The poller thread: poll while P has WRITEs in flight or D awaits a push, then
         sleep until the next push starts."""
-        while not self._stopping.is_set():
-            self._poll_wanted.wait()
-            self._poll_wanted.clear()
-            while not self._stopping.is_set() and (self._poll_writes() | self._poll_notifs()):
-                time.sleep(_POLL_S)
+        self._wake = WakeSender(*self._wake_at)
+        try:
+            while not self._stopping.is_set():
+                self._poll_wanted.wait()
+                self._poll_wanted.clear()
+                while not self._stopping.is_set() and (self._poll_writes() | self._poll_notifs()):
+                    time.sleep(_POLL_S)
+        finally:
+            self._wake.close()
 
     def _poll_writes(self) -> bool:
         """Poll every WRITE in flight once: NIXL moves a WRITE's bytes, and sends its
@@ -309,6 +317,8 @@ class DualWorker(NixlPullConnectorWorker):
         if fetched:
             with self._inbox_lock:
                 self._inbox.extend(fetched.values())
+            assert self._wake is not None
+            self._wake.wake()
         return True
 
     def _end(self, job: PushJob, error: str | None, started: float) -> None:
