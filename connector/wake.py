@@ -5,7 +5,9 @@ On a CPU server D's scheduler pauses each idle step while it only waits for push
 processes; without a word from them the engine would notice the KV only after the pause.
 So the scheduler waits on a ZMQ PULL socket (`WakeListener`) instead of sleeping, and
 each worker's poller thread, on fetching notifications, sends an empty message to it
-(`WakeSender`). Both ends live on this host: an IPC socket named after the engine.
+(`WakeSender`). Both ends live on this host: an IPC socket named after the engine, in
+Linux's abstract namespace (no file to leave behind when a server is killed), or a file
+in the temporary directory elsewhere.
 
 Each socket is used by one thread only: the listener by the engine's scheduler thread,
 a sender by its worker's poller thread.
@@ -17,6 +19,7 @@ import contextlib
 import hashlib
 import math
 import os
+import sys
 import tempfile
 
 import zmq
@@ -24,8 +27,10 @@ import zmq
 
 def wake_address(engine_id: str, dp_index: int) -> str:
     """The IPC address of one engine's wake-up socket (a short, fixed-length name)."""
-    digest = hashlib.sha256(f"{engine_id}/{dp_index}".encode()).hexdigest()[:16]
-    return f"ipc://{tempfile.gettempdir()}/pd-wake-{digest}"
+    name = "pd-wake-" + hashlib.sha256(f"{engine_id}/{dp_index}".encode()).hexdigest()[:16]
+    if sys.platform == "linux":
+        return f"ipc://@{name}"
+    return f"ipc://{tempfile.gettempdir()}/{name}"
 
 
 class WakeListener:
@@ -49,8 +54,10 @@ class WakeListener:
     def close(self) -> None:
         self._socket.close()
         self._context.term()
-        with contextlib.suppress(OSError):
-            os.unlink(self.address.removeprefix("ipc://"))
+        path = self.address.removeprefix("ipc://")
+        if not path.startswith("@"):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
 
 class WakeSender:
