@@ -81,9 +81,9 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # pauses this long (seconds). vLLM steps a waiting engine back to back, which keeps
     # about half a core busy on a CPU server for as long as P computes the prompt: CPU
     # that the server's other work, or P's prefill where the two share cores, could use.
-    # A landed push is seen up to this much later. None (the default): CPU_PAUSE on CPU
-    # servers, 0 (no pause, as vLLM does) on GPU ones, whose forward pass does not need
-    # that CPU.
+    # D's workers end a pause as soon as a push's notification arrives (connector/wake.py).
+    # None (the default): CPU_PAUSE on CPU servers, 0 (no pause, as vLLM does) on GPU
+    # ones, whose forward pass does not need that CPU.
     push_wait_pause: float | None = None
 
     def __post_init__(self) -> None:
