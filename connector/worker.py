@@ -139,9 +139,9 @@ class DualWorker(NixlPullConnectorWorker):
         self._poller: threading.Thread | None = None
         self._inbox: list[list[bytes]] = []
         self._inbox_lock = threading.Lock()
-        # D: the poller tells the scheduler, which may be pausing, that notifications came.
+        # D: where the poller tells the scheduler, which may be pausing, that
+        # notifications came.
         self._wake_at = (engine_id, vllm_config.parallel_config.data_parallel_index)
-        self._wake: WakeSender | None = None  # the poller thread's own
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         cache = next(iter(kv_caches.values()), None)
@@ -278,15 +278,16 @@ class DualWorker(NixlPullConnectorWorker):
     def _poll(self) -> None:
         """The poller thread: poll while P has WRITEs in flight or D awaits a push, then
         sleep until the next push starts."""
-        self._wake = WakeSender(*self._wake_at)
+        wake = WakeSender(*self._wake_at)  # this thread's own socket
         try:
             while not self._stopping.is_set():
                 self._poll_wanted.wait()
                 self._poll_wanted.clear()
-                while not self._stopping.is_set() and (self._poll_writes() | self._poll_notifs()):
+                while not self._stopping.is_set() and (
+                        self._poll_writes() | self._poll_notifs(wake)):
                     time.sleep(_POLL_S)
         finally:
-            self._wake.close()
+            wake.close()
 
     def _poll_writes(self) -> bool:
         """Poll every WRITE in flight once: NIXL moves a WRITE's bytes, and sends its
@@ -304,10 +305,11 @@ class DualWorker(NixlPullConnectorWorker):
                         continue
         return pending
 
-    def _poll_notifs(self) -> bool:
+    def _poll_notifs(self, wake: WakeSender) -> bool:
         """D: while a push is awaited, fetch the notifications (P's WRITE completes only
-        as fast as D's agent is polled) and keep them for the engine thread, which
-        handles them in `_get_new_notifs`. True while a push is awaited."""
+        as fast as D's agent is polled), keep them for the engine thread, which handles
+        them in `_get_new_notifs`, and `wake` the scheduler should it be pausing. True
+        while a push is awaited."""
         if not self._awaiting_push:
             return False
         try:
@@ -317,8 +319,7 @@ class DualWorker(NixlPullConnectorWorker):
         if fetched:
             with self._inbox_lock:
                 self._inbox.extend(fetched.values())
-            assert self._wake is not None
-            self._wake.wake()
+            wake.wake()
         return True
 
     def _end(self, job: PushJob, error: str | None, started: float) -> None:

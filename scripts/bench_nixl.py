@@ -562,7 +562,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     result = run(params)
     layout = "scattered" if params.noncontiguous else "contiguous"
     if params.fresh_mib:
-        layout += f", fresh slots each time from {params.pool_blocks * params.block_bytes / 2**20:.0f} MiB"
+        pool_mib = params.pool_blocks * params.block_bytes / 2**20
+        layout += f", fresh slots each time from {pool_mib:.0f} MiB"
     one = result["one_block_latency_us_p50"]
     print(
         f"NIXL WRITE {params.mem_type}->{params.mem_type}, {params.blocks} x "

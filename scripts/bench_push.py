@@ -18,8 +18,8 @@ What it runs, in one go (progress is printed as it goes):
    target's baseline), and once into the same cache-hot blocks every time.
 
 It prints, per case, the median TTFT of each and the ratios direct/pull, push/pull
-(target: 0.85 or less from 512 tokens on) and stock push/pull; and our push path's WRITE throughput
-(from P's `vllm:nixl_*` metrics: bytes over NIXL's own transfer time, and over the time
+(target: 0.85 or less from 512 tokens on) and stock push/pull; and our push path's WRITE
+throughput (from P's `vllm:nixl_*` metrics: bytes over NIXL's own transfer time, and over the time
 inside NIXL's post alone) against the raw WRITE's into fresh blocks (target: 0.7 or
 more) and into cache-hot ones. Results go to a JSON file and, with matplotlib
 installed (`pip install -e .[bench]`), a PNG plot.
@@ -97,7 +97,8 @@ async def p_nixl_counters(client: httpx.AsyncClient, prefill_url: str) -> dict[s
     """P's NIXL histograms' sums and counts (our pushes are WRITEs by P)."""
     samples = parse_metrics((await client.get(f"{prefill_url}/metrics")).text)
     return {f"{name}_{part}": metric(samples, f"{name}_{part}")
-            for name in (NIXL_BYTES, NIXL_TIME, NIXL_POST, NIXL_DESCRIPTORS) for part in ("sum", "count")}
+            for name in (NIXL_BYTES, NIXL_TIME, NIXL_POST, NIXL_DESCRIPTORS)
+            for part in ("sum", "count")}
 
 
 async def run_pair(connector: str, modes: Sequence[str], args: argparse.Namespace,
@@ -175,12 +176,13 @@ def summarize(dual: dict[str, Any], stock: dict[str, Any] | None,
             "stock_push_over_pull": None if stock_push is None else stock_push / pull,
         })
     nixl = dual["prefill_nixl"]
-    ours_gbps = None
-    if nixl.get(f"{NIXL_TIME}_sum", 0.0) > 0:
-        ours_gbps = nixl[f"{NIXL_BYTES}_sum"] / nixl[f"{NIXL_TIME}_sum"] / 1e9
-    post_gbps = None
-    if nixl.get(f"{NIXL_POST}_sum", 0.0) > 0:
-        post_gbps = nixl[f"{NIXL_BYTES}_sum"] / nixl[f"{NIXL_POST}_sum"] / 1e9
+
+    def gbps(seconds: str) -> float | None:
+        """Our WRITEs' bytes over one of NIXL's time histograms."""
+        total = nixl.get(f"{seconds}_sum", 0.0)
+        return nixl[f"{NIXL_BYTES}_sum"] / total / 1e9 if total > 0 else None
+
+    ours_gbps, post_gbps = gbps(NIXL_TIME), gbps(NIXL_POST)
     raw_gbps = raw["gbps_median"] if raw else None
     fresh_gbps = raw_fresh["gbps_median"] if raw_fresh else None
     return {
@@ -220,8 +222,9 @@ def print_summary(summary: dict[str, Any]) -> None:
               f" (target >= 0.7); into the same cache-hot blocks every time "
               f"{raw(w['raw_gbps'], w['ours_over_raw'])}")
     if w.get("ours_post_gbps") is not None:
-        print(f"  NIXL's post alone (on CPU, the copy itself): {w['ours_post_gbps']:.2f} GB/s; "
-              "the rest of a WRITE's time is waiting for its completion, which needs both agents polled")
+        print(f"  NIXL's post alone (on CPU, the copy itself): {w['ours_post_gbps']:.2f} "
+              "GB/s; the rest of a WRITE's time is waiting for its completion, which needs "
+              "both agents polled")
 
 
 def plot(summary: dict[str, Any], path: Path) -> bool:

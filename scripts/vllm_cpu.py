@@ -324,10 +324,11 @@ def _group_stats(pgid: int, field: Callable[[list[str]], float],
             if os.getpgid(int(entry.name)) != pgid:
                 continue
             stat = (entry / "stat").read_text()
-            name = stat[stat.index("(") + 1:stat.rindex(")")]
-            if name_prefix is not None and not name.startswith(name_prefix):
+            name_end = stat.rindex(")")  # the name may itself hold parentheses
+            if name_prefix is not None and \
+                    not stat[stat.index("(") + 1:name_end].startswith(name_prefix):
                 continue
-            values.append(field(stat[stat.rindex(")") + 2:].split()))
+            values.append(field(stat[name_end + 2:].split()))
         except (OSError, ValueError, IndexError):
             continue
     return values

@@ -164,7 +164,8 @@ async def test_idle_servers_leave_the_cores_free(dual_pair: Pair) -> None:
     started = time.monotonic()
     await asyncio.sleep(3)
     elapsed = time.monotonic() - started
-    cores = [(server.cpu_seconds() - used) / elapsed for server, used in zip(servers, before, strict=True)]
+    cores = [(server.cpu_seconds() - used) / elapsed
+             for server, used in zip(servers, before, strict=True)]
     assert max(cores) < 0.3, f"idle P and D used {cores[0]:.2f} and {cores[1]:.2f} cores"
 
 
