@@ -196,6 +196,9 @@ class StartWrite:
     request_id: RequestId
     block_ids: BlockIds
     registration: RegisterBlocks
+    # Matched while the engine built step `early_step`, the one whose forward pass
+    # completes the prompt: WRITE right after that forward pass. None: after the prefill.
+    early_step: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +246,12 @@ class PrefillChannel(_ChannelThread):
     def prefill_finished(self, transfer_id: TransferId, request_id: RequestId,
                          block_ids: BlockIds) -> None:
         self._post("finished", transfer_id, request_id, block_ids)
+
+    def prefill_completing(self, transfer_id: TransferId, request_id: RequestId,
+                           block_ids: BlockIds, step: int) -> None:
+        """Engine step `step`, being built, completes this push's prompt: if D has
+        registered, a StartWrite for right after its forward pass (`early_step`)."""
+        self._post("completing", transfer_id, request_id, block_ids, step)
 
     def prefill_aborted(self, transfer_id: TransferId) -> None:
         self._post("aborted", transfer_id)
@@ -330,6 +339,16 @@ class PrefillChannel(_ChannelThread):
             outcome = self.registry.prefill_finished(
                 transfer_id, block_ids, request_id=request_id, now=now)
             self._on_outcome(outcome, registration=None)
+        elif kind == "completing":
+            request_id, block_ids, step = args
+            ready = self.registry.prefill_completing(transfer_id, block_ids,
+                                                     request_id=request_id)
+            if ready is not None:
+                self.registry.write_started(transfer_id)
+                self._actions.put(StartWrite(transfer_id, request_id, block_ids,
+                                             ready.registration, early_step=step))
+                logger.debug("push %s: matched before the prompt's last forward pass",
+                             transfer_id)
         elif kind == "aborted":
             release = self.registry.prefill_aborted(transfer_id, now=now)
             if release is not None:

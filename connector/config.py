@@ -35,6 +35,7 @@ KEYS = (
     "fault_injection",
     "nixl_progress_thread",
     "push_wait_pause",
+    "early_write",
 )
 
 
@@ -85,6 +86,12 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # None (the default): CPU_PAUSE on CPU servers, 0 (no pause, as vLLM does) on GPU
     # ones, whose forward pass does not need that CPU.
     push_wait_pause: float | None = None
+    # P: WRITE a push right after the forward pass that completes its prompt, when D has
+    # registered by the time that step is scheduled (a queued request, a long prompt in
+    # chunks), instead of at the start of the next step, after sampling and the next
+    # schedule. CPU servers only: on a GPU the forward's kernels may still be running
+    # when that step ends, so a GPU server always WRITEs at the next step.
+    early_write: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.push_port <= MAX_PORT:
@@ -114,6 +121,10 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.push_wait_pause is not None:
             return self.push_wait_pause
         return CPU_PAUSE if on_cpu else 0.0
+
+    def writes_early(self, on_cpu: bool) -> bool:
+        """Whether P WRITEs right after the forward that completes a prompt."""
+        return self.early_write and on_cpu
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> DualConfig:

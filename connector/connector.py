@@ -57,6 +57,12 @@ class NixlDualConnector(NixlBaseConnector):
             assert isinstance(connector_metadata, NixlConnectorMetadata)
             self.connector_worker.start_step(connector_metadata)
 
+    def wait_for_save(self) -> None:
+        """After the step's forward pass: P's early WRITEs (see `DualWorker.write_early`)."""
+        super().wait_for_save()  # type: ignore[no-untyped-call]
+        if isinstance(self.connector_worker, DualWorker):
+            self.connector_worker.write_early()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         assert isinstance(self.connector_worker, DualWorker)
         assert isinstance(self._connector_metadata, NixlConnectorMetadata)

@@ -42,13 +42,17 @@ class PushStep:
     failed: set[str] = field(default_factory=set)
     # P: WRITEs to start.
     jobs: list[PushJob] = field(default_factory=list)
+    # P: WRITEs to start right after this step's forward pass, which completes their
+    # prompts (D registered before the step was scheduled).
+    early: list[PushJob] = field(default_factory=list)
     # P: requests whose held blocks no WRITE will read: free them now.
     release: set[str] = field(default_factory=set)
     # D: pushes that failed while P kept the prompt's KV: READ P's blocks instead.
     pull: dict[str, PullOffer] = field(default_factory=dict)
 
     def is_empty(self) -> bool:
-        return not (self.recv or self.failed or self.jobs or self.release or self.pull)
+        return not (self.recv or self.failed or self.jobs or self.early or self.release
+                    or self.pull)
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,10 @@ States of one transfer:
                                                                           |   the WRITE ends
   A match whose KV-cache group counts differ goes straight to FAILED.
 
+  prefill_completing (the step that completes the prompt is being scheduled) matches an
+  AWAITING_PREFILL registration early: READY, so that P WRITEs right after that step's
+  forward pass; the prefill_finished that follows the step is then taken as known.
+
 DONE, FAILED, EXPIRED and ABORTED are terminal: the record is removed in the call that
 reaches them (nothing outlives its transfer) and a `Release` says to free P's blocks, if
 P holds any, and to tell D, if D registered: PushDone, or PushFailed with the reason
@@ -161,6 +165,7 @@ class RegistryCounters:
     registered: int = 0  # registrations accepted
     prefills: int = 0  # finished prefills accepted
     matched: int = 0  # pairs that became READY
+    early: int = 0  # of those, matched before the prefill's last forward pass (early WRITE)
     done: int = 0
     failed: int = 0
     aborted: int = 0
@@ -272,6 +277,10 @@ class PushRegistry:
         """P's request `request_id` computed the prompt and holds `block_ids` for it until
         a Release frees them."""
         record = self._transfers.get(transfer_id)
+        if record is not None and record.request_id == request_id \
+                and record.state in (TransferState.READY, TransferState.WRITING):
+            self._counters.prefills += 1
+            return Waiting(transfer_id, record.state)  # matched early: its WRITE is under way
         if record is not None and record.state is not TransferState.AWAITING_PREFILL:
             self._counters.duplicates += 1
             return Rejected(
@@ -292,6 +301,26 @@ class PushRegistry:
         record.block_ids = block_ids
         record.request_id = request_id
         return self._match(record)
+
+    def prefill_completing(
+        self, transfer_id: TransferId, block_ids: BlockIds, *, request_id: RequestId,
+    ) -> Ready | None:
+        """P's request `request_id` is scheduled to complete its prompt, into `block_ids`,
+        in the step being built. If D has registered, match now (Ready), so that the WRITE
+        can start right after that step's forward pass. None: nothing changes, and the
+        usual `prefill_finished` follows the step."""
+        record = self._transfers.get(transfer_id)
+        if record is None or record.state is not TransferState.AWAITING_PREFILL:
+            return None
+        assert record.registration is not None
+        if len(block_ids) != len(record.registration.block_ids):
+            return None  # prefill_finished fails it, once P's blocks can be freed
+        record.block_ids = block_ids
+        record.request_id = request_id
+        self._counters.early += 1
+        match = self._match(record)
+        assert isinstance(match, Ready)
+        return match
 
     def prefill_aborted(self, transfer_id: TransferId, *, now: float) -> Release | None:
         """P's request ended without its KV (cancelled, or failed). A waiting D is told at

@@ -27,10 +27,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import zmq
+from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
     NixlPullConnectorScheduler,
 )
@@ -68,6 +70,7 @@ class PushStats:
 
     pull_prefills: int = 0  # P: prefills kept for a D to read
     push_prefills: int = 0  # P: prefills handed to the push registry
+    early_writes: int = 0  # P: WRITEs started right after the prompt's last forward pass
     probes: int = 0  # P: probes answered (blocks freed at once)
     writes_done: int = 0  # P: pushes written
     writes_failed: int = 0
@@ -79,6 +82,15 @@ class PushStats:
     pulled_instead: int = 0  # D: failed pushes read from P instead
     fell_back: int = 0  # D: pushes that failed: the prompt was recomputed
     aborted: int = 0  # D: pushes ended by D's own abort (client gone)
+
+
+@dataclass(slots=True)
+class _Prefill:
+    """P: a push request computing its prompt, followed step by step for an early WRITE."""
+
+    request: Request
+    transfer_id: TransferId
+    block_ids: list[list[int]] | None = None  # all its blocks so far, one list per group
 
 
 def is_push(params: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
@@ -106,6 +118,7 @@ class DualScheduler(NixlPullConnectorScheduler):
         self.pull_fallback_ttl = config.pull_fallback_ttl
         self.fault_injection = config.fault_injection
         self.push_wait_pause = config.wait_pause(on_cpu=current_platform.is_cpu())
+        self.early_write = config.writes_early(on_cpu=current_platform.is_cpu())
         self._wake = self._wake_listener(
             engine_id, vllm_config.parallel_config.data_parallel_index)
         registry = PushRegistry(RegistryConfig(
@@ -127,11 +140,17 @@ class DualScheduler(NixlPullConnectorScheduler):
         # P: WRITEs some of P's workers (TP x PP ranks) finished, waiting for the rest.
         self._write_tally = WriteTally(vllm_config.parallel_config.world_size)
         self._fail_on_purpose: set[str] = set()  # P: requests asking for `fail_write`
+        # P: push prefills being computed, and those whose prompt a step completed (with
+        # the blocks it is in), until they finish; and the number of the step being built.
+        self._prefilling: dict[str, _Prefill] = {}
+        self._completed: dict[str, list[list[int]]] = {}
+        self._step_number = 0
         self.stats = PushStats()
         self._logged = (PushStats(), time.monotonic())
         logger.info("dual connector: modes %s; push side channel on %s:%d; idle steps while "
-                    "waiting for pushes pause %.1f ms", ",".join(TRANSFER_MODES),
-                    self.push_host, self.push_port, self.push_wait_pause * 1000)
+                    "waiting for pushes pause %.1f ms; early WRITEs %s", ",".join(TRANSFER_MODES),
+                    self.push_host, self.push_port, self.push_wait_pause * 1000,
+                    "on" if self.early_write else "off")
 
     # --- D: register allocated blocks with P ---------------------------------------------
 
@@ -141,6 +160,8 @@ class DualScheduler(NixlPullConnectorScheduler):
         params = request.kv_transfer_params
         if not (is_push(params) and params.get("do_remote_prefill")):
             super().update_state_after_alloc(request, blocks, num_external_tokens)
+            if is_push(params) and params.get("do_remote_decode"):
+                self._follow_prefill(request, params)
             return
         params["do_remote_prefill"] = False  # register once, even after a preemption
         rid = request.request_id
@@ -170,6 +191,17 @@ class DualScheduler(NixlPullConnectorScheduler):
         self._incoming[rid] = tid
         self.stats.registrations += 1
 
+    def _follow_prefill(self, request: Request, params: dict[str, Any]) -> None:
+        """P: a push request was scheduled. Follow its blocks step by step if its WRITE
+        may start right after the forward pass that completes its prompt: only when that
+        pass also finishes the request (max_tokens 1, as the router sends), since P's
+        blocks are freed as soon as the WRITE is done."""
+        rid, tid = request.request_id, transfer_id_of(params)
+        if self.fault_injection and params.get("fail_write"):
+            self._fail_on_purpose.add(rid)
+        if self.early_write and tid and not params.get("probe") and request.max_tokens == 1:
+            self._prefilling.setdefault(rid, _Prefill(request, tid))
+
     @staticmethod
     def _push_peer(params: dict[str, Any]) -> str | None:
         host, port = params.get("push_host") or params.get("remote_host"), params.get("push_port")
@@ -191,16 +223,30 @@ class DualScheduler(NixlPullConnectorScheduler):
         rid = request.request_id
         if is_push(params):
             tid = transfer_id_of(params)
-            if not delay_free or not tid or answer is None:
+            self._prefilling.pop(rid, None)
+            completed = self._completed.pop(rid, None)
+            if completed is not None and tid:
+                # Its last step computed the whole prompt, whatever ended the request
+                # (even an abort): the registry may have matched it then, and a WRITE
+                # may be reading these blocks. They go to the registry like any prefill's.
+                if answer is not None \
+                        and [list(g) for g in answer["remote_block_ids"]] != completed:
+                    logger.error("push %s: request %s holds blocks %s, not the %s its last "
+                                 "step was given", tid, rid, answer["remote_block_ids"],
+                                 completed)
+                delay_free = True
+            elif not delay_free or not tid or answer is None:
+                self._fail_on_purpose.discard(rid)
                 if tid:
                     self.prefill_channel.prefill_aborted(tid)
                 return delay_free, answer
+            else:
+                completed = answer["remote_block_ids"]
             # The push registry holds these blocks now, not vLLM's pull lease.
             self._stop_pull_lease(rid)
-            if self.fault_injection and params.get("fail_write"):
-                self._fail_on_purpose.add(rid)
-            self.prefill_channel.prefill_finished(tid, rid, answer["remote_block_ids"])
-            answer["transfer_mode"] = "push"
+            self.prefill_channel.prefill_finished(tid, rid, completed)
+            if answer is not None:
+                answer["transfer_mode"] = "push"
             self.stats.push_prefills += 1
         elif params.get("probe") and delay_free:
             self._stop_pull_lease(rid)  # nobody will read a probe's KV
@@ -239,6 +285,12 @@ class DualScheduler(NixlPullConnectorScheduler):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = super().build_connector_meta(scheduler_output)
         step, self._step = self._step, PushStep()
+        self._step_number += 1
+        for rid, prefill, block_ids in self._prompts_completing(scheduler_output):
+            # Ask for the match now: if D has registered, P WRITEs right after this step.
+            self._completed[rid] = block_ids
+            self.prefill_channel.prefill_completing(prefill.transfer_id, rid, block_ids,
+                                                    self._step_number)
         for failure in self.decode_channel.take_failures():
             rid = failure.request_id
             self._incoming.pop(rid, None)
@@ -257,15 +309,12 @@ class DualScheduler(NixlPullConnectorScheduler):
         self.prefill_channel.wait_caught_up(CATCH_UP_S)  # a prefill that just finished
         for action in self.prefill_channel.take_actions():
             if isinstance(action, StartWrite):
-                reg = action.registration
-                step.jobs.append(PushJob(
-                    transfer_id=action.transfer_id, request_id=action.request_id,
-                    block_ids=action.block_ids, decode_engine_id=reg.engine_id,
-                    decode_request_id=reg.request_id, decode_host=reg.host,
-                    decode_port=reg.port, decode_tp_size=reg.tp_size,
-                    decode_block_ids=reg.block_ids,
-                    fail_on_purpose=action.request_id in self._fail_on_purpose))
-                self._fail_on_purpose.discard(action.request_id)
+                job = self._job(action)
+                if action.early_step == self._step_number:
+                    step.early.append(job)
+                    self.stats.early_writes += 1
+                else:  # matched after its prompt was done (or too late for that step)
+                    step.jobs.append(job)
             elif isinstance(action, FreeBlocks):
                 step.release.add(action.request_id)
                 self._fail_on_purpose.discard(action.request_id)
@@ -277,6 +326,41 @@ class DualScheduler(NixlPullConnectorScheduler):
             else:
                 time.sleep(self.push_wait_pause)
         return meta
+
+    def _prompts_completing(
+        self, scheduler_output: SchedulerOutput
+    ) -> Iterator[tuple[str, _Prefill, list[list[int]]]]:
+        """P: the push prefills this step completes, with all of their blocks (clipped as
+        for the exchange: what `request_finished` will hand over). Updates the blocks of
+        the others (a prompt in chunks gets more blocks each step)."""
+        for rid, new_blocks, resumed in yield_req_data(scheduler_output):
+            prefill = self._prefilling.get(rid)
+            if prefill is None:
+                continue
+            if new_blocks is not None:
+                if prefill.block_ids is None or resumed:  # first step, or after preemption
+                    prefill.block_ids = [list(group) for group in new_blocks]
+                else:
+                    for group, new in zip(prefill.block_ids, new_blocks, strict=True):
+                        group.extend(new)
+            request = prefill.request
+            scheduled = scheduler_output.num_scheduled_tokens.get(rid, 0)
+            if prefill.block_ids is not None \
+                    and request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
+                del self._prefilling[rid]
+                clipped = self.get_exchange_clipped_blocks(prefill.block_ids)
+                yield rid, prefill, [list(group) for group in clipped]
+
+    def _job(self, action: StartWrite) -> PushJob:
+        reg = action.registration
+        job = PushJob(
+            transfer_id=action.transfer_id, request_id=action.request_id,
+            block_ids=action.block_ids, decode_engine_id=reg.engine_id,
+            decode_request_id=reg.request_id, decode_host=reg.host, decode_port=reg.port,
+            decode_tp_size=reg.tp_size, decode_block_ids=reg.block_ids,
+            fail_on_purpose=action.request_id in self._fail_on_purpose)
+        self._fail_on_purpose.discard(action.request_id)
+        return job
 
     def _wake_listener(self, engine_id: str, dp_index: int) -> WakeListener | None:
         """D: where the workers wake the pausing engine when a push lands (None: no pause,
@@ -306,11 +390,11 @@ class DualScheduler(NixlPullConnectorScheduler):
         mean_ms = s.write_seconds / s.writes_done * 1000 if s.writes_done else 0.0
         logger.info(
             "push stats: P prefills pull %d push %d probes %d; writes done %d failed %d "
-            "(%d blocks, mean %.1f ms), offered for pull %d; registry matched %d expired "
+            "(%d blocks, mean %.1f ms, early %d), offered for pull %d; registry matched %d expired "
             "%d+%d aborted %d refused %d; D registered %d received %d pulled instead %d "
             "fell back %d aborted %d",
             s.pull_prefills, s.push_prefills, s.probes, s.writes_done, s.writes_failed,
-            s.blocks_written, mean_ms, s.pull_offers, r.matched, r.expired_registrations,
+            s.blocks_written, mean_ms, s.early_writes, s.pull_offers, r.matched, r.expired_registrations,
             r.expired_unclaimed, r.aborted, r.rejected + r.duplicates, s.registrations,
             s.received, s.pulled_instead, s.fell_back, s.aborted)
 

@@ -7,7 +7,8 @@ Push adds, per step (`PushStep`, from the scheduler):
   (`"<D request id>:<P's world size>"`); `failed` ones are failed at once (vLLM then
   recomputes, or frees an aborted request's blocks).
 - P: each job (started in `start_step`, when the step's metadata is bound, before the
-  forward pass) performs the NIXL handshake with D's agent if none is cached yet
+  forward pass; or, for an `early` job, in `write_early`, right after the forward pass
+  that completes the job's prompt) performs the NIXL handshake with D's agent if none is cached yet
   (vLLM's own, on its background executor), then WRITEs this rank's share of the blocks
   with vLLM's push descriptor code; when every WRITE handle is done, the request is
   reported finished sending, which frees P's blocks, and the outcome goes back to the
@@ -121,6 +122,7 @@ class DualWorker(NixlPullConnectorWorker):
         self._send_failures: set[str] = set()
         # P: jobs being written, by P's request id; jobs whose handshake just finished.
         self._writing: dict[str, tuple[PushJob, float]] = {}
+        self._early: list[PushJob] = []  # P: to start when this step's forward is done
         self._handshaken: queue.SimpleQueue[tuple[PushJob, BaseException | None]] = (
             queue.SimpleQueue())
         self._released: set[str] = set()  # P: report finished sending next time
@@ -177,6 +179,7 @@ class DualWorker(NixlPullConnectorWorker):
             self._pull_instead(rid, offer)
         for job in step.jobs:
             self._start_job(job)
+        self._early.extend(step.early)
         self._write_handshaken()
         for rid in step.release:
             # A failed push's blocks, kept for a READ that will not come: drop the lease.
@@ -184,6 +187,14 @@ class DualWorker(NixlPullConnectorWorker):
                     and self._reqs_to_send.pop(rid, None) is not None:
                 self._reqs_to_process.discard(rid)
             self._released.add(rid)
+
+    def write_early(self) -> None:
+        """P, right after the step's forward pass (vLLM's `wait_for_save`): start the
+        WRITEs of the prompts it completed. CPU only (the scheduler sends none to a GPU
+        server), where the forward is done when this is called."""
+        jobs, self._early = self._early, []
+        for job in jobs:
+            self._start_job(job)
 
     def _pull_instead(self, rid: str, offer: PullOffer) -> None:
         """D: P's WRITE failed but P kept the blocks: READ them, as vLLM's pull does."""

@@ -325,6 +325,42 @@ async def test_a_failed_write_is_read_by_d_instead(dual_pair: Pair) -> None:
                      r"blocks instead", d_log), "D did not log its READ instead"
 
 
+async def test_a_push_d_registered_first_is_written_right_after_the_prompt(
+    dual_pair: Pair,
+) -> None:
+    """D registers before P schedules the prompt, as when P has a queue: P WRITEs right
+    after the forward pass that completes the prompt (an early WRITE, which P's stats
+    count), and the rest is as with any push: one server's tokens, the whole prompt by
+    transfer with no READ by D, and nothing held afterwards."""
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        p_params = await coordinates(client, dual_pair)
+        body = make_body(COMPLETIONS)
+        leg, request_id = push_to_d(body, p_params)
+        d_before = await get_metrics(client, dual_pair.decode_url)
+        decoding = asyncio.create_task(decode(client, dual_pair.decode_url + COMPLETIONS, leg,
+                                              stream=False, headers={"X-Request-Id": request_id}))
+        await wait_until_held(client, dual_pair.decode_url)  # D registered its blocks
+        resp = await client.post(dual_pair.prefill_url + COMPLETIONS, json=prefill_leg(
+            body, transfer_id=request_id, transfer_mode="push"))
+        assert resp.status_code == 200, resp.text
+        tokens, prompt_tokens = await asyncio.wait_for(decoding, timeout=30)
+        d_after = await wait_for_metric(
+            client, dual_pair.decode_url,
+            lambda s: external_kv_tokens(s) - external_kv_tokens(d_before) >= prompt_tokens)
+        assert external_kv_tokens(d_after) - external_kv_tokens(d_before) == prompt_tokens
+        assert metric(d_after, NIXL_READS) == metric(d_before, NIXL_READS), "D READ instead"
+        assert tokens == await reference_tokens(client, dual_pair.decode_url, COMPLETIONS, body)
+        await assert_nothing_held(client, dual_pair)
+        # A stats line comes at most every second, with an engine step: give P a step.
+        await asyncio.sleep(1.2)
+        plain = await client.post(dual_pair.prefill_url + COMPLETIONS,
+                                  json={**make_body(COMPLETIONS), "max_tokens": 2})
+        assert plain.status_code == 200, plain.text
+    stats = [line for line in dual_pair.prefill.spec.log_path.read_text().splitlines()
+             if "push stats:" in line]
+    assert stats and re.search(r"early [1-9]", stats[-1]), stats[-1:]
+
+
 @pytest.mark.closes_pair
 async def test_p_killed_after_d_registered_ends_ds_wait_within_seconds(
     dual_pair: Pair, pair_manager: PairManager

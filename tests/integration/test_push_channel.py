@@ -213,6 +213,47 @@ def test_registration_and_finished_prefill_start_one_write(
 
     d.forget(tid)
     wait_for(lambda: not d.has_pending_work(), 5.0, "D stops waiting once it forgets")
+
+
+def test_a_prompt_completing_after_d_registered_starts_its_write_for_that_step(
+    channels: Channels,
+) -> None:
+    p = channels.prefill()
+    d = channels.decode()
+    reg = registration(d, "t-early")
+    tid = reg.transfer_id
+    d.register(p.address, reg)
+    wait_for(lambda: len(p.registry) == 1, 2.0, "P holds the registration")
+    p.prefill_completing(tid, P_REQ, P_BLOCKS, 7)
+    (action,) = wait_actions(p)
+    assert action == StartWrite(tid, P_REQ, P_BLOCKS, reg, early_step=7), action
+
+    p.prefill_finished(tid, P_REQ, P_BLOCKS)  # the step is over: a known prefill
+    p.wait_caught_up(SOON)
+    assert p.take_actions() == [], "no second WRITE, and no blocks freed mid-WRITE"
+    assert p.registry.snapshot().counters.duplicates == 0
+    p.write_ended(tid, None)
+    wait_for(lambda: len(p.registry) == 0, 2.0, "the transfer ends with its WRITE")
+    assert p.take_actions() == [], "P's worker frees the written blocks itself"
+    assert p.registry.snapshot().counters.early == 1
+
+
+def test_a_prompt_completing_before_d_registered_starts_its_write_after_the_prefill(
+    channels: Channels,
+) -> None:
+    p = channels.prefill()
+    d = channels.decode()
+    reg = registration(d, "t-late")
+    tid = reg.transfer_id
+    p.prefill_completing(tid, P_REQ, P_BLOCKS, 7)
+    p.wait_caught_up(SOON)
+    assert p.take_actions() == [] and len(p.registry) == 0
+    p.prefill_finished(tid, P_REQ, P_BLOCKS)
+    d.register(p.address, reg)
+    (action,) = wait_actions(p)
+    assert action == StartWrite(tid, P_REQ, P_BLOCKS, reg), action
+    assert action.early_step is None
+    assert p.registry.snapshot().counters.early == 0
     assert d.take_failures() == []
 
 

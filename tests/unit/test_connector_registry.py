@@ -140,6 +140,77 @@ def test_a_match_with_another_number_of_kv_groups_fails_and_tells_d(d_first: boo
     assert r.snapshot().counters.failed == 1
 
 
+# --- early matching: the step that completes the prompt is being scheduled ------------------
+
+
+def complete(r: PushRegistry, *, blocks: list[list[int]] = P_BLOCKS) -> Ready | None:
+    return r.prefill_completing(T1, blocks, request_id=P_REQ)
+
+
+def test_a_prompt_completing_after_d_registered_matches_early_and_its_finish_is_known() -> None:
+    r = registry()
+    to_awaiting_prefill(r)
+    assert complete(r) == Ready(T1, reg(), P_BLOCKS, P_REQ)
+    assert r.next_deadline() is None, "matched: no deadline"
+    assert r.write_started(T1) is True
+    assert finish(r, now=1.0) == Waiting(T1, S.WRITING), "the finish of a known prefill"
+    assert r.state_of(T1) is S.WRITING
+    assert r.write_done(T1) == Release(T1, S.DONE, P_BLOCKS, notify=reg(), request_id=P_REQ)
+    assert_empty(r)
+    assert r.snapshot().counters == counters(registered=1, prefills=1, matched=1, early=1,
+                                             done=1)
+
+
+def test_a_prompt_completing_before_d_registered_changes_nothing() -> None:
+    r = registry()
+    assert complete(r) is None
+    assert len(r) == 0 and r.next_deadline() is None
+    to_awaiting_registration(r)
+    assert r.register(reg(), now=1.0) == Ready(T1, reg(), P_BLOCKS, P_REQ)
+    assert r.snapshot().counters == counters(registered=1, prefills=1, matched=1)
+
+
+@pytest.mark.parametrize("state", [S.AWAITING_REGISTRATION, S.READY, S.WRITING])
+def test_a_prompt_completing_in_any_other_state_changes_nothing(state: TransferState) -> None:
+    r = registry()
+    STATES[state](r)
+    before = r.snapshot()
+    assert complete(r) is None
+    assert r.state_of(T1) is state and r.snapshot() == before
+
+
+def test_a_prompt_completing_with_another_number_of_kv_groups_is_left_to_its_finish() -> None:
+    """Not matched early; the finish that follows fails it and frees P's blocks, which
+    only then may be freed."""
+    r = registry()
+    one_group = reg(block_ids=[[0, 1, 2]])
+    r.register(one_group, now=0.0)
+    assert complete(r) is None
+    assert r.state_of(T1) is S.AWAITING_PREFILL
+    assert finish(r) == Release(T1, S.FAILED, P_BLOCKS, notify=one_group,
+                                reason=FailReason.LAYOUT_MISMATCH, request_id=P_REQ)
+    assert_empty(r)
+
+
+@pytest.mark.parametrize("p_ends", [
+    pytest.param(lambda r: finish(r, now=1.0), id="prefill-finished"),
+    pytest.param(lambda r: r.prefill_aborted(T1, now=1.0), id="prefill-aborted"),
+])
+def test_an_abort_during_an_early_write_frees_when_the_write_ends(
+    p_ends: Callable[[PushRegistry], Any],
+) -> None:
+    r = registry()
+    to_awaiting_prefill(r)
+    complete(r)
+    r.write_started(T1)
+    assert r.abort(T1, now=0.5) is None, "P's blocks are being read: not freed yet"
+    p_ends(r)
+    assert r.state_of(T1) is S.WRITING
+    assert r.write_done(T1) == Release(T1, S.ABORTED, P_BLOCKS, notify=reg(),
+                                       reason=FailReason.ABORTED, request_id=P_REQ)
+    assert_empty(r)
+
+
 # --- refusals -------------------------------------------------------------------------------
 
 
