@@ -148,9 +148,9 @@ class DualScheduler(NixlPullConnectorScheduler):
         self.stats = PushStats()
         self._logged = (PushStats(), time.monotonic())
         logger.info("dual connector: modes %s; push side channel on %s:%d; idle steps while "
-                    "waiting for pushes pause %.1f ms; early WRITEs %s", ",".join(TRANSFER_MODES),
-                    self.push_host, self.push_port, self.push_wait_pause * 1000,
-                    "on" if self.early_write else "off")
+                    "waiting for pushes pause %.1f ms; early WRITEs %s",
+                    ",".join(TRANSFER_MODES), self.push_host, self.push_port,
+                    self.push_wait_pause * 1000, "on" if self.early_write else "off")
 
     # --- D: register allocated blocks with P ---------------------------------------------
 
@@ -390,13 +390,13 @@ class DualScheduler(NixlPullConnectorScheduler):
         mean_ms = s.write_seconds / s.writes_done * 1000 if s.writes_done else 0.0
         logger.info(
             "push stats: P prefills pull %d push %d probes %d; writes done %d failed %d "
-            "(%d blocks, mean %.1f ms, early %d), offered for pull %d; registry matched %d expired "
-            "%d+%d aborted %d refused %d; D registered %d received %d pulled instead %d "
-            "fell back %d aborted %d",
+            "(%d blocks, mean %.1f ms, early %d), offered for pull %d; registry matched %d "
+            "expired %d+%d aborted %d refused %d; D registered %d received %d pulled instead "
+            "%d fell back %d aborted %d",
             s.pull_prefills, s.push_prefills, s.probes, s.writes_done, s.writes_failed,
-            s.blocks_written, mean_ms, s.early_writes, s.pull_offers, r.matched, r.expired_registrations,
-            r.expired_unclaimed, r.aborted, r.rejected + r.duplicates, s.registrations,
-            s.received, s.pulled_instead, s.fell_back, s.aborted)
+            s.blocks_written, mean_ms, s.early_writes, s.pull_offers, r.matched,
+            r.expired_registrations, r.expired_unclaimed, r.aborted, r.rejected + r.duplicates,
+            s.registrations, s.received, s.pulled_instead, s.fell_back, s.aborted)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)

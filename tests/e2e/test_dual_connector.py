@@ -237,6 +237,25 @@ async def leave(waiting: asyncio.Task[Any]) -> None:
         await waiting
 
 
+async def push_registered_first(
+    client: httpx.AsyncClient, running: Pair, **p_extra: Any
+) -> tuple[dict[str, Any], str, dict[Any, float], tuple[list[int], int]]:
+    """A push whose D leg registers its blocks before P's leg is sent (with `p_extra`
+    in P's kv_transfer_params). Returns the body, D's request id, D's metrics from before,
+    and D's answer: its tokens and the prompt's length."""
+    p_params = await coordinates(client, running)
+    body = make_body(COMPLETIONS)
+    leg, request_id = push_to_d(body, p_params)
+    d_before = await get_metrics(client, running.decode_url)
+    decoding = asyncio.create_task(decode(client, running.decode_url + COMPLETIONS, leg,
+                                          stream=False, headers={"X-Request-Id": request_id}))
+    await wait_until_held(client, running.decode_url)  # D registered its blocks
+    resp = await client.post(running.prefill_url + COMPLETIONS, json=prefill_leg(
+        body, transfer_id=request_id, transfer_mode="push", **p_extra))
+    assert resp.status_code == 200, resp.text
+    return body, request_id, d_before, await asyncio.wait_for(decoding, timeout=30)
+
+
 async def test_d_waiting_for_a_push_keeps_its_engine_quiet(dual_pair: Pair) -> None:
     """While D only waits for P's WRITE, its engine pauses between idle steps
     (`push_wait_pause`, 5 ms on CPU) instead of stepping back to back, which kept about
@@ -297,17 +316,8 @@ async def test_a_failed_write_is_read_by_d_instead(dual_pair: Pair) -> None:
     server's, D's own NIXL counters show the READ, and both servers end empty long
     before the fallback's lease would free P's blocks."""
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-        p_params = await coordinates(client, dual_pair)
-        body = make_body(COMPLETIONS)
-        leg, request_id = push_to_d(body, p_params)
-        d_before = await get_metrics(client, dual_pair.decode_url)
-        decoding = asyncio.create_task(decode(client, dual_pair.decode_url + COMPLETIONS, leg,
-                                              stream=False, headers={"X-Request-Id": request_id}))
-        await wait_until_held(client, dual_pair.decode_url)  # D registered its blocks
-        resp = await client.post(dual_pair.prefill_url + COMPLETIONS, json=prefill_leg(
-            body, transfer_id=request_id, transfer_mode="push", fail_write=True))
-        assert resp.status_code == 200, resp.text
-        tokens, prompt_tokens = await asyncio.wait_for(decoding, timeout=30)
+        body, request_id, d_before, (tokens, prompt_tokens) = await push_registered_first(
+            client, dual_pair, fail_write=True)
         done = time.monotonic()
         d_after = await wait_for_metric(
             client, dual_pair.decode_url,
@@ -333,17 +343,8 @@ async def test_a_push_d_registered_first_is_written_right_after_the_prompt(
     count), and the rest is as with any push: one server's tokens, the whole prompt by
     transfer with no READ by D, and nothing held afterwards."""
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-        p_params = await coordinates(client, dual_pair)
-        body = make_body(COMPLETIONS)
-        leg, request_id = push_to_d(body, p_params)
-        d_before = await get_metrics(client, dual_pair.decode_url)
-        decoding = asyncio.create_task(decode(client, dual_pair.decode_url + COMPLETIONS, leg,
-                                              stream=False, headers={"X-Request-Id": request_id}))
-        await wait_until_held(client, dual_pair.decode_url)  # D registered its blocks
-        resp = await client.post(dual_pair.prefill_url + COMPLETIONS, json=prefill_leg(
-            body, transfer_id=request_id, transfer_mode="push"))
-        assert resp.status_code == 200, resp.text
-        tokens, prompt_tokens = await asyncio.wait_for(decoding, timeout=30)
+        body, _, d_before, (tokens, prompt_tokens) = await push_registered_first(client,
+                                                                                 dual_pair)
         d_after = await wait_for_metric(
             client, dual_pair.decode_url,
             lambda s: external_kv_tokens(s) - external_kv_tokens(d_before) >= prompt_tokens)
