@@ -19,6 +19,7 @@ wakes at the earliest deadline it holds, or at least every `_MAX_SLEEP_S`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -29,6 +30,7 @@ from typing import Any
 
 import zmq
 
+from connector.early import EarlyOutbox
 from connector.messages import (
     Abort,
     Ack,
@@ -196,9 +198,11 @@ class StartWrite:
     request_id: RequestId
     block_ids: BlockIds
     registration: RegisterBlocks
-    # Matched while the engine built step `early_step`, the one whose forward pass
-    # completes the prompt: WRITE right after that forward pass. None: after the prefill.
+    # Matched while engine step `early_step`, the one whose forward pass completes the
+    # prompt, was built or ran: WRITE right after that forward pass, not before it.
+    # None: matched after the prefill.
     early_step: int | None = None
+    fail_on_purpose: bool = False  # fault injection (`fail_write`), for an early WRITE
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,9 +222,13 @@ class PrefillChannel(_ChannelThread):
 
     name = "pd-push-prefill"
 
-    def __init__(self, registry: PushRegistry, bind_host: str, port: int) -> None:
+    def __init__(self, registry: PushRegistry, bind_host: str, port: int, *,
+                 early_to: tuple[str, int] | None = None) -> None:
+        """`early_to`: the engine id and data-parallel index of P's one worker, to send
+        early WRITEs to (None: no early WRITEs)."""
         super().__init__()
         self.registry = registry
+        self._early: EarlyOutbox | None = None
         self.address = f"tcp://{bind_host}:{port}"
         self._actions: queue.SimpleQueue[PrefillAction] = queue.SimpleQueue()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -236,6 +244,15 @@ class PrefillChannel(_ChannelThread):
                 f"cannot listen for push registrations on {self.address}: {exc}; choose "
                 "another kv_connector_extra_config.push_port"
             ) from exc
+        if early_to is not None:
+            try:
+                self._early = EarlyOutbox(self._context, *early_to)
+            except zmq.ZMQError as exc:
+                logger.warning("no socket for early WRITEs (%s): pushes are written at the "
+                               "step after their prompt's", exc)
+        # Prefills whose last step runs now, with no registration yet: that step's
+        # number, and whether to fail the WRITE on purpose (fault injection).
+        self._completing: dict[TransferId, tuple[int, bool]] = {}
         # Written by the channel thread, read by the engine thread (has_pending_work, the
         # stats log).
         self.live_transfers = 0
@@ -248,10 +265,13 @@ class PrefillChannel(_ChannelThread):
         self._post("finished", transfer_id, request_id, block_ids)
 
     def prefill_completing(self, transfer_id: TransferId, request_id: RequestId,
-                           block_ids: BlockIds, step: int) -> None:
-        """Engine step `step`, being built, completes this push's prompt: if D has
-        registered, a StartWrite for right after its forward pass (`early_step`)."""
-        self._post("completing", transfer_id, request_id, block_ids, step)
+                           block_ids: BlockIds, step: int, *,
+                           fail_on_purpose: bool = False) -> None:
+        """Engine step `step`, being built, completes this push's prompt. If D has
+        registered, or registers before the prefill is finished, its StartWrite
+        (`early_step`) goes straight to P's worker, which WRITEs right after the step's
+        forward pass."""
+        self._post("completing", transfer_id, request_id, block_ids, step, fail_on_purpose)
 
     def prefill_aborted(self, transfer_id: TransferId) -> None:
         self._post("aborted", transfer_id)
@@ -265,6 +285,8 @@ class PrefillChannel(_ChannelThread):
 
     def _close_sockets(self) -> None:
         self._socket.close()  # no-op when the thread already closed it
+        if self._early is not None:
+            self._early.close()
 
     def take_actions(self) -> list[PrefillAction]:
         return _drain(self._actions)
@@ -295,6 +317,8 @@ class PrefillChannel(_ChannelThread):
                 self._mark_handled(len(events))  # after live_transfers: see has_pending_work
         finally:
             self._socket.close()
+            if self._early is not None:
+                self._early.close()
 
     def _read_socket(self) -> None:
         while True:
@@ -336,20 +360,21 @@ class PrefillChannel(_ChannelThread):
         now = time.monotonic()
         if kind == "finished":
             request_id, block_ids = args
+            self._completing.pop(transfer_id, None)
             outcome = self.registry.prefill_finished(
                 transfer_id, block_ids, request_id=request_id, now=now)
             self._on_outcome(outcome, registration=None)
         elif kind == "completing":
-            request_id, block_ids, step = args
+            request_id, block_ids, step, fail_on_purpose = args
+            self._completing[transfer_id] = (step, fail_on_purpose)
             ready = self.registry.prefill_completing(transfer_id, block_ids,
                                                      request_id=request_id)
             if ready is not None:
-                self.registry.write_started(transfer_id)
-                self._actions.put(StartWrite(transfer_id, request_id, block_ids,
-                                             ready.registration, early_step=step))
-                logger.debug("push %s: matched before the prompt's last forward pass",
-                             transfer_id)
+                self._on_outcome(ready, registration=None)
+            elif self.registry.state_of(transfer_id) is not None:
+                del self._completing[transfer_id]  # known already: no early match
         elif kind == "aborted":
+            self._completing.pop(transfer_id, None)
             release = self.registry.prefill_aborted(transfer_id, now=now)
             if release is not None:
                 self._released(release)
@@ -381,9 +406,14 @@ class PrefillChannel(_ChannelThread):
                 block_size=config.block_size, tp_size=config.tp_size))
         if isinstance(outcome, Ready):
             self.registry.write_started(outcome.transfer_id)
-            self._actions.put(StartWrite(outcome.transfer_id, outcome.request_id,
-                                         outcome.block_ids, outcome.registration))
-            logger.debug("push %s: matched, WRITE requested", outcome.transfer_id)
+            write = StartWrite(outcome.transfer_id, outcome.request_id, outcome.block_ids,
+                               outcome.registration)
+            if outcome.early:
+                self._start_early(write)
+            else:
+                self._actions.put(write)
+            logger.debug("push %s: matched, WRITE requested%s", outcome.transfer_id,
+                         " right after the prompt's last forward pass" if outcome.early else "")
         elif isinstance(outcome, Rejected):
             logger.warning("push %s refused: %s", outcome.transfer_id, outcome.message)
             if registration is not None:
@@ -395,6 +425,17 @@ class PrefillChannel(_ChannelThread):
                                              outcome.reason.value))
         elif isinstance(outcome, Release):
             self._released(outcome)
+
+    def _start_early(self, write: StartWrite) -> None:
+        """Send P's worker a WRITE to start right after the forward pass of the step that
+        completes the prompt. Should that fail, the engine starts it with a later step,
+        once that forward pass is done (`early_step` says which)."""
+        step, fail_on_purpose = self._completing.pop(write.transfer_id)
+        write = dataclasses.replace(write, early_step=step, fail_on_purpose=fail_on_purpose)
+        if self._early is None or not self._early.send(write):
+            logger.warning("push %s: could not hand the WRITE to P's worker at once; it "
+                           "starts with the next step", write.transfer_id)
+            self._actions.put(write)
 
     def _released(self, release: Release, *, freed_by_engine: bool = False,
                   message: str = "", pull: PullOffer | None = None) -> None:

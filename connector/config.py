@@ -87,10 +87,11 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # ones, whose forward pass does not need that CPU.
     push_wait_pause: float | None = None
     # P: WRITE a push right after the forward pass that completes its prompt, when D has
-    # registered by the time that step is scheduled (a queued request, a long prompt in
-    # chunks), instead of at the start of the next step, after sampling and the next
-    # schedule. CPU servers only: on a GPU the forward's kernels may still be running
-    # when that step ends, so a GPU server always WRITEs at the next step.
+    # registered by the end of that pass, instead of at the start of the next step, after
+    # sampling, the output's processing and the next schedule. CPU servers with one
+    # worker only: on a GPU the forward's kernels may still be running when that step
+    # ends, and with several workers every one must be told (connector/early.py); those
+    # servers always WRITE at the next step.
     early_write: bool = True
 
     def __post_init__(self) -> None:
@@ -122,9 +123,9 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
             return self.push_wait_pause
         return CPU_PAUSE if on_cpu else 0.0
 
-    def writes_early(self, on_cpu: bool) -> bool:
+    def writes_early(self, on_cpu: bool, world_size: int) -> bool:
         """Whether P WRITEs right after the forward that completes a prompt."""
-        return self.early_write and on_cpu
+        return self.early_write and on_cpu and world_size == 1
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> DualConfig:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
+from connector.channel import StartWrite
 from connector.messages import PullOffer, TransferId
 from connector.registry import BlockIds
 
@@ -30,6 +31,17 @@ class PushJob:
     decode_block_ids: BlockIds
     fail_on_purpose: bool = False  # fault injection (`fail_write`): fail, do not WRITE
 
+    @classmethod
+    def of(cls, write: StartWrite, *, fail_on_purpose: bool = False) -> PushJob:
+        """The job for P's channel's `StartWrite`."""
+        reg = write.registration
+        return cls(
+            transfer_id=write.transfer_id, request_id=write.request_id,
+            block_ids=write.block_ids, decode_engine_id=reg.engine_id,
+            decode_request_id=reg.request_id, decode_host=reg.host, decode_port=reg.port,
+            decode_tp_size=reg.tp_size, decode_block_ids=reg.block_ids,
+            fail_on_purpose=fail_on_purpose or write.fail_on_purpose)
+
 
 @dataclass(slots=True)
 class PushStep:
@@ -42,17 +54,16 @@ class PushStep:
     failed: set[str] = field(default_factory=set)
     # P: WRITEs to start.
     jobs: list[PushJob] = field(default_factory=list)
-    # P: WRITEs to start right after this step's forward pass, which completes their
-    # prompts (D registered before the step was scheduled).
-    early: list[PushJob] = field(default_factory=list)
     # P: requests whose held blocks no WRITE will read: free them now.
     release: set[str] = field(default_factory=set)
     # D: pushes that failed while P kept the prompt's KV: READ P's blocks instead.
     pull: dict[str, PullOffer] = field(default_factory=dict)
+    # The scheduler's count of the steps it built, this one included: P's worker starts
+    # an early WRITE (`StartWrite.early_step`) only once that step's forward is done.
+    number: int = 0
 
     def is_empty(self) -> bool:
-        return not (self.recv or self.failed or self.jobs or self.early or self.release
-                    or self.pull)
+        return not (self.recv or self.failed or self.jobs or self.release or self.pull)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,10 @@ States of one transfer:
 
   prefill_completing (the step that completes the prompt is being scheduled) matches an
   AWAITING_PREFILL registration early: READY, so that P WRITEs right after that step's
-  forward pass; the prefill_finished that follows the step is then taken as known.
+  forward pass; the prefill_finished that follows the step is then taken as known. With
+  no registration yet, the completing prefill is remembered (no record, no deadline: its
+  prefill_finished follows the step) and a registration arriving meanwhile matches it
+  early. Such a Ready says `early`.
 
 DONE, FAILED, EXPIRED and ABORTED are terminal: the record is removed in the call that
 reaches them (nothing outlives its transfer) and a `Release` says to free P's blocks, if
@@ -120,6 +123,7 @@ class Ready:
     registration: RegisterBlocks
     block_ids: BlockIds  # P's
     request_id: RequestId  # P's
+    early: bool = False  # matched while the step that completes the prompt runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +183,7 @@ class RegistryCounters:
 class RegistrySnapshot:
     by_state: dict[TransferState, int]  # live records only
     counters: RegistryCounters
+    completing: int = 0  # prefills remembered by prefill_completing, not yet finished
 
     @property
     def live(self) -> int:
@@ -220,6 +225,8 @@ class PushRegistry:
         self.config = config
         self._transfers: dict[TransferId, _Transfer] = {}  # live records only
         self._tombstones: dict[TransferId, tuple[_Tombstone, float]] = {}  # cause, deadline
+        # Prefills whose last step runs now, with no registration yet (prefill_completing).
+        self._completing: dict[TransferId, tuple[RequestId, BlockIds]] = {}
         self._counters = RegistryCounters()
 
     # --- events from D (side channel) ----------------------------------------------------
@@ -244,6 +251,15 @@ class PushRegistry:
             del self._transfers[tid]
             return Rejected(tid, refusal[0], refusal[1], record.block_ids, record.request_id)
         self._counters.registered += 1
+        completing = self._completing.pop(tid, None)
+        if record is None and completing is not None \
+                and len(completing[1]) == len(reg.block_ids):
+            request_id, block_ids = completing
+            record = _Transfer(tid, TransferState.AWAITING_PREFILL, None, registration=reg,
+                               block_ids=block_ids, request_id=request_id)
+            self._transfers[tid] = record
+            self._counters.early += 1
+            return self._match(record, early=True)
         if record is None:
             deadline = now + min(self.config.registration_ttl, reg.ttl_s)
             self._transfers[tid] = _Transfer(
@@ -259,6 +275,7 @@ class PushRegistry:
         the caller answers D itself)."""
         record = self._transfers.get(transfer_id)
         if record is None:
+            self._completing.pop(transfer_id, None)  # its prefill_finished meets the tombstone
             self._tombstones[transfer_id] = (_Tombstone.D_ABORTED, now + self.config.unclaimed_ttl)
             return None
         if record.state is TransferState.WRITING:
@@ -276,6 +293,7 @@ class PushRegistry:
     ) -> Outcome:
         """P's request `request_id` computed the prompt and holds `block_ids` for it until
         a Release frees them."""
+        self._completing.pop(transfer_id, None)
         record = self._transfers.get(transfer_id)
         if record is not None and record.request_id == request_id \
                 and record.state in (TransferState.READY, TransferState.WRITING):
@@ -307,9 +325,12 @@ class PushRegistry:
     ) -> Ready | None:
         """P's request `request_id` is scheduled to complete its prompt, into `block_ids`,
         in the step being built. If D has registered, match now (Ready), so that the WRITE
-        can start right after that step's forward pass. None: nothing changes, and the
-        usual `prefill_finished` follows the step."""
+        can start right after that step's forward pass. None: not now (with no registration
+        yet, one that arrives before `prefill_finished` matches early); the usual
+        `prefill_finished` follows the step."""
         record = self._transfers.get(transfer_id)
+        if record is None and transfer_id not in self._tombstones:
+            self._completing[transfer_id] = (request_id, block_ids)
         if record is None or record.state is not TransferState.AWAITING_PREFILL:
             return None
         assert record.registration is not None
@@ -318,13 +339,14 @@ class PushRegistry:
         record.block_ids = block_ids
         record.request_id = request_id
         self._counters.early += 1
-        match = self._match(record)
+        match = self._match(record, early=True)
         assert isinstance(match, Ready)
         return match
 
     def prefill_aborted(self, transfer_id: TransferId, *, now: float) -> Release | None:
         """P's request ended without its KV (cancelled, or failed). A waiting D is told at
         once; one that registers later is refused (see the tombstones)."""
+        self._completing.pop(transfer_id, None)
         record = self._transfers.get(transfer_id)
         if record is None:
             self._tombstones[transfer_id] = (
@@ -390,7 +412,7 @@ class PushRegistry:
         by_state = dict.fromkeys(LIVE_STATES, 0)
         for record in self._transfers.values():
             by_state[record.state] += 1
-        return RegistrySnapshot(by_state, self.counters())
+        return RegistrySnapshot(by_state, self.counters(), len(self._completing))
 
     # --- internals -----------------------------------------------------------------------
 
@@ -409,7 +431,7 @@ class PushRegistry:
             )
         return None
 
-    def _match(self, record: _Transfer) -> Ready | Release:
+    def _match(self, record: _Transfer, *, early: bool = False) -> Ready | Release:
         assert record.registration is not None and record.block_ids is not None
         record.deadline = None
         if len(record.block_ids) != len(record.registration.block_ids):
@@ -417,7 +439,8 @@ class PushRegistry:
         record.state = TransferState.READY
         self._counters.matched += 1
         assert record.request_id is not None
-        return Ready(record.transfer_id, record.registration, record.block_ids, record.request_id)
+        return Ready(record.transfer_id, record.registration, record.block_ids, record.request_id,
+                     early)
 
     def _end(
         self, record: _Transfer, state: TransferState, reason: FailReason | None = None

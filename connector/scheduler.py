@@ -70,7 +70,6 @@ class PushStats:
 
     pull_prefills: int = 0  # P: prefills kept for a D to read
     push_prefills: int = 0  # P: prefills handed to the push registry
-    early_writes: int = 0  # P: WRITEs started right after the prompt's last forward pass
     probes: int = 0  # P: probes answered (blocks freed at once)
     writes_done: int = 0  # P: pushes written
     writes_failed: int = 0
@@ -112,20 +111,24 @@ class DualScheduler(NixlPullConnectorScheduler):
         config = DualConfig.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config)
         self.push_host = config.push_host or self.side_channel_host
-        self.push_port = config.push_port + vllm_config.parallel_config.data_parallel_index
+        dp_index = vllm_config.parallel_config.data_parallel_index
+        self.push_port = config.push_port + dp_index
         self.registration_ttl = config.registration_ttl
         self.stats_interval = config.stats_interval
         self.pull_fallback_ttl = config.pull_fallback_ttl
         self.fault_injection = config.fault_injection
         self.push_wait_pause = config.wait_pause(on_cpu=current_platform.is_cpu())
-        self.early_write = config.writes_early(on_cpu=current_platform.is_cpu())
-        self._wake = self._wake_listener(
-            engine_id, vllm_config.parallel_config.data_parallel_index)
+        self.early_write = config.writes_early(
+            on_cpu=current_platform.is_cpu(),
+            world_size=vllm_config.parallel_config.world_size)
+        self._wake = self._wake_listener(engine_id, dp_index)
         registry = PushRegistry(RegistryConfig(
             engine_id=EngineId(engine_id), block_size=self.block_size,
             tp_size=self.transfer_tp_size, registration_ttl=config.registration_ttl,
             unclaimed_ttl=config.unclaimed_ttl))
-        self.prefill_channel = PrefillChannel(registry, self.push_host, self.push_port)
+        self.prefill_channel = PrefillChannel(
+            registry, self.push_host, self.push_port,
+            early_to=(engine_id, dp_index) if self.early_write else None)
         self.decode_channel = DecodeChannel(
             EngineId(engine_id), ack_timeout=config.ack_timeout,
             ping_interval=config.ping_interval, peer_timeout=config.peer_timeout,
@@ -141,10 +144,12 @@ class DualScheduler(NixlPullConnectorScheduler):
         self._write_tally = WriteTally(vllm_config.parallel_config.world_size)
         self._fail_on_purpose: set[str] = set()  # P: requests asking for `fail_write`
         # P: push prefills being computed, and those whose prompt a step completed (with
-        # the blocks it is in), until they finish; and the number of the step being built.
+        # the blocks it is in), until they finish; the number of the step being built; and
+        # early WRITEs that reached the engine instead of the worker, for the next step.
         self._prefilling: dict[str, _Prefill] = {}
         self._completed: dict[str, list[list[int]]] = {}
         self._step_number = 0
+        self._next_step_jobs: list[PushJob] = []
         self.stats = PushStats()
         self._logged = (PushStats(), time.monotonic())
         logger.info("dual connector: modes %s; push side channel on %s:%d; idle steps while "
@@ -286,11 +291,15 @@ class DualScheduler(NixlPullConnectorScheduler):
         meta = super().build_connector_meta(scheduler_output)
         step, self._step = self._step, PushStep()
         self._step_number += 1
+        step.number = self._step_number
+        step.jobs, self._next_step_jobs = self._next_step_jobs, []
         for rid, prefill, block_ids in self._prompts_completing(scheduler_output):
-            # Ask for the match now: if D has registered, P WRITEs right after this step.
+            # If D has registered, or does before this step ends, P's worker WRITEs right
+            # after this step's forward pass.
             self._completed[rid] = block_ids
-            self.prefill_channel.prefill_completing(prefill.transfer_id, rid, block_ids,
-                                                    self._step_number)
+            self.prefill_channel.prefill_completing(
+                prefill.transfer_id, rid, block_ids, self._step_number,
+                fail_on_purpose=rid in self._fail_on_purpose)
         for failure in self.decode_channel.take_failures():
             rid = failure.request_id
             self._incoming.pop(rid, None)
@@ -309,11 +318,12 @@ class DualScheduler(NixlPullConnectorScheduler):
         self.prefill_channel.wait_caught_up(CATCH_UP_S)  # a prefill that just finished
         for action in self.prefill_channel.take_actions():
             if isinstance(action, StartWrite):
-                job = self._job(action)
-                if action.early_step == self._step_number:
-                    step.early.append(job)
-                    self.stats.early_writes += 1
-                else:  # matched after its prompt was done (or too late for that step)
+                job = PushJob.of(action,
+                                 fail_on_purpose=action.request_id in self._fail_on_purpose)
+                self._fail_on_purpose.discard(action.request_id)
+                if action.early_step is not None and action.early_step >= self._step_number:
+                    self._next_step_jobs.append(job)  # its prompt's forward has not run yet
+                else:
                     step.jobs.append(job)
             elif isinstance(action, FreeBlocks):
                 step.release.add(action.request_id)
@@ -351,17 +361,6 @@ class DualScheduler(NixlPullConnectorScheduler):
                 clipped = self.get_exchange_clipped_blocks(prefill.block_ids)
                 yield rid, prefill, [list(group) for group in clipped]
 
-    def _job(self, action: StartWrite) -> PushJob:
-        reg = action.registration
-        job = PushJob(
-            transfer_id=action.transfer_id, request_id=action.request_id,
-            block_ids=action.block_ids, decode_engine_id=reg.engine_id,
-            decode_request_id=reg.request_id, decode_host=reg.host, decode_port=reg.port,
-            decode_tp_size=reg.tp_size, decode_block_ids=reg.block_ids,
-            fail_on_purpose=action.request_id in self._fail_on_purpose)
-        self._fail_on_purpose.discard(action.request_id)
-        return job
-
     def _wake_listener(self, engine_id: str, dp_index: int) -> WakeListener | None:
         """D: where the workers wake the pausing engine when a push lands (None: no pause,
         or no IPC socket could be made; then the pause is a plain sleep)."""
@@ -394,7 +393,7 @@ class DualScheduler(NixlPullConnectorScheduler):
             "expired %d+%d aborted %d refused %d; D registered %d received %d pulled instead "
             "%d fell back %d aborted %d",
             s.pull_prefills, s.push_prefills, s.probes, s.writes_done, s.writes_failed,
-            s.blocks_written, mean_ms, s.early_writes, s.pull_offers, r.matched,
+            s.blocks_written, mean_ms, r.early, s.pull_offers, r.matched,
             r.expired_registrations, r.expired_unclaimed, r.aborted, r.rejected + r.duplicates,
             s.registrations, s.received, s.pulled_instead, s.fell_back, s.aborted)
 

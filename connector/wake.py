@@ -25,12 +25,18 @@ import tempfile
 import zmq
 
 
-def wake_address(engine_id: str, dp_index: int) -> str:
-    """The IPC address of one engine's wake-up socket (a short, fixed-length name)."""
-    name = "pd-wake-" + hashlib.sha256(f"{engine_id}/{dp_index}".encode()).hexdigest()[:16]
+def ipc_address(prefix: str, engine_id: str, dp_index: int) -> str:
+    """The IPC address of one of an engine's local sockets (a short, fixed-length name):
+    in Linux's abstract namespace, or a file in the temporary directory elsewhere."""
+    name = f"{prefix}-" + hashlib.sha256(f"{engine_id}/{dp_index}".encode()).hexdigest()[:16]
     if sys.platform == "linux":
         return f"ipc://@{name}"
     return f"ipc://{tempfile.gettempdir()}/{name}"
+
+
+def wake_address(engine_id: str, dp_index: int) -> str:
+    """The IPC address of one engine's wake-up socket."""
+    return ipc_address("pd-wake", engine_id, dp_index)
 
 
 class WakeListener:

@@ -7,8 +7,9 @@ Push adds, per step (`PushStep`, from the scheduler):
   (`"<D request id>:<P's world size>"`); `failed` ones are failed at once (vLLM then
   recomputes, or frees an aborted request's blocks).
 - P: each job (started in `start_step`, when the step's metadata is bound, before the
-  forward pass; or, for an `early` job, in `write_early`, right after the forward pass
-  that completes the job's prompt) performs the NIXL handshake with D's agent if none is cached yet
+  forward pass; or, for an early WRITE, which P's channel thread sends straight here
+  (`connector.early`), in `write_early`, right after the forward pass that completes the
+  job's prompt) performs the NIXL handshake with D's agent if none is cached yet
   (vLLM's own, on its background executor), then WRITEs this rank's share of the blocks
   with vLLM's push descriptor code; when every WRITE handle is done, the request is
   reported finished sending, which frees P's blocks, and the outcome goes back to the
@@ -54,8 +55,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
     NixlPushConnectorWorker,
 )
+from vllm.platforms import current_platform
 
+from connector.channel import StartWrite
 from connector.config import DualConfig
+from connector.early import EarlyInbox
 from connector.messages import PullOffer, TransferId
 from connector.metadata import PushEnd, PushJob, PushReport, PushStep
 from connector.pages import small_pages
@@ -122,7 +126,14 @@ class DualWorker(NixlPullConnectorWorker):
         self._send_failures: set[str] = set()
         # P: jobs being written, by P's request id; jobs whose handshake just finished.
         self._writing: dict[str, tuple[PushJob, float]] = {}
-        self._early: list[PushJob] = []  # P: to start when this step's forward is done
+        # P: early WRITEs from P's channel thread, if this server makes them; those that
+        # wait for their step's forward pass; and the number of the step now running.
+        self._early_inbox: EarlyInbox | None = None
+        if config.writes_early(current_platform.is_cpu(), vllm_config.parallel_config.world_size):
+            self._early_inbox = EarlyInbox(
+                StartWrite, engine_id, vllm_config.parallel_config.data_parallel_index)
+        self._early: list[StartWrite] = []
+        self._step_number = 0
         self._handshaken: queue.SimpleQueue[tuple[PushJob, BaseException | None]] = (
             queue.SimpleQueue())
         self._released: set[str] = set()  # P: report finished sending next time
@@ -159,6 +170,8 @@ class DualWorker(NixlPullConnectorWorker):
         """The step's push orders, as soon as its metadata is bound (before the forward
         pass): D's waits and failures, P's WRITEs and releases."""
         step: PushStep = getattr(metadata, "push", None) or PushStep()
+        self._step_number = step.number
+        self._start_early(forward_done=False)  # those of earlier steps that came late
         for rid in step.recv:  # D: wait for P's WRITE; vLLM's pull must not READ these
             meta = metadata.reqs_to_recv.pop(rid)
             meta.local_physical_block_ids = self._logical_to_kernel_block_ids(
@@ -179,7 +192,6 @@ class DualWorker(NixlPullConnectorWorker):
             self._pull_instead(rid, offer)
         for job in step.jobs:
             self._start_job(job)
-        self._early.extend(step.early)
         self._write_handshaken()
         for rid in step.release:
             # A failed push's blocks, kept for a READ that will not come: drop the lease.
@@ -190,11 +202,24 @@ class DualWorker(NixlPullConnectorWorker):
 
     def write_early(self) -> None:
         """P, right after the step's forward pass (vLLM's `wait_for_save`): start the
-        WRITEs of the prompts it completed. CPU only (the scheduler sends none to a GPU
-        server), where the forward is done when this is called."""
-        jobs, self._early = self._early, []
-        for job in jobs:
-            self._start_job(job)
+        early WRITEs of the prompts it completed. CPU servers only, where the forward is
+        done when this is called."""
+        self._start_early(forward_done=True)
+
+    def _start_early(self, *, forward_done: bool) -> None:
+        """Start the early WRITEs whose prompt is computed: their step is an earlier one,
+        or this one once its forward pass is done."""
+        if self._early_inbox is None:
+            return
+        self._early.extend(self._early_inbox.take())
+        due = self._step_number if forward_done else self._step_number - 1
+        waiting = []
+        for write in self._early:
+            if write.early_step is not None and write.early_step <= due:
+                self._start_job(PushJob.of(write))
+            else:
+                waiting.append(write)
+        self._early = waiting
 
     def _pull_instead(self, rid: str, offer: PullOffer) -> None:
         """D: P's WRITE failed but P kept the blocks: READ them, as vLLM's pull does."""
@@ -440,6 +465,8 @@ class DualWorker(NixlPullConnectorWorker):
         return report
 
     def shutdown(self) -> None:
+        if self._early_inbox is not None:
+            self._early_inbox.close()
         self._stopping.set()
         self._poll_wanted.set()
         if self._poller is not None:

@@ -28,6 +28,7 @@ from connector.channel import (
     PushFailure,
     StartWrite,
 )
+from connector.early import EarlyInbox
 from connector.messages import (
     PROTOCOL_VERSION,
     Ack,
@@ -50,6 +51,7 @@ BLOCK_SIZE = 16
 P_REQ = "p-req-1"  # P's request, holding P_BLOCKS
 P_BLOCKS = [[10, 11, 12]]
 D_BLOCKS = [[0, 1, 2]]
+EARLY_TO = ("engine-p0-early-test", 0)  # where a P's channel sends early WRITEs
 SOON = 1.0  # "at once": far below every TTL these tests leave at its default (120 s)
 T = TypeVar("T")
 
@@ -111,10 +113,11 @@ class Channels:
         self._running: list[PrefillChannel | DecodeChannel] = []
         self._count = 0
 
-    def prefill(self, port: int | None = None, **config: Any) -> PrefillChannel:
+    def prefill(self, port: int | None = None, *, early_to: tuple[str, int] | None = None,
+                **config: Any) -> PrefillChannel:
         values: dict[str, Any] = {"engine_id": P_ENGINE, "block_size": BLOCK_SIZE, **config}
         channel = PrefillChannel(PushRegistry(RegistryConfig(**values)), HOST,
-                                 free_port() if port is None else port)
+                                 free_port() if port is None else port, early_to=early_to)
         channel.start()
         self._running.append(channel)
         return channel
@@ -215,45 +218,95 @@ def test_registration_and_finished_prefill_start_one_write(
     wait_for(lambda: not d.has_pending_work(), 5.0, "D stops waiting once it forgets")
 
 
-def test_a_prompt_completing_after_d_registered_starts_its_write_for_that_step(
-    channels: Channels,
+@pytest.fixture
+def early_inbox() -> Iterator[Callable[[], EarlyInbox]]:
+    """P's worker's end of the early WRITEs, connected to a P made with
+    `early_to=EARLY_TO` (make the P first: the worker connects to P's bound socket)."""
+    made: list[EarlyInbox] = []
+
+    def connect() -> EarlyInbox:
+        made.append(EarlyInbox(StartWrite, *EARLY_TO))
+        time.sleep(0.2)  # the IPC connection is made in the background
+        return made[-1]
+
+    try:
+        yield connect
+    finally:
+        for inbox in made:
+            inbox.close()
+
+
+def take_early(inbox: EarlyInbox, timeout: float = 2.0) -> list[StartWrite]:
+    got: list[StartWrite] = []
+
+    def some() -> bool:
+        got.extend(inbox.take())
+        return bool(got)
+
+    wait_for(some, timeout, "an early WRITE at P's worker")
+    return got
+
+
+@pytest.mark.parametrize("d_first", [True, False],
+                         ids=["registered-before-the-step", "registered-during-the-step"])
+def test_a_prompt_d_registered_for_by_its_last_step_is_written_early_by_the_worker(
+    channels: Channels, early_inbox: Callable[[], EarlyInbox], d_first: bool
 ) -> None:
-    p = channels.prefill()
+    """The StartWrite goes straight to P's worker, with the step after whose forward
+    pass it may start; the finished prefill that follows is a known one."""
+    p = channels.prefill(early_to=EARLY_TO)
+    inbox = early_inbox()
     d = channels.decode()
     reg = registration(d, "t-early")
     tid = reg.transfer_id
-    d.register(p.address, reg)
-    wait_for(lambda: len(p.registry) == 1, 2.0, "P holds the registration")
-    p.prefill_completing(tid, P_REQ, P_BLOCKS, 7)
-    (action,) = wait_actions(p)
-    assert action == StartWrite(tid, P_REQ, P_BLOCKS, reg, early_step=7), action
-
+    if d_first:
+        d.register(p.address, reg)
+        wait_for(lambda: len(p.registry) == 1, 2.0, "P holds the registration")
+    p.prefill_completing(tid, P_REQ, P_BLOCKS, 7, fail_on_purpose=True)
+    if not d_first:
+        p.wait_caught_up(SOON)
+        assert inbox.take() == [] and len(p.registry) == 0, "nothing to match yet"
+        d.register(p.address, reg)
+    (write,) = take_early(inbox)
+    assert write == StartWrite(tid, P_REQ, P_BLOCKS, reg, early_step=7, fail_on_purpose=True)
     p.prefill_finished(tid, P_REQ, P_BLOCKS)  # the step is over: a known prefill
     p.wait_caught_up(SOON)
     assert p.take_actions() == [], "no second WRITE, and no blocks freed mid-WRITE"
-    assert p.registry.snapshot().counters.duplicates == 0
+    snapshot = p.registry.snapshot()
+    assert snapshot.counters.duplicates == 0 and snapshot.counters.early == 1
     p.write_ended(tid, None)
     wait_for(lambda: len(p.registry) == 0, 2.0, "the transfer ends with its WRITE")
     assert p.take_actions() == [], "P's worker frees the written blocks itself"
-    assert p.registry.snapshot().counters.early == 1
+    assert inbox.take() == []
 
 
-def test_a_prompt_completing_before_d_registered_starts_its_write_after_the_prefill(
-    channels: Channels,
+def test_a_prompt_that_finished_before_d_registered_is_written_by_the_engine(
+    channels: Channels, early_inbox: Callable[[], EarlyInbox]
 ) -> None:
-    p = channels.prefill()
+    p = channels.prefill(early_to=EARLY_TO)
+    inbox = early_inbox()
     d = channels.decode()
     reg = registration(d, "t-late")
     tid = reg.transfer_id
     p.prefill_completing(tid, P_REQ, P_BLOCKS, 7)
-    p.wait_caught_up(SOON)
-    assert p.take_actions() == [] and len(p.registry) == 0
     p.prefill_finished(tid, P_REQ, P_BLOCKS)
     d.register(p.address, reg)
     (action,) = wait_actions(p)
     assert action == StartWrite(tid, P_REQ, P_BLOCKS, reg), action
-    assert action.early_step is None
-    assert p.registry.snapshot().counters.early == 0
+    assert inbox.take() == [] and p.registry.snapshot().counters.early == 0
+
+
+def test_an_early_write_no_worker_takes_goes_to_the_engine_for_the_next_step(
+    channels: Channels,
+) -> None:
+    p = channels.prefill(early_to=EARLY_TO)  # and no inbox connected
+    d = channels.decode()
+    reg = registration(d, "t-alone")
+    d.register(p.address, reg)
+    wait_for(lambda: len(p.registry) == 1, 2.0, "P holds the registration")
+    p.prefill_completing(reg.transfer_id, P_REQ, P_BLOCKS, 7)
+    (action,) = wait_actions(p)
+    assert action == StartWrite(reg.transfer_id, P_REQ, P_BLOCKS, reg, early_step=7), action
     assert d.take_failures() == []
 
 

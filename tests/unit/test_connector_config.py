@@ -39,6 +39,15 @@ def test_the_push_wait_pause_defaults_to_a_pause_on_cpu_only() -> None:
     assert set_.wait_pause(on_cpu=False) == 0.01
 
 
+def test_early_writes_are_on_by_default_for_a_cpu_server_with_one_worker_only() -> None:
+    default = DualConfig.from_extra_config({"push_port": 5700})
+    assert default.writes_early(on_cpu=True, world_size=1)
+    assert not default.writes_early(on_cpu=False, world_size=1)
+    assert not default.writes_early(on_cpu=True, world_size=2)
+    off = DualConfig.from_extra_config({"push_port": 5700, "early_write": False})
+    assert not off.writes_early(on_cpu=True, world_size=1)
+
+
 def test_numbers_given_as_strings_are_accepted() -> None:
     config = DualConfig.from_extra_config({"push_port": "5700", "peer_timeout": "4.5"})
     assert (config.push_port, config.peer_timeout) == (5700, 4.5)

@@ -49,7 +49,7 @@ def assert_empty(r: PushRegistry) -> None:
     """Nothing leaked: no live record, every state count back to zero, no deadline left
     (a tombstone's included)."""
     snapshot = r.snapshot()
-    assert len(r) == 0 and snapshot.live == 0
+    assert len(r) == 0 and snapshot.live == 0 and snapshot.completing == 0
     assert snapshot.by_state == dict.fromkeys(LIVE_STATES, 0)
     assert r.next_deadline() is None
 
@@ -150,7 +150,7 @@ def complete(r: PushRegistry, *, blocks: list[list[int]] = P_BLOCKS) -> Ready | 
 def test_a_prompt_completing_after_d_registered_matches_early_and_its_finish_is_known() -> None:
     r = registry()
     to_awaiting_prefill(r)
-    assert complete(r) == Ready(T1, reg(), P_BLOCKS, P_REQ)
+    assert complete(r) == Ready(T1, reg(), P_BLOCKS, P_REQ, early=True)
     assert r.next_deadline() is None, "matched: no deadline"
     assert r.write_started(T1) is True
     assert finish(r, now=1.0) == Waiting(T1, S.WRITING), "the finish of a known prefill"
@@ -161,13 +161,44 @@ def test_a_prompt_completing_after_d_registered_matches_early_and_its_finish_is_
                                              done=1)
 
 
-def test_a_prompt_completing_before_d_registered_changes_nothing() -> None:
+def test_d_registering_while_the_prompt_completes_matches_early() -> None:
+    r = registry()
+    assert complete(r) is None, "no registration yet"
+    assert len(r) == 0 and r.next_deadline() is None and r.snapshot().completing == 1
+    assert r.register(reg(), now=0.5) == Ready(T1, reg(), P_BLOCKS, P_REQ, early=True)
+    assert r.write_started(T1) is True
+    assert finish(r, now=1.0) == Waiting(T1, S.WRITING)
+    assert r.write_done(T1) == Release(T1, S.DONE, P_BLOCKS, notify=reg(), request_id=P_REQ)
+    assert_empty(r)
+    assert r.snapshot().counters == counters(registered=1, prefills=1, matched=1, early=1,
+                                             done=1)
+
+
+def test_a_prompt_that_completed_before_d_registered_waits_as_usual() -> None:
     r = registry()
     assert complete(r) is None
-    assert len(r) == 0 and r.next_deadline() is None
     to_awaiting_registration(r)
+    assert r.snapshot().completing == 0, "its finish ends the early window"
     assert r.register(reg(), now=1.0) == Ready(T1, reg(), P_BLOCKS, P_REQ)
     assert r.snapshot().counters == counters(registered=1, prefills=1, matched=1)
+
+
+@pytest.mark.parametrize("p_ends", [
+    pytest.param(lambda r: finish(r, now=1.0), id="prefill-finished"),
+    pytest.param(lambda r: r.prefill_aborted(T1, now=1.0), id="prefill-aborted"),
+])
+def test_d_aborting_while_the_prompt_completes_frees_it_when_it_ends(
+    p_ends: Callable[[PushRegistry], Any],
+) -> None:
+    r = registry()
+    complete(r)
+    assert r.abort(T1, now=0.5) is None
+    assert r.snapshot().completing == 0
+    outcome = p_ends(r)
+    if outcome is not None:  # finished: its blocks are freed at once
+        assert outcome == Release(T1, S.ABORTED, P_BLOCKS, request_id=P_REQ)
+    r.expire(1.0 + UNCLAIMED_TTL)
+    assert_empty(r)
 
 
 @pytest.mark.parametrize("state", [S.AWAITING_REGISTRATION, S.READY, S.WRITING])
@@ -179,13 +210,20 @@ def test_a_prompt_completing_in_any_other_state_changes_nothing(state: TransferS
     assert r.state_of(T1) is state and r.snapshot() == before
 
 
-def test_a_prompt_completing_with_another_number_of_kv_groups_is_left_to_its_finish() -> None:
+@pytest.mark.parametrize("d_first", [True, False], ids=["register-first", "complete-first"])
+def test_a_prompt_completing_with_another_number_of_kv_groups_is_left_to_its_finish(
+    d_first: bool,
+) -> None:
     """Not matched early; the finish that follows fails it and frees P's blocks, which
     only then may be freed."""
     r = registry()
     one_group = reg(block_ids=[[0, 1, 2]])
-    r.register(one_group, now=0.0)
-    assert complete(r) is None
+    if d_first:
+        r.register(one_group, now=0.0)
+        assert complete(r) is None
+    else:
+        assert complete(r) is None
+        assert r.register(one_group, now=0.0) == Waiting(T1, S.AWAITING_PREFILL)
     assert r.state_of(T1) is S.AWAITING_PREFILL
     assert finish(r) == Release(T1, S.FAILED, P_BLOCKS, notify=one_group,
                                 reason=FailReason.LAYOUT_MISMATCH, request_id=P_REQ)

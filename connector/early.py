@@ -1,0 +1,80 @@
+"""P's channel thread hands an early WRITE straight to P's worker.
+
+An early WRITE starts right after the forward pass that completes a push's prompt (see
+`DualConfig.early_write`). D's registration for it may arrive while that forward pass
+runs, after the step's metadata left the scheduler, so the match cannot travel with the
+metadata. The channel thread, which makes the match, sends it to the worker directly:
+a ZMQ PUSH socket (`EarlyOutbox`, bound by the channel thread) to the worker's PULL
+socket (`EarlyInbox`, read by the worker's engine thread, without waiting, once the
+forward pass is done and at the start of each step). Both ends live on this host: an IPC
+socket named after the engine (see `connector.wake.ipc_address`).
+
+Only a P server with one worker makes early WRITEs: every rank must WRITE its share of a
+push, and one socket to one worker says it to exactly one.
+
+The payload is the channel's `StartWrite`, msgpack-encoded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import msgspec
+import zmq
+
+from connector.wake import ipc_address
+
+
+def early_address(engine_id: str, dp_index: int) -> str:
+    return ipc_address("pd-early", engine_id, dp_index)
+
+
+class EarlyOutbox:
+    """P's channel thread: send early WRITEs to the worker. Used by that thread only."""
+
+    def __init__(self, context: zmq.Context[Any], engine_id: str, dp_index: int = 0) -> None:
+        self.address = early_address(engine_id, dp_index)
+        self._socket = context.socket(zmq.PUSH)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(self.address)
+
+    def send(self, message: Any) -> bool:
+        """False when it could not go (no worker connected, or its queue is full)."""
+        try:
+            self._socket.send(msgspec.msgpack.encode(message), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            return False
+        return True
+
+    def close(self) -> None:
+        self._socket.close()
+        path = self.address.removeprefix("ipc://")
+        if not path.startswith("@"):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+
+class EarlyInbox:
+    """P's worker: the early WRITEs sent so far, decoded as `kind`. Never blocks."""
+
+    def __init__(self, kind: type[Any], engine_id: str, dp_index: int = 0) -> None:
+        self._decoder = msgspec.msgpack.Decoder(kind)
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.PULL)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(early_address(engine_id, dp_index))
+
+    def take(self) -> list[Any]:
+        taken: list[Any] = []
+        while True:
+            try:
+                payload = self._socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return taken
+            taken.append(self._decoder.decode(payload))
+
+    def close(self) -> None:
+        self._socket.close()
+        self._context.term()
