@@ -246,7 +246,7 @@ class PrefillChannel(_ChannelThread):
             ) from exc
         if early_to is not None:
             try:
-                self._early = EarlyOutbox(self._context, *early_to)
+                self._early = EarlyOutbox(self._context, *early_to, port)
             except zmq.ZMQError as exc:
                 logger.warning("no socket for early WRITEs (%s): pushes are written at the "
                                "step after their prompt's", exc)

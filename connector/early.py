@@ -7,7 +7,8 @@ metadata. The channel thread, which makes the match, sends it to the worker dire
 a ZMQ PUSH socket (`EarlyOutbox`, bound by the channel thread) to the worker's PULL
 socket (`EarlyInbox`, read by the worker's engine thread, without waiting, once the
 forward pass is done and at the start of each step). Both ends live on this host: an IPC
-socket named after the engine (see `connector.wake.ipc_address`).
+socket named after the engine and its push port (see `connector.wake.ipc_address`), which
+no other server on the host can share.
 
 Only a P server with one worker makes early WRITEs: every rank must WRITE its share of a
 push, and one socket to one worker says it to exactly one.
@@ -27,15 +28,16 @@ import zmq
 from connector.wake import ipc_address
 
 
-def early_address(engine_id: str, dp_index: int) -> str:
-    return ipc_address("pd-early", engine_id, dp_index)
+def early_address(engine_id: str, dp_index: int, push_port: int) -> str:
+    return ipc_address("pd-early", f"{engine_id}@{push_port}", dp_index)
 
 
 class EarlyOutbox:
     """P's channel thread: send early WRITEs to the worker. Used by that thread only."""
 
-    def __init__(self, context: zmq.Context[Any], engine_id: str, dp_index: int = 0) -> None:
-        self.address = early_address(engine_id, dp_index)
+    def __init__(self, context: zmq.Context[Any], engine_id: str, dp_index: int,
+                 push_port: int) -> None:
+        self.address = early_address(engine_id, dp_index, push_port)
         self._socket = context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(self.address)
@@ -59,12 +61,12 @@ class EarlyOutbox:
 class EarlyInbox:
     """P's worker: the early WRITEs sent so far, decoded as `kind`. Never blocks."""
 
-    def __init__(self, kind: type[Any], engine_id: str, dp_index: int = 0) -> None:
+    def __init__(self, kind: type[Any], engine_id: str, dp_index: int, push_port: int) -> None:
         self._decoder = msgspec.msgpack.Decoder(kind)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.connect(early_address(engine_id, dp_index))
+        self._socket.connect(early_address(engine_id, dp_index, push_port))
 
     def take(self) -> list[Any]:
         taken: list[Any] = []

@@ -130,8 +130,9 @@ class DualWorker(NixlPullConnectorWorker):
         # wait for their step's forward pass; and the number of the step now running.
         self._early_inbox: EarlyInbox | None = None
         if config.writes_early(current_platform.is_cpu(), vllm_config.parallel_config.world_size):
-            self._early_inbox = EarlyInbox(
-                StartWrite, engine_id, vllm_config.parallel_config.data_parallel_index)
+            dp_index = vllm_config.parallel_config.data_parallel_index
+            self._early_inbox = EarlyInbox(StartWrite, engine_id, dp_index,
+                                           config.push_port + dp_index)
         self._early: list[StartWrite] = []
         self._step_number = 0
         self._handshaken: queue.SimpleQueue[tuple[PushJob, BaseException | None]] = (

@@ -219,13 +219,14 @@ def test_registration_and_finished_prefill_start_one_write(
 
 
 @pytest.fixture
-def early_inbox() -> Iterator[Callable[[], EarlyInbox]]:
+def early_inbox() -> Iterator[Callable[[PrefillChannel], EarlyInbox]]:
     """P's worker's end of the early WRITEs, connected to a P made with
     `early_to=EARLY_TO` (make the P first: the worker connects to P's bound socket)."""
     made: list[EarlyInbox] = []
 
-    def connect() -> EarlyInbox:
-        made.append(EarlyInbox(StartWrite, *EARLY_TO))
+    def connect(p: PrefillChannel) -> EarlyInbox:
+        push_port = int(p.address.rsplit(":", 1)[1])
+        made.append(EarlyInbox(StartWrite, *EARLY_TO, push_port))
         time.sleep(0.2)  # the IPC connection is made in the background
         return made[-1]
 
@@ -250,12 +251,12 @@ def take_early(inbox: EarlyInbox, timeout: float = 2.0) -> list[StartWrite]:
 @pytest.mark.parametrize("d_first", [True, False],
                          ids=["registered-before-the-step", "registered-during-the-step"])
 def test_a_prompt_d_registered_for_by_its_last_step_is_written_early_by_the_worker(
-    channels: Channels, early_inbox: Callable[[], EarlyInbox], d_first: bool
+    channels: Channels, early_inbox: Callable[[PrefillChannel], EarlyInbox], d_first: bool
 ) -> None:
     """The StartWrite goes straight to P's worker, with the step after whose forward
     pass it may start; the finished prefill that follows is a known one."""
     p = channels.prefill(early_to=EARLY_TO)
-    inbox = early_inbox()
+    inbox = early_inbox(p)
     d = channels.decode()
     reg = registration(d, "t-early")
     tid = reg.transfer_id
@@ -281,10 +282,10 @@ def test_a_prompt_d_registered_for_by_its_last_step_is_written_early_by_the_work
 
 
 def test_a_prompt_that_finished_before_d_registered_is_written_by_the_engine(
-    channels: Channels, early_inbox: Callable[[], EarlyInbox]
+    channels: Channels, early_inbox: Callable[[PrefillChannel], EarlyInbox]
 ) -> None:
     p = channels.prefill(early_to=EARLY_TO)
-    inbox = early_inbox()
+    inbox = early_inbox(p)
     d = channels.decode()
     reg = registration(d, "t-late")
     tid = reg.transfer_id
