@@ -147,6 +147,14 @@ def complete(r: PushRegistry, *, blocks: list[list[int]] = P_BLOCKS) -> Ready | 
     return r.prefill_completing(T1, blocks, request_id=P_REQ)
 
 
+# How P's request ends after the step that completed its prompt (the scheduler reports a
+# finished prefill then, whatever ended the request; an aborted one must change nothing).
+P_ENDS = [
+    pytest.param(lambda r: finish(r, now=1.0), id="prefill-finished"),
+    pytest.param(lambda r: r.prefill_aborted(T1, now=1.0), id="prefill-aborted"),
+]
+
+
 def test_a_prompt_completing_after_d_registered_matches_early_and_its_finish_is_known() -> None:
     r = registry()
     to_awaiting_prefill(r)
@@ -183,10 +191,7 @@ def test_a_prompt_that_completed_before_d_registered_waits_as_usual() -> None:
     assert r.snapshot().counters == counters(registered=1, prefills=1, matched=1)
 
 
-@pytest.mark.parametrize("p_ends", [
-    pytest.param(lambda r: finish(r, now=1.0), id="prefill-finished"),
-    pytest.param(lambda r: r.prefill_aborted(T1, now=1.0), id="prefill-aborted"),
-])
+@pytest.mark.parametrize("p_ends", P_ENDS)
 def test_d_aborting_while_the_prompt_completes_frees_it_when_it_ends(
     p_ends: Callable[[PushRegistry], Any],
 ) -> None:
@@ -230,10 +235,7 @@ def test_a_prompt_completing_with_another_number_of_kv_groups_is_left_to_its_fin
     assert_empty(r)
 
 
-@pytest.mark.parametrize("p_ends", [
-    pytest.param(lambda r: finish(r, now=1.0), id="prefill-finished"),
-    pytest.param(lambda r: r.prefill_aborted(T1, now=1.0), id="prefill-aborted"),
-])
+@pytest.mark.parametrize("p_ends", P_ENDS)
 def test_an_abort_during_an_early_write_frees_when_the_write_ends(
     p_ends: Callable[[PushRegistry], Any],
 ) -> None:
