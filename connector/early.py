@@ -18,14 +18,12 @@ The payload is the channel's `StartWrite`, msgpack-encoded.
 
 from __future__ import annotations
 
-import contextlib
-import os
 from typing import Any
 
 import msgspec
 import zmq
 
-from connector.wake import ipc_address
+from connector.wake import ipc_address, remove_ipc_file
 
 
 def early_address(engine_id: str, dp_index: int, push_port: int) -> str:
@@ -52,10 +50,7 @@ class EarlyOutbox:
 
     def close(self) -> None:
         self._socket.close()
-        path = self.address.removeprefix("ipc://")
-        if not path.startswith("@"):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        remove_ipc_file(self.address)
 
 
 class EarlyInbox:

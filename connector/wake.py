@@ -34,6 +34,15 @@ def ipc_address(prefix: str, engine_id: str, dp_index: int) -> str:
     return f"ipc://{tempfile.gettempdir()}/{name}"
 
 
+def remove_ipc_file(address: str) -> None:
+    """After closing a socket bound at `address`: remove its file, if it has one (none in
+    the abstract namespace)."""
+    path = address.removeprefix("ipc://")
+    if not path.startswith("@"):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def wake_address(engine_id: str, dp_index: int) -> str:
     """The IPC address of one engine's wake-up socket."""
     return ipc_address("pd-wake", engine_id, dp_index)
@@ -60,10 +69,7 @@ class WakeListener:
     def close(self) -> None:
         self._socket.close()
         self._context.term()
-        path = self.address.removeprefix("ipc://")
-        if not path.startswith("@"):
-            with contextlib.suppress(OSError):
-                os.unlink(path)
+        remove_ipc_file(self.address)
 
 
 class WakeSender:
