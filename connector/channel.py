@@ -202,7 +202,7 @@ class StartWrite:
     # prompt, was built or ran: WRITE right after that forward pass, not before it.
     # None: matched after the prefill.
     early_step: int | None = None
-    fail_on_purpose: bool = False  # fault injection (`fail_write`), for an early WRITE
+    fail_on_purpose: bool = False  # fault injection (`fail_write`): fail, do not WRITE
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,9 +250,10 @@ class PrefillChannel(_ChannelThread):
             except zmq.ZMQError as exc:
                 logger.warning("no socket for early WRITEs (%s): pushes are written at the "
                                "step after their prompt's", exc)
-        # Prefills whose last step runs now, with no registration yet: that step's
-        # number, and whether to fail the WRITE on purpose (fault injection).
-        self._completing: dict[TransferId, tuple[int, bool]] = {}
+        # Prefills whose last step runs now: that step's number, for an early WRITE.
+        self._completing: dict[TransferId, int] = {}
+        # Transfers whose WRITE is to fail on purpose (fault injection), until it starts.
+        self._fail_on_purpose: set[TransferId] = set()
         # Written by the channel thread, read by the engine thread (has_pending_work, the
         # stats log).
         self.live_transfers = 0
@@ -261,8 +262,8 @@ class PrefillChannel(_ChannelThread):
     # --- engine thread -----------------------------------------------------------------
 
     def prefill_finished(self, transfer_id: TransferId, request_id: RequestId,
-                         block_ids: BlockIds) -> None:
-        self._post("finished", transfer_id, request_id, block_ids)
+                         block_ids: BlockIds, *, fail_on_purpose: bool = False) -> None:
+        self._post("finished", transfer_id, request_id, block_ids, fail_on_purpose)
 
     def prefill_completing(self, transfer_id: TransferId, request_id: RequestId,
                            block_ids: BlockIds, step: int, *,
@@ -359,22 +360,25 @@ class PrefillChannel(_ChannelThread):
     def _on_engine_event(self, kind: str, transfer_id: TransferId, *args: Any) -> None:
         now = time.monotonic()
         if kind == "finished":
-            request_id, block_ids = args
+            request_id, block_ids, fail_on_purpose = args
             self._completing.pop(transfer_id, None)
+            if fail_on_purpose:
+                self._fail_on_purpose.add(transfer_id)
             outcome = self.registry.prefill_finished(
                 transfer_id, block_ids, request_id=request_id, now=now)
             self._on_outcome(outcome, registration=None)
         elif kind == "completing":
             request_id, block_ids, step, fail_on_purpose = args
-            self._completing[transfer_id] = (step, fail_on_purpose)
+            self._completing[transfer_id] = step  # until the prefill is finished
+            if fail_on_purpose:
+                self._fail_on_purpose.add(transfer_id)
             ready = self.registry.prefill_completing(transfer_id, block_ids,
                                                      request_id=request_id)
             if ready is not None:
                 self._on_outcome(ready, registration=None)
-            elif self.registry.state_of(transfer_id) is not None:
-                del self._completing[transfer_id]  # known already: no early match
         elif kind == "aborted":
             self._completing.pop(transfer_id, None)
+            self._fail_on_purpose.discard(transfer_id)
             release = self.registry.prefill_aborted(transfer_id, now=now)
             if release is not None:
                 self._released(release)
@@ -406,8 +410,10 @@ class PrefillChannel(_ChannelThread):
                 block_size=config.block_size, tp_size=config.tp_size))
         if isinstance(outcome, Ready):
             self.registry.write_started(outcome.transfer_id)
-            write = StartWrite(outcome.transfer_id, outcome.request_id, outcome.block_ids,
-                               outcome.registration)
+            tid = outcome.transfer_id
+            write = StartWrite(tid, outcome.request_id, outcome.block_ids, outcome.registration,
+                               fail_on_purpose=tid in self._fail_on_purpose)
+            self._fail_on_purpose.discard(tid)
             if outcome.early:
                 self._start_early(write)
             else:
@@ -423,6 +429,8 @@ class PrefillChannel(_ChannelThread):
             if outcome.request_id is not None:
                 self._actions.put(FreeBlocks(outcome.transfer_id, outcome.request_id,
                                              outcome.reason.value))
+            if self.registry.state_of(outcome.transfer_id) is None:
+                self._fail_on_purpose.discard(outcome.transfer_id)
         elif isinstance(outcome, Release):
             self._released(outcome)
 
@@ -430,8 +438,7 @@ class PrefillChannel(_ChannelThread):
         """Send P's worker a WRITE to start right after the forward pass of the step that
         completes the prompt. Should that fail, the engine starts it with a later step,
         once that forward pass is done (`early_step` says which)."""
-        step, fail_on_purpose = self._completing.pop(write.transfer_id)
-        write = dataclasses.replace(write, early_step=step, fail_on_purpose=fail_on_purpose)
+        write = dataclasses.replace(write, early_step=self._completing.pop(write.transfer_id))
         if self._early is None or not self._early.send(write):
             logger.warning("push %s: could not hand the WRITE to P's worker at once; it "
                            "starts with the next step", write.transfer_id)
@@ -441,6 +448,7 @@ class PrefillChannel(_ChannelThread):
                   message: str = "", pull: PullOffer | None = None) -> None:
         """A transfer ended: free P's blocks (unless the engine's WRITE path did, or
         keeps them for D's READ: `pull`) and tell D, if D registered."""
+        self._fail_on_purpose.discard(release.transfer_id)
         if release.request_id is not None and release.block_ids is not None \
                 and not freed_by_engine:
             self._actions.put(FreeBlocks(release.transfer_id, release.request_id,

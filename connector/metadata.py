@@ -32,7 +32,7 @@ class PushJob:
     fail_on_purpose: bool = False  # fault injection (`fail_write`): fail, do not WRITE
 
     @classmethod
-    def of(cls, write: StartWrite, *, fail_on_purpose: bool = False) -> PushJob:
+    def of(cls, write: StartWrite) -> PushJob:
         """The job for P's channel's `StartWrite`."""
         reg = write.registration
         return cls(
@@ -40,7 +40,7 @@ class PushJob:
             block_ids=write.block_ids, decode_engine_id=reg.engine_id,
             decode_request_id=reg.request_id, decode_host=reg.host, decode_port=reg.port,
             decode_tp_size=reg.tp_size, decode_block_ids=reg.block_ids,
-            fail_on_purpose=fail_on_purpose or write.fail_on_purpose)
+            fail_on_purpose=write.fail_on_purpose)
 
 
 @dataclass(slots=True)

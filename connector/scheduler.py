@@ -142,7 +142,9 @@ class DualScheduler(NixlPullConnectorScheduler):
         self._step = PushStep()
         # P: WRITEs some of P's workers (TP x PP ranks) finished, waiting for the rest.
         self._write_tally = WriteTally(vllm_config.parallel_config.world_size)
-        self._fail_on_purpose: set[str] = set()  # P: requests asking for `fail_write`
+        # P: requests asking for `fail_write`, until their prefill goes to the channel,
+        # which then carries the flag to the WRITE.
+        self._fail_on_purpose: set[str] = set()
         # P: push prefills being computed, and those whose prompt a step completed (with
         # the blocks it is in), until they finish; the number of the step being built; and
         # early WRITEs that reached the engine instead of the worker, for the next step.
@@ -229,6 +231,8 @@ class DualScheduler(NixlPullConnectorScheduler):
         if is_push(params):
             tid = transfer_id_of(params)
             self._prefilling.pop(rid, None)
+            fail_on_purpose = rid in self._fail_on_purpose
+            self._fail_on_purpose.discard(rid)
             completed = self._completed.pop(rid, None)
             if completed is not None and tid:
                 # Its last step computed the whole prompt, whatever ended the request
@@ -241,7 +245,6 @@ class DualScheduler(NixlPullConnectorScheduler):
                                  completed)
                 delay_free = True
             elif not delay_free or not tid or answer is None:
-                self._fail_on_purpose.discard(rid)
                 if tid:
                     self.prefill_channel.prefill_aborted(tid)
                 return delay_free, answer
@@ -249,7 +252,8 @@ class DualScheduler(NixlPullConnectorScheduler):
                 completed = answer["remote_block_ids"]
             # The push registry holds these blocks now, not vLLM's pull lease.
             self._stop_pull_lease(rid)
-            self.prefill_channel.prefill_finished(tid, rid, completed)
+            self.prefill_channel.prefill_finished(tid, rid, completed,
+                                                  fail_on_purpose=fail_on_purpose)
             if answer is not None:
                 answer["transfer_mode"] = "push"
             self.stats.push_prefills += 1
@@ -318,16 +322,13 @@ class DualScheduler(NixlPullConnectorScheduler):
         self.prefill_channel.wait_caught_up(CATCH_UP_S)  # a prefill that just finished
         for action in self.prefill_channel.take_actions():
             if isinstance(action, StartWrite):
-                job = PushJob.of(action,
-                                 fail_on_purpose=action.request_id in self._fail_on_purpose)
-                self._fail_on_purpose.discard(action.request_id)
+                job = PushJob.of(action)
                 if action.early_step is not None and action.early_step >= self._step_number:
                     self._next_step_jobs.append(job)  # its prompt's forward has not run yet
                 else:
                     step.jobs.append(job)
             elif isinstance(action, FreeBlocks):
                 step.release.add(action.request_id)
-                self._fail_on_purpose.discard(action.request_id)
         meta.push = step  # type: ignore[attr-defined]
         self._log_stats()
         if self._only_awaiting_pushes(scheduler_output, step):

@@ -297,6 +297,18 @@ def test_a_prompt_that_finished_before_d_registered_is_written_by_the_engine(
     assert inbox.take() == [] and p.registry.snapshot().counters.early == 0
 
 
+def test_a_write_to_fail_on_purpose_says_so_when_it_starts_after_the_prefill(
+    channels: Channels,
+) -> None:
+    p = channels.prefill()
+    d = channels.decode()
+    reg = registration(d, "t-fail")
+    p.prefill_finished(reg.transfer_id, P_REQ, P_BLOCKS, fail_on_purpose=True)
+    d.register(p.address, reg)
+    (action,) = wait_actions(p)
+    assert action == StartWrite(reg.transfer_id, P_REQ, P_BLOCKS, reg, fail_on_purpose=True)
+
+
 def test_an_early_write_no_worker_takes_goes_to_the_engine_for_the_next_step(
     channels: Channels,
 ) -> None:
