@@ -325,8 +325,7 @@ async def start(fake: FakeVLLM, port: int = 0, host: str = "127.0.0.1") -> tuple
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()
-    sockets = site._server.sockets if site._server else []  # type: ignore[union-attr]
-    bound = sockets[0].getsockname()[1]
+    bound = runner.addresses[0][1]  # the port the OS chose when port is 0
     return runner, f"http://{host}:{bound}"
 
 

@@ -38,6 +38,6 @@ else
   step "nixl already installed"
 fi
 
-step "installing pd-proxy (editable), its test tools and the benchmarks' plotting"
-pip_install -e ".[test,bench]"
+step "installing pd-proxy (editable), its test tools, linters and the benchmarks' plotting"
+pip_install -e ".[test,bench,lint]"
 step "done: $("$VENV/bin/python" -c 'import vllm, nixl, proxy; print("vllm", vllm.__version__)')"
