@@ -18,10 +18,11 @@ What it runs, in one go (progress is printed as it goes):
    target's baseline), and once into the same cache-hot blocks every time.
 
 It prints, per case, the median TTFT of each and the ratios direct/pull, push/pull
-(target: 0.85 or less from 512 tokens on) and stock push/pull; and our push path's WRITE
-throughput (from P's `vllm:nixl_*` metrics: bytes over NIXL's own transfer time, and over the time
-inside NIXL's post alone) against the raw WRITE's into fresh blocks (target: 0.7 or
-more) and into cache-hot ones. Results go to a JSON file and, with matplotlib
+(target: 0.85 or less from 512 tokens on) and stock push/pull, and our pushes' WRITE
+throughput in that case against a raw WRITE (fresh blocks) of that case's shape; then our push path's WRITE throughput over the whole run (from
+P's `vllm:nixl_*` metrics: bytes over NIXL's own transfer time, and over the time inside
+NIXL's post alone) against the raw WRITE's into fresh blocks (target: 0.7 or more) and
+into cache-hot ones. Results go to a JSON file and, with matplotlib
 installed (`pip install -e .[bench]`), a PNG plot.
 
 On a 2-core machine both servers, the router and this client share the cores; the
@@ -107,6 +108,7 @@ async def run_pair(connector: str, modes: Sequence[str], args: argparse.Namespac
     say(f"starting a P/D pair with {connector} ... (20-60 s)")
     ttfts: dict[str, dict[str, list[float]]] = {}
     nixl: dict[str, float] = {}
+    nixl_by_case: dict[str, dict[str, float]] = {}
     extra = args.connector_config if connector == DUAL_CONNECTOR else None
     with pair(connector, extra_args=["--max-model-len", "1024"], kv_extra_config=extra,
               start_timeout_s=args.start_timeout) as p, \
@@ -115,7 +117,7 @@ async def run_pair(connector: str, modes: Sequence[str], args: argparse.Namespac
         async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
             for mode in modes:  # warm every path (handshakes, first allocations)
                 await batch(client, urls[mode], mode, 128, 2, rng)
-            before = await p_nixl_counters(client, p.prefill_url)
+            before = case_before = await p_nixl_counters(client, p.prefill_url)
             cases = [(n, c) for n in args.prompts for c in args.concurrency]
             for index, (prompt_len, concurrency) in enumerate(cases, 1):
                 key = f"{prompt_len}x{concurrency}"
@@ -129,25 +131,45 @@ async def run_pair(connector: str, modes: Sequence[str], args: argparse.Namespac
                                     for m, v in ttfts[key].items())
                 say(f"  [{index}/{len(cases)}] {prompt_len} tokens x {concurrency} "
                     f"concurrent: median TTFT {medians}")
-            after = await p_nixl_counters(client, p.prefill_url)
-            nixl = {k: after[k] - before[k] for k in after}
-    return {"connector": connector, "ttft_s": ttfts, "prefill_nixl": nixl}
+                case_after = await p_nixl_counters(client, p.prefill_url)
+                nixl_by_case[key] = difference(case_after, case_before)
+                case_before = case_after
+            nixl = difference(case_before, before)
+    return {"connector": connector, "ttft_s": ttfts, "prefill_nixl": nixl,
+            "prefill_nixl_by_case": nixl_by_case}
+
+
+def difference(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    return {name: after[name] - before[name] for name in after}
+
+
+def write_gbps(nixl: dict[str, float], seconds: str = NIXL_TIME) -> float | None:
+    """P's WRITEs' bytes over one of NIXL's time histograms (None without WRITEs)."""
+    total = nixl.get(f"{seconds}_sum", 0.0)
+    return nixl[f"{NIXL_BYTES}_sum"] / total / 1e9 if total > 0 else None
 
 
 FRESH_MIB = 256  # the raw WRITE's pools for fresh blocks: well beyond any CPU cache
 
 
-def raw_write_baseline(nixl: dict[str, float], args: argparse.Namespace,
-                       fresh_mib: int) -> dict[str, Any] | None:
-    """A raw NIXL DRAM WRITE shaped like our average push: same bytes, same descriptors;
-    into fresh blocks each time (`fresh_mib` > 0) or the same ones."""
+def write_shape(nixl: dict[str, float]) -> tuple[int, int] | None:
+    """(descriptors, bytes per descriptor) of the average WRITE in `nixl`; None if none."""
     writes = nixl.get(f"{NIXL_BYTES}_count", 0.0)
     descriptors = nixl.get(f"{NIXL_DESCRIPTORS}_sum", 0.0)
     if writes <= 0 or descriptors <= 0:
         return None
-    per_write = nixl[f"{NIXL_BYTES}_sum"] / writes
     blocks = max(1, round(descriptors / writes))
-    block_bytes = max(1, round(per_write / blocks))
+    return blocks, max(1, round(nixl[f"{NIXL_BYTES}_sum"] / writes / blocks))
+
+
+def raw_write_baseline(nixl: dict[str, float], args: argparse.Namespace,
+                       fresh_mib: int) -> dict[str, Any] | None:
+    """A raw NIXL DRAM WRITE shaped like our average push in `nixl`: same bytes, same
+    descriptors; into fresh blocks each time (`fresh_mib` > 0) or the same ones."""
+    shape = write_shape(nixl)
+    if shape is None:
+        return None
+    blocks, block_bytes = shape
     where = f"fresh blocks from {fresh_mib} MiB" if fresh_mib else "the same blocks"
     say(f"raw NIXL WRITE of the same shape: {blocks} x {block_bytes} B, scattered, "
         f"into {where} ...")
@@ -157,8 +179,27 @@ def raw_write_baseline(nixl: dict[str, float], args: argparse.Namespace,
         timeout=120.0, fresh_mib=fresh_mib))
 
 
+def raw_by_case(dual: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
+    """The raw WRITE's median GB/s into fresh blocks, shaped like each case's average push
+    (one raw run per distinct shape: the cases of one prompt length share theirs)."""
+    by_shape: dict[tuple[int, int], float | None] = {}
+    gbps: dict[str, float] = {}
+    for key, nixl in dual.get("prefill_nixl_by_case", {}).items():
+        shape = write_shape(nixl)
+        if shape is None:
+            continue
+        if shape not in by_shape:
+            raw = raw_write_baseline(nixl, args, fresh_mib=FRESH_MIB)
+            by_shape[shape] = raw["gbps_median"] if raw else None
+        value = by_shape[shape]
+        if value is not None:
+            gbps[key] = value
+    return gbps
+
+
 def summarize(dual: dict[str, Any], stock: dict[str, Any] | None,
-              raw: dict[str, Any] | None, raw_fresh: dict[str, Any] | None) -> dict[str, Any]:
+              raw: dict[str, Any] | None, raw_fresh: dict[str, Any] | None,
+              raw_fresh_by_case: dict[str, float] | None = None) -> dict[str, Any]:
     rows = []
     for key, by_mode in dual["ttft_s"].items():
         pull, push = statistics.median(by_mode["pull"]), statistics.median(by_mode["push"])
@@ -166,6 +207,9 @@ def summarize(dual: dict[str, Any], stock: dict[str, Any] | None,
         stock_push = (statistics.median(stock["ttft_s"][key]["push"])
                       if stock and key in stock["ttft_s"] else None)
         prompt_len, concurrency = (int(x) for x in key.split("x"))
+        case_nixl = dual.get("prefill_nixl_by_case", {}).get(key, {})
+        case_gbps = write_gbps(case_nixl) if case_nixl else None
+        case_raw = (raw_fresh_by_case or {}).get(key)
         rows.append({
             "prompt_tokens": prompt_len, "concurrency": concurrency,
             "pull_ms": pull * 1000, "push_ms": push * 1000,
@@ -174,15 +218,12 @@ def summarize(dual: dict[str, Any], stock: dict[str, Any] | None,
             "stock_push_ms": None if stock_push is None else stock_push * 1000,
             "push_over_pull": push / pull,
             "stock_push_over_pull": None if stock_push is None else stock_push / pull,
+            "write_gbps": case_gbps,
+            "raw_fresh_gbps": case_raw,
+            "write_over_raw_fresh": case_gbps / case_raw if case_gbps and case_raw else None,
         })
     nixl = dual["prefill_nixl"]
-
-    def gbps(seconds: str) -> float | None:
-        """Our WRITEs' bytes over one of NIXL's time histograms."""
-        total = nixl.get(f"{seconds}_sum", 0.0)
-        return nixl[f"{NIXL_BYTES}_sum"] / total / 1e9 if total > 0 else None
-
-    ours_gbps, post_gbps = gbps(NIXL_TIME), gbps(NIXL_POST)
+    ours_gbps, post_gbps = write_gbps(nixl), write_gbps(nixl, NIXL_POST)
     raw_gbps = raw["gbps_median"] if raw else None
     fresh_gbps = raw_fresh["gbps_median"] if raw_fresh else None
     return {
@@ -203,14 +244,18 @@ def print_summary(summary: dict[str, Any]) -> None:
         return "-" if value is None else format(value, form)
 
     print(f"\n{'prompt':>7} {'conc':>4} {'direct ms':>9} {'pull ms':>8} {'push ms':>8} "
-          f"{'stock ms':>9} {'direct/pull':>11} {'push/pull':>9} {'stock/pull':>10}")
+          f"{'stock ms':>9} {'direct/pull':>11} {'push/pull':>9} {'stock/pull':>10} "
+          f"{'WRITE GB/s':>10} {'raw GB/s':>8} {'WRITE/raw':>9}")
     for row in summary["cases"]:
         target = " (target <= 0.85)" if row["prompt_tokens"] >= 512 else ""
         print(f"{row['prompt_tokens']:>7} {row['concurrency']:>4} "
               f"{cell(row['direct_ms'], '.0f'):>9} {row['pull_ms']:>8.0f} "
               f"{row['push_ms']:>8.0f} {cell(row['stock_push_ms'], '.0f'):>9} "
               f"{cell(row['direct_over_pull'], '.2f'):>11} {row['push_over_pull']:>9.2f} "
-              f"{cell(row['stock_push_over_pull'], '.2f'):>10}{target}")
+              f"{cell(row['stock_push_over_pull'], '.2f'):>10} "
+              f"{cell(row.get('write_gbps'), '.2f'):>10} "
+              f"{cell(row.get('raw_fresh_gbps'), '.2f'):>8} "
+              f"{cell(row.get('write_over_raw_fresh'), '.2f'):>9}{target}")
     w = summary["write"]
     if w["ours_gbps"] is not None:
         def raw(gbps: float | None, ratio: float | None) -> str:
@@ -305,10 +350,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     stock = None if args.no_stock else await run_pair(STOCK_PUSH, ("push",), args, rng)
     raw_fresh = raw_write_baseline(dual["prefill_nixl"], args, fresh_mib=FRESH_MIB)
     raw = raw_write_baseline(dual["prefill_nixl"], args, fresh_mib=0)
-    summary = summarize(dual, stock, raw, raw_fresh)
+    raw_fresh_by_case = raw_by_case(dual, args)
+    summary = summarize(dual, stock, raw, raw_fresh, raw_fresh_by_case)
     return {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "dual": dual, "stock": stock, "raw_write_fresh": raw_fresh, "raw_write": raw,
-            "summary": summary}
+            "raw_write_fresh_gbps_by_case": raw_fresh_by_case, "summary": summary}
 
 
 def main(argv: list[str] | None = None) -> int:
