@@ -13,13 +13,16 @@ when the server starts, so a typo fails the start with a clear message, not a re
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 MAX_PORT = 65535
 MAX_PAUSE = 0.05  # push_wait_pause: longer would hold up the engine's other work
 CPU_PAUSE = 0.005  # push_wait_pause on a CPU server, unless set
+
+# How a server's NIXL agent makes progress (`nixl_progress_thread`; connector/progress.py).
+ProgressMode = Literal["event", "off", "spin"]
 
 # The keys this module owns inside kv_connector_extra_config.
 KEYS = (
@@ -72,12 +75,13 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # P: honour `"fail_write": true` in a push request's kv_transfer_params by failing
     # its WRITE on purpose, before it starts. For tests and failure drills; leave off.
     fault_injection: bool = False
-    # Give this server's NIXL agent NIXL's own progress thread. That thread spins a whole
-    # core for as long as the server runs, idle or not. Without it (the default) nothing
-    # is lost: vLLM polls its transfers and notifications every engine step, and our own
-    # poller thread keeps a push moving between steps (P's WRITEs, D's notifications).
-    # Turn it on only where a transport needs an agent to progress on its own, unpolled.
-    nixl_progress_thread: bool = False
+    # How this server's NIXL agent makes progress (connector/progress.py): "event", NIXL's
+    # progress thread woken by the transport's events, idle at no cost, so a peer's
+    # transfer never waits for this server's next engine step; "off", no thread (vLLM
+    # polls every engine step, our poller between steps while a push is in flight);
+    # "spin", NIXL's default as vLLM builds it, a thread that spins a whole core for as
+    # long as the server runs.
+    nixl_progress_thread: ProgressMode = "event"
     # D: while its engine has nothing to run and only waits for pushes, each engine step
     # pauses this long (seconds). vLLM steps a waiting engine back to back, which keeps
     # about half a core busy on a CPU server for as long as P computes the prompt: CPU
@@ -131,6 +135,11 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     def from_extra_config(cls, extra: dict[str, Any] | None) -> DualConfig:
         """Our keys from `kv_connector_extra_config`; raise ConfigError with the reason."""
         ours = {key: value for key, value in (extra or {}).items() if key in KEYS}
+        if isinstance(ours.get("nixl_progress_thread"), bool):
+            raise ConfigError(
+                "nixl_progress_thread is one of \"event\", \"off\", \"spin\" "
+                "(it was a boolean once: false is now \"off\", true \"spin\")"
+            )
         if "push_port" not in ours:
             raise ConfigError(
                 "NixlDualConnector needs kv_connector_extra_config.push_port: the port of "

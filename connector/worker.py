@@ -31,19 +31,14 @@ alive).
 
 from __future__ import annotations
 
-import importlib
 import logging
 import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
     NixlConnectorMetadata,
     RemoteMeta,
@@ -63,6 +58,7 @@ from connector.early import EarlyInbox
 from connector.messages import PullOffer, TransferId
 from connector.metadata import PushEnd, PushJob, PushReport, PushStep
 from connector.pages import small_pages
+from connector.progress import agent_progress
 from connector.wake import WakeSender
 
 if TYPE_CHECKING:
@@ -74,34 +70,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm.pd_connector.worker")
 
 _POLL_S = 0.0002  # between two polls of the poller thread, while it has work
-
-
-@contextmanager
-def _nixl_progress_thread(enabled: bool) -> Iterator[None]:
-    """While vLLM's worker is built, have it build its NIXL agent with or without NIXL's
-    progress thread (`nixl_progress_thread`).
-
-    vLLM takes NIXL's default, a thread that spins a core for the server's whole life, and
-    offers no setting. Its worker builds the agent's config from the `nixl_agent_config`
-    name in its module, so that name is swapped for as long as the constructor runs, and
-    put back after. Without the progress thread, UCX is only made safe for calls from
-    several threads (vLLM's handshakes, the engine, our WRITE poller) when the agent is
-    asked for NIXL's reader/writer locking; so it is."""
-    name = "nixl_agent_config"
-    if not enabled and not hasattr(base_worker, name):
-        logger.warning("this vLLM builds its NIXL agent differently: NIXL's progress "
-                       "thread stays on (and spins a core)")
-    factory = getattr(base_worker, name, None)
-    if enabled or factory is None:  # None: NIXL is missing, and vLLM says so itself
-        yield
-        return
-    sync = importlib.import_module(factory.__module__).nixl_thread_sync_t
-    setattr(base_worker, name, partial(
-        factory, enable_prog_thread=False, sync_mode=sync.NIXL_THREAD_SYNC_RW))
-    try:
-        yield
-    finally:
-        setattr(base_worker, name, factory)
 
 
 class DualWorker(NixlPullConnectorWorker):
@@ -117,7 +85,7 @@ class DualWorker(NixlPullConnectorWorker):
         assert vllm_config.kv_transfer_config is not None
         config = DualConfig.from_extra_config(
             vllm_config.kv_transfer_config.kv_connector_extra_config)
-        with _nixl_progress_thread(config.nixl_progress_thread):
+        with agent_progress(config.nixl_progress_thread):
             super().__init__(vllm_config, engine_id, kv_cache_config)
         self._pull_fallback_ttl = config.pull_fallback_ttl
         # P: WRITE handles by P's request id, as vLLM's push code fills them.

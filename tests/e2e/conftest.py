@@ -7,8 +7,8 @@
 - `proxy_for(pair, mode)`: the router (`python -m proxy serve`) in front of a pair.
 
 Only one pair runs at a time. Two pairs are four servers, and with vLLM's own connectors
-each server's NIXL progress thread spins about a core even when idle (ours turns it
-off): on a 2-core machine they would starve each other (memory, ~2.6 GiB per server,
+each server's NIXL progress thread spins about a core even when idle (ours makes it
+event-driven): on a 2-core machine they would starve each other (memory, ~2.6 GiB per server,
 would fit). So a session-scoped `PairManager` owns the single running pair: asking for
 the other kind stops the running one first. To start each kind once per session, the tests that use a pair are reordered
 (stably): all `pull_pair` users first, then `push_pair` users, then `dual_pair` users.

@@ -152,8 +152,9 @@ async def test_p_answers_say_it_can_push_and_where(dual_pair: Pair) -> None:
 
 
 async def test_idle_servers_leave_the_cores_free(dual_pair: Pair) -> None:
-    # With NIXL's own progress thread each server would spin a core for its whole life;
-    # the connector turns it off (`nixl_progress_thread`). vLLM's engine keeps stepping
+    # With NIXL's own progress thread as vLLM builds it each server would spin a core for
+    # its whole life; the connector makes it sleep until the transport has work
+    # (`nixl_progress_thread: "event"`). vLLM's engine keeps stepping
     # while any block is held, and its processes poll each other for a second after any
     # work: so wait until nothing is held, then for a quiet spell, then measure.
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:

@@ -16,8 +16,14 @@ def test_only_our_keys_are_read_and_the_defaults_fill_the_rest() -> None:
     assert (config.registration_ttl, config.unclaimed_ttl) == (120.0, 120.0)
     assert (config.ack_timeout, config.ping_interval, config.peer_timeout) == (5.0, 1.0, 3.0)
     assert (config.pull_fallback_ttl, config.fault_injection) == (30.0, False)
-    assert config.nixl_progress_thread is False
+    assert config.nixl_progress_thread == "event"
     assert config.push_wait_pause is None
+
+
+@pytest.mark.parametrize("mode", ["event", "off", "spin"])
+def test_each_progress_mode_is_accepted(mode: str) -> None:
+    assert DualConfig.from_extra_config(
+        {"push_port": 5700, "nixl_progress_thread": mode}).nixl_progress_thread == mode
 
 
 def test_a_pull_fallback_ttl_of_zero_turns_the_fallback_off() -> None:
@@ -76,7 +82,9 @@ def test_push_port_is_required(extra: dict[str, Any] | None) -> None:
     pytest.param({"push_port": 5700, "fault_injection": "maybe"}, "fault_injection",
                  id="fault-injection-not-a-bool"),
     pytest.param({"push_port": 5700, "nixl_progress_thread": "sometimes"},
-                 "nixl_progress_thread", id="progress-thread-not-a-bool"),
+                 "nixl_progress_thread", id="progress-thread-not-a-mode"),
+    pytest.param({"push_port": 5700, "nixl_progress_thread": False},
+                 'false is now "off"', id="progress-thread-an-old-boolean"),
     pytest.param({"push_port": 5700, "push_wait_pause": -0.001}, "push_wait_pause",
                  id="pause-negative"),
     pytest.param({"push_port": 5700, "push_wait_pause": 1}, "push_wait_pause",
