@@ -19,11 +19,12 @@ What it runs, in one go (progress is printed as it goes):
 
 It prints, per case, the median TTFT of each and the ratios direct/pull, push/pull
 (target: 0.85 or less from 512 tokens on) and stock push/pull, and our pushes' WRITE
-throughput in that case against a raw WRITE (fresh blocks) of that case's shape; then our push path's WRITE throughput over the whole run (from
-P's `vllm:nixl_*` metrics: bytes over NIXL's own transfer time, and over the time inside
-NIXL's post alone) against the raw WRITE's into fresh blocks (target: 0.7 or more) and
-into cache-hot ones. Results go to a JSON file and, with matplotlib
-installed (`pip install -e .[bench]`), a PNG plot.
+throughput in that case against a raw WRITE of that case's shape into fresh blocks;
+then our push path's WRITE throughput over the whole run (from P's `vllm:nixl_*`
+metrics: bytes over NIXL's own transfer time, and over the time inside NIXL's post
+alone) against the raw WRITE's into fresh blocks (target: 0.7 or more) and into
+cache-hot ones. Results go to a JSON file and, with matplotlib installed
+(`pip install -e .[bench]`), a PNG plot.
 
 On a 2-core machine both servers, the router and this client share the cores; the
 absolute numbers are small-model CPU numbers, the ratios are the point.
