@@ -208,8 +208,7 @@ def summarize(dual: dict[str, Any], stock: dict[str, Any] | None,
         stock_push = (statistics.median(stock["ttft_s"][key]["push"])
                       if stock and key in stock["ttft_s"] else None)
         prompt_len, concurrency = (int(x) for x in key.split("x"))
-        case_nixl = dual.get("prefill_nixl_by_case", {}).get(key, {})
-        case_gbps = write_gbps(case_nixl) if case_nixl else None
+        case_gbps = write_gbps(dual.get("prefill_nixl_by_case", {}).get(key, {}))
         case_raw = (raw_fresh_by_case or {}).get(key)
         rows.append({
             "prompt_tokens": prompt_len, "concurrency": concurrency,

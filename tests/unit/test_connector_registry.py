@@ -160,6 +160,12 @@ def test_a_prompt_completing_after_d_registered_matches_early_and_its_finish_is_
     to_awaiting_prefill(r)
     assert complete(r) == Ready(T1, reg(), P_BLOCKS, P_REQ, early=True)
     assert r.next_deadline() is None, "matched: no deadline"
+    write_early_match_to_the_end(r)
+
+
+def write_early_match_to_the_end(r: PushRegistry) -> None:
+    """T1 matched early: its WRITE starts, the prefill's finish is known, not a duplicate,
+    and the WRITE's end frees everything."""
     assert r.write_started(T1) is True
     assert finish(r, now=1.0) == Waiting(T1, S.WRITING), "the finish of a known prefill"
     assert r.state_of(T1) is S.WRITING
@@ -174,12 +180,7 @@ def test_d_registering_while_the_prompt_completes_matches_early() -> None:
     assert complete(r) is None, "no registration yet"
     assert len(r) == 0 and r.next_deadline() is None and r.snapshot().completing == 1
     assert r.register(reg(), now=0.5) == Ready(T1, reg(), P_BLOCKS, P_REQ, early=True)
-    assert r.write_started(T1) is True
-    assert finish(r, now=1.0) == Waiting(T1, S.WRITING)
-    assert r.write_done(T1) == Release(T1, S.DONE, P_BLOCKS, notify=reg(), request_id=P_REQ)
-    assert_empty(r)
-    assert r.snapshot().counters == counters(registered=1, prefills=1, matched=1, early=1,
-                                             done=1)
+    write_early_match_to_the_end(r)
 
 
 def test_a_prompt_that_completed_before_d_registered_waits_as_usual() -> None:
