@@ -19,7 +19,7 @@ import msgspec
 
 MAX_PORT = 65535
 MAX_PAUSE = 0.05  # push_wait_pause: longer would hold up the engine's other work
-CPU_PAUSE = 0.005  # push_wait_pause on a CPU server, unless set
+CPU_PAUSE = 0.01  # push_wait_pause on a CPU server, unless set
 
 # How a server's NIXL agent makes progress (`nixl_progress_thread`; connector/progress.py).
 ProgressMode = Literal["event", "off", "spin"]

@@ -259,7 +259,7 @@ async def push_registered_first(
 
 async def test_d_waiting_for_a_push_keeps_its_engine_quiet(dual_pair: Pair) -> None:
     """While D only waits for P's WRITE, its engine pauses between idle steps
-    (`push_wait_pause`, 5 ms on CPU) instead of stepping back to back, which kept about
+    (`push_wait_pause`, 10 ms on CPU) instead of stepping back to back, which kept about
     half a core busy."""
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         waiting = await d_waiting_for_a_push(client, dual_pair)
