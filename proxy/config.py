@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,36 @@ class MissingKVParams(str, enum.Enum):
     RECOMPUTE = "recompute"  # send D the plain request, and count it
 
 
+class PushRecovery(str, enum.Enum):
+    """What to do when a push's P leg fails before D sent the client a byte."""
+
+    PULL = "pull"  # redo the request as a pull on another P (none left: D recomputes)
+    RECOMPUTE = "recompute"  # send D the plain request: D computes the prompt itself
+    ERROR = "error"  # answer the client with P's error (502/504)
+
+
+class Auth(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Credentials. A value "env:NAME" is read from the environment variable NAME."""
+
+    # Sent to every P / D as "Authorization: Bearer <key>" (vLLM's --api-key); an
+    # endpoint's own api_key wins. Env PDPROXY_PREFILL_API_KEY / PDPROXY_DECODE_API_KEY.
+    prefill_api_key: str | None = None
+    decode_api_key: str | None = None
+    # When set, the inference routes and /v1/models need "Authorization: Bearer <key>"
+    # with one of these (401 otherwise). Env PDPROXY_CLIENT_API_KEYS, comma-separated.
+    client_api_keys: list[str] = []
+
+
+def resolve_secret(value: str | None) -> str | None:
+    """A configured secret: "env:NAME" reads the variable NAME (unset: an error)."""
+    if value is None or not value.startswith("env:"):
+        return value
+    name = value[4:]
+    if name not in os.environ:
+        raise ValueError(f"the environment variable {name} (named by {value!r}) is not set")
+    return os.environ[name]
+
+
 class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Time limits in seconds, one per phase of a P/D request."""
 
@@ -150,6 +181,17 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     stream_idle: float = 60.0  # longest silence between two chunks of D's answer
     probe: float = 30.0  # a probe of a P's KV coordinates
     health: float = 2.0  # one active health check
+    # Waiting for a free upstream connection under limits.max_connections; past it the
+    # request is refused with 503 and Retry-After (counted as pool_timeout).
+    pool: float = 5.0
+    # A client that accepts no bytes of its answer this long is disconnected and its
+    # upstream legs closed (a slow client that still reads is left alone).
+    client_stall: float = 60.0
+    # A client's request head and body must arrive within this, or it is disconnected.
+    client_request: float = 30.0
+    # Keep-alive connections to upstreams idle longer than this are closed, not reused:
+    # keep it below the servers' own keep-alive (uvicorn's default is 5 s).
+    upstream_idle: float = 4.0
 
     def __post_init__(self) -> None:
         for name in self.__struct_fields__:
@@ -160,13 +202,25 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies are refused with 413
-    max_connections: int = 1024  # open upstream connections in all (0 = no limit)
+    max_connections: int = 1024  # open upstream connections for requests (0 = no limit)
+    # Connections for health checks, probes, model lists and /metrics scrapes: a budget
+    # of their own, so they never queue behind user traffic (0 = no limit).
+    control_connections: int = 64
+    # Inference requests in flight at once; over it new ones get 503 with Retry-After
+    # (0 = no limit).
+    max_in_flight: int = 0
+    # An upstream answer's status line and headers larger than this are a broken answer.
+    max_upstream_header_bytes: int = 64 * 1024
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0:
             raise ValueError(f"limits.max_body_bytes must be > 0, got {self.max_body_bytes!r}")
-        if self.max_connections < 0:
-            raise ValueError(f"limits.max_connections must be >= 0, got {self.max_connections!r}")
+        for name in ("max_connections", "control_connections", "max_in_flight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"limits.{name} must be >= 0, got {getattr(self, name)!r}")
+        if self.max_upstream_header_bytes < 1024:
+            raise ValueError("limits.max_upstream_header_bytes must be >= 1024, got "
+                             f"{self.max_upstream_header_bytes!r}")
 
 
 class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -189,6 +243,9 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # Our connector's push side channel on this P (its kv_connector_extra_config
     # push_port); learned from P's answers when not given.
     push_port: int | None = None
+    # Sent to this server as "Authorization: Bearer <key>" (vLLM's --api-key); wins over
+    # the cluster's auth.prefill_api_key / decode_api_key. "env:NAME" reads a variable.
+    api_key: str | None = None
 
     def __post_init__(self) -> None:
         validate_url(self.url)
@@ -217,6 +274,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Served model names. Empty: learn them from the upstreams' /v1/models.
     models: list[str] = []
     missing_kv_params: MissingKVParams = MissingKVParams.ERROR
+    push_recovery: PushRecovery = PushRecovery.PULL
+    auth: Auth = Auth()
     health: HealthChecks = HealthChecks()
     auto: AutoSettings = AutoSettings()
     probe_retry_interval: float = 10.0  # after a failed probe, wait this long to try again
@@ -228,6 +287,9 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # The admin API (/admin/endpoints: add, remove, drain servers) needs this token as
     # "Authorization: Bearer <token>"; without one it is off. Env PDPROXY_ADMIN_TOKEN.
     admin_token: str | None = None
+    # Serve the admin API on its own "host:port" instead of the public listener (which
+    # then has no /admin routes).
+    admin_listen: str | None = None
     # With --config FILE: re-read the file this often (seconds) and apply its server
     # lists when it changed (0 = never).
     config_watch_interval: float = 2.0
@@ -244,6 +306,10 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"port out of range: {self.port!r}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace!r}")
+        if self.admin_listen is not None:
+            host, _, port = self.admin_listen.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"admin_listen must be host:port, got {self.admin_listen!r}")
         if self.log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
             raise ValueError(f"unknown log_level {self.log_level!r}")
 

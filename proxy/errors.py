@@ -6,6 +6,7 @@
     │   └── MethodNotAllowed         405: a route asked with the wrong method
     ├── NotFound                     404: unknown route or model
     ├── NoHealthyEndpoint            503: no upstream can take the request now
+    ├── Overloaded                   503: over a limit of the router's own (shed load)
     ├── KVTransferError              502: the KV hand-over between P and D failed
     └── UpstreamError                a vLLM server failed us
         ├── UpstreamConnectError     502: could not connect
@@ -73,6 +74,24 @@ class NoHealthyEndpoint(RouterError):
     status = 503
     error_type = "service_unavailable"
     retry_after_s = 1
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)}
+
+
+class Overloaded(RouterError):
+    """The router refuses work over one of its own limits: no upstream connection free
+    within `timeouts.pool`, or `limits.max_in_flight` reached. `reason` labels
+    `pdproxy_rejected_total`. Never the upstream's fault: not retried, not counted
+    against a server's health."""
+
+    status = 503
+    error_type = "service_unavailable"
+    retry_after_s = 1
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": str(self.retry_after_s)}

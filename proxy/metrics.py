@@ -104,6 +104,34 @@ class RouterMetrics:
             registry=r,
         )
 
+        self.rejected = Counter(
+            "pdproxy_rejected",
+            "Requests refused by the router's own limits or checks, by reason (pool_timeout: "
+            "no upstream connection free in time; max_in_flight; unauthorized)",
+            ["reason"],
+            registry=r,
+        )
+        self.client_cuts = Counter(
+            "pdproxy_client_cuts",
+            "Client connections the router cut, by reason (stall: accepted no bytes for "
+            "timeouts.client_stall; slow_request: head or body not in within "
+            "timeouts.client_request)",
+            ["reason"],
+            registry=r,
+        )
+        self.push_recoveries = Counter(
+            "pdproxy_push_recoveries",
+            "Pushes whose P leg failed before D's first byte and were answered anyway, by "
+            "how (pull: redone as a pull on another P; recompute: D computed the prompt)",
+            ["how"],
+            registry=r,
+        )
+        self.admin_auth_failures = Counter(
+            "pdproxy_admin_auth_failures",
+            "Admin API calls refused for a missing or wrong token",
+            registry=r,
+        )
+
     def watch_endpoints(self, endpoints: Callable[[], Iterable[Any]]) -> None:
         """Report each endpoint's in-flight count and health, read when scraped (the
         endpoints keep the numbers; nothing is updated per request)."""
