@@ -12,6 +12,7 @@
         ├── UpstreamConnectError     502: could not connect
         ├── UpstreamTimeout          504: a configured time limit ran out
         ├── UpstreamProtocolError    502: the answer was cut or malformed
+        │   └── UpstreamConnectionLost  502: the connection broke during the exchange
         └── UpstreamStatusError      the upstream's own status and body
 
 `upstream.py` is the only module that turns aiohttp or asyncio errors into these.
@@ -127,6 +128,11 @@ class UpstreamTimeout(UpstreamError):
 
 class UpstreamProtocolError(UpstreamError):
     kind = "protocol"
+
+
+class UpstreamConnectionLost(UpstreamProtocolError):
+    """The server's connection closed or reset before its answer was complete (it
+    crashed, or something between us cut the connection): counts against its health."""
 
 
 class UpstreamStatusError(UpstreamError):

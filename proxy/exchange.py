@@ -13,11 +13,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
+from proxy.config import Mode
 from proxy.endpoints import ClusterName, Endpoint
 from proxy.errors import (
     NoHealthyEndpoint,
     RouterError,
+    Overloaded,
     UpstreamConnectError,
+    UpstreamConnectionLost,
     UpstreamError,
     UpstreamProtocolError,
 )
@@ -44,6 +47,7 @@ class Exchange:
         decode: Endpoint,
         decision: ModeDecision,
         bucket: int | None = None,
+        prefix: str | None = None,
     ) -> None:
         self.router = router
         self.request = request
@@ -51,6 +55,7 @@ class Exchange:
         self.decode_endpoint = decode
         self.decision = decision
         self.bucket = bucket  # the prompt-length bucket auto mode learns in (streamed requests)
+        self.prefix = prefix  # the prompt's prefix key (prefix affinity), for a retry's pick
         self.mode = decision.used.value
         self.upstream_headers = {"X-Request-Id": request.request_id}
         self.started_at = time.perf_counter()
@@ -65,17 +70,17 @@ class Exchange:
     ) -> T:
         """Run a leg; if it failed in a way worth retrying (see `proxy.retry`) before any
         byte reached the client, and the retry budget allows, run it once more on another
-        healthy server of the same cluster."""
+        healthy server of the same cluster, picked with every filter of the first pick
+        (model, transfer mode, draining, ejection) and without the failed server."""
         try:
             return await leg()
         except UpstreamError as exc:
             reason = retry_reason(exc)
             if reason is None or (down is not None and down.started):
                 raise
-            pool = self.router.prefill if cluster is ClusterName.PREFILL else self.router.decode
             failed = self.prefill_endpoint if cluster is ClusterName.PREFILL else self.decode_endpoint
             try:
-                other = pool.pick(exclude=failed)
+                other = self.pick_again(cluster, exclude=failed)
             except NoHealthyEndpoint:
                 raise exc from None
             metrics = self.router.metrics
@@ -89,6 +94,16 @@ class Exchange:
             else:
                 self.decode_endpoint = other
             return await leg()
+
+    def pick_again(
+        self, cluster: ClusterName, *, exclude: Endpoint, mode: Mode | None = None
+    ) -> Endpoint:
+        """Another server of `cluster` for this request, filtered as the first pick was
+        (the request's model, the mode in use unless `mode` says, healthy, not draining,
+        not ejected)."""
+        pool = self.router.prefill if cluster is ClusterName.PREFILL else self.router.decode
+        return pool.pick(exclude=exclude, key=self.prefix, mode=mode or self.decision.used,
+                         model=self.request.model)
 
     async def prefill(self, body: dict[str, Any]) -> dict[str, Any]:
         """P's leg: one token, not streamed. Returns P's JSON answer."""
@@ -175,6 +190,8 @@ class Exchange:
         ).inc()
         if isinstance(exc, UpstreamConnectError):
             self.router.health.mark_down(endpoint, str(exc))
+        elif isinstance(exc, UpstreamConnectionLost):
+            self.router.health.count_failure(endpoint, str(exc))
         if counts_as_failure(exc):
             ejected_for = endpoint.outlier.failure(time.monotonic())
             if ejected_for is not None:
@@ -190,6 +207,8 @@ class Exchange:
         metrics = self.router.metrics
         status = "client_closed" if client_left else str(down.status or (error.status if error else 0))
         metrics.child(metrics.requests, self.request.route.value, self.mode, status).inc()
+        if isinstance(error, Overloaded):
+            metrics.child(metrics.rejected, error.reason).inc()
         if down.first_byte_at is not None:
             ttfb = down.first_byte_at - self.started_at
             metrics.child(metrics.time_to_first_byte, self.mode).observe(ttfb)

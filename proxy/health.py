@@ -79,6 +79,19 @@ class HealthChecker:
         if endpoint.cluster is ClusterName.PREFILL:
             self._prober.forget(endpoint)
 
+    def count_failure(self, endpoint: Endpoint, why: str) -> None:
+        """A request's leg found the server failing (a lost connection): counted as one
+        failed check, so `unhealthy_threshold` of them in a row (checks or legs) take it
+        out (only when checks are running: without them nothing would bring it back)."""
+        if self._settings.interval <= 0:
+            return
+        endpoint.last_error = why
+        if endpoint.record_check(False, healthy_after=self._settings.healthy_threshold,
+                                 unhealthy_after=self._settings.unhealthy_threshold):
+            logger.warning("%s %s is unhealthy after %d failures in a row (last: %s)",
+                           endpoint.cluster.value, endpoint.url,
+                           self._settings.unhealthy_threshold, why)
+
     def mark_down(self, endpoint: Endpoint, why: str) -> None:
         """Take an endpoint out until checks pass again (only when checks are running:
         without them nothing would bring it back)."""

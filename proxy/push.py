@@ -9,6 +9,13 @@ D's allocation and handshake overlap P's compute, and the router is off the crit
 path. Both legs run in one task group: if P fails, D is cancelled at once (a stock D
 would otherwise wait out a lease of minutes); if D fails, P is cancelled. Once D has sent
 the client its first byte, P's own answer no longer matters (the KV reached D).
+
+When P fails before D sent the client a byte, the client need not see it
+(`push_recovery`): the request is redone as a pull on another P (`pull`, the default;
+with no other P, D computes the prompt), or D gets the plain request and computes the
+prompt itself (`recompute`), or P's error is the answer (`error`). A failure that is the
+request's own (a 4xx from P) is always the answer. A recovery spends the retry budget,
+so a pool whose P all fail does not double its load.
 """
 
 from __future__ import annotations
@@ -18,12 +25,26 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from proxy.errors import RouterError, UpstreamError
+from proxy.config import Mode, PushRecovery
+from proxy.endpoints import ClusterName
+from proxy.errors import NoHealthyEndpoint, RouterError, UpstreamError, UpstreamStatusError
 from proxy.exchange import Exchange
 from proxy.protocol import PrefillCoordinates, new_transfer_id, prefill_body, push_decode_body
+from proxy.pull import run_pull
 from proxy.relay import Downstream
+from proxy.retry import NOT_RETRIED_STATUSES
 
 logger = logging.getLogger("pdproxy.push")
+
+RECOVERY_HEADER = b"x-kv-transfer-recovery"  # how a push whose P failed was answered
+
+
+class PrefillLegFailed(Exception):
+    """P's leg of a push failed before D sent the client a byte (D's leg is cancelled)."""
+
+    def __init__(self, error: UpstreamError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 async def run_push(exchange: Exchange, down: Downstream, coordinates: PrefillCoordinates) -> None:
@@ -35,7 +56,51 @@ async def run_push(exchange: Exchange, down: Downstream, coordinates: PrefillCoo
             legs.create_task(_prefill(exchange, p_body, down), name="push-prefill")
             legs.create_task(_decode(exchange, d_body, down), name="push-decode")
     except BaseExceptionGroup as group:
-        raise _first_router_error(group) from None
+        error = _first_error(group)
+        if isinstance(error, PrefillLegFailed):
+            await recover(exchange, down, error.error)
+            return
+        raise error from None
+
+
+async def recover(exchange: Exchange, down: Downstream, failure: UpstreamError) -> None:
+    """Answer a push whose P failed before D's first byte, as `push_recovery` says."""
+    router = exchange.router
+    how = router.config.push_recovery
+    if how is PushRecovery.ERROR or not recoverable(failure) or not router.retry_budget.try_spend():
+        router.metrics.cancelled_legs.labels("decode", "prefill_failed").inc()
+        raise failure
+    failed = exchange.prefill_endpoint
+    if how is PushRecovery.PULL:
+        try:
+            other = exchange.pick_again(ClusterName.PREFILL, exclude=failed, mode=Mode.PULL)
+        except NoHealthyEndpoint:
+            other = None  # no other P of this model: D computes the prompt
+        if other is not None:
+            _recovering(exchange, down, "pull", f"{failed.url}->{other.url}", failure)
+            exchange.prefill_endpoint = other
+            await run_pull(exchange, down)
+            return
+    _recovering(exchange, down, "recompute", failed.url, failure)
+    await exchange.relay_decode(dict(exchange.request.body), down)
+
+
+def recoverable(failure: UpstreamError) -> bool:
+    """P's failure is P's own and worth working around: not a 4xx (the request's fault,
+    which D would find too), nor 429/503 (an overloaded pool, told to the client as it is,
+    as for retries)."""
+    if isinstance(failure, UpstreamStatusError):
+        return failure.status >= 500 and failure.status not in NOT_RETRIED_STATUSES
+    return True
+
+
+def _recovering(exchange: Exchange, down: Downstream, how: str, where: str,
+                failure: UpstreamError) -> None:
+    exchange.router.metrics.child(exchange.router.metrics.push_recoveries, how).inc()
+    exchange.note = f"push_recovered:{how}:{failure.kind}:{where}"
+    down.headers.append((RECOVERY_HEADER, how.encode()))
+    logger.info("request %s: P failed before D's first byte (%s); answering by %s",
+                exchange.request.request_id, failure, how)
 
 
 async def _prefill(exchange: Exchange, body: dict[str, Any], down: Downstream) -> None:
@@ -46,8 +111,7 @@ async def _prefill(exchange: Exchange, body: dict[str, Any], down: Downstream) -
             # D already answers, so it has the KV: P's late failure changes nothing.
             logger.warning("request %s: P failed after D started: %s", exchange.request.request_id, exc)
             return
-        exchange.router.metrics.cancelled_legs.labels("decode", "prefill_failed").inc()
-        raise
+        raise PrefillLegFailed(exc) from exc
 
 
 async def _decode(exchange: Exchange, body: dict[str, Any], down: Downstream) -> None:
@@ -58,8 +122,12 @@ async def _decode(exchange: Exchange, body: dict[str, Any], down: Downstream) ->
         raise
 
 
-def _first_router_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The error to report from the legs' group: the first RouterError, else the first."""
+def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The error to act on from the legs' group: P's failure (it caused D's
+    cancellation), else the first RouterError, else the first."""
+    failed_p, _rest = group.split(PrefillLegFailed)
+    if failed_p:
+        return next(_leaves(failed_p))
     matched, _rest = group.split(RouterError)
     leaves = list(_leaves(matched)) if matched else list(_leaves(group))
     return leaves[0]

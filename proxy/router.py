@@ -155,7 +155,7 @@ class Router:
             self.metrics.child(self.metrics.auto_decisions, decision.used.value,
                                decision.reason).inc()
         exchange = Exchange(self, request, prefill=prefill, decode=decode, decision=decision,
-                            bucket=bucket)
+                            bucket=bucket, prefix=key)
         if decision.is_fallback:
             self.metrics.mode_fallbacks.labels(
                 decision.requested.value, decision.used.value, decision.reason

@@ -21,6 +21,7 @@ import msgspec
 from proxy.config import Limits, Timeouts
 from proxy.errors import (
     UpstreamConnectError,
+    UpstreamConnectionLost,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamStatusError,
@@ -50,7 +51,8 @@ def upstream_error(exc: BaseException, endpoint: str, cluster: str, what: str) -
             endpoint=endpoint,
             cluster=cluster,
         )
-    return UpstreamProtocolError(
+    kind = UpstreamConnectionLost if isinstance(exc, (ConnectionLost, OSError)) else UpstreamProtocolError
+    return kind(
         f"{cluster} server {endpoint} broke off {what}: {type(exc).__name__}: {exc}",
         endpoint=endpoint,
         cluster=cluster,

@@ -41,6 +41,7 @@ def router_config(p_url: str, d_url: str, **extra: Any) -> dict[str, Any]:
         "decode": [d_url],
         "models": [MODEL],  # no /v1/models lookups in the way
         "timeouts": dict(TIMEOUTS),
+        "push_recovery": "error",  # P's failures reach the client (recovery: test_failures)
         **extra,
     }
 

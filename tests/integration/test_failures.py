@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from scripts.fake_vllm import FakeVLLM, start
 from tests.conftest import serve_router
 from tests.integration.conftest import Pair
 
@@ -18,8 +19,10 @@ PREFILL_COORDS = {"engine_id": "engine-p0", "side_channel_host": "127.0.0.1", "s
 
 
 def push_config(pair: Pair, **extra: Any) -> dict[str, Any]:
-    """Push mode with P's coordinates configured (no probe request to get in the way)."""
-    return {"prefill": [{"url": pair.p_url, **PREFILL_COORDS}], "decode": [pair.d_url], "mode": "push", **extra}
+    """Push mode with P's coordinates configured (no probe request to get in the way);
+    P's failures reach the client unless `push_recovery` is given."""
+    return {"prefill": [{"url": pair.p_url, **PREFILL_COORDS}], "decode": [pair.d_url],
+            "mode": "push", "push_recovery": "error", **extra}
 
 
 def assert_openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
@@ -193,3 +196,78 @@ async def test_unreachable_server_is_replaced_before_any_byte(pair: Pair, cluste
     assert len(alive.seen) == 4
     # The dead server was tried (and replaced) at least once; ties are taken in turn.
     assert f'pdproxy_retries_total{{cluster="{cluster}",reason="connect"}}' in metrics
+
+
+# --- push recovery: P fails before D's first byte, the client still gets its answer ----
+
+
+async def test_a_push_whose_prefill_fails_is_redone_as_a_pull_on_another_prefill(pair: Pair) -> None:
+    fabric_p = FakeVLLM("prefill", engine_id="engine-p1", side_channel_port=5602,
+                        fabric=pair.prefill.fabric)
+    runner, other_url = await start(fabric_p)
+    try:
+        pair.prefill.behavior.fail_status = 500
+        config = push_config(pair, push_recovery="pull",
+                             prefill=[{"url": pair.p_url, **PREFILL_COORDS},
+                                      {"url": other_url, **PREFILL_COORDS,
+                                       "engine_id": "engine-p1", "side_channel_port": 5602}],
+                             balance={"prefill": "round_robin"})
+        async with serve_router(**config) as (url, app):
+            async with httpx.AsyncClient(base_url=url) as client:
+                r = await client.post("/v1/completions", json=BODY)
+                metrics = (await client.get("/metrics")).text
+            assert_nothing_in_flight(app)
+    finally:
+        await runner.cleanup()
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kv-transfer-recovery"] == "pull"
+    assert [s.outcome for s in pair.prefill.seen] == ["failed"]
+    assert [s.outcome for s in fabric_p.seen] == ["ok"], "the pull went to the other P"
+    assert [s.outcome for s in pair.decode.seen] == ["cancelled", "ok"]
+    assert pair.decode.seen[1].body["kv_transfer_params"]["do_remote_prefill"] is True
+    assert 'pdproxy_push_recoveries_total{how="pull"} 1.0' in metrics
+
+
+async def test_a_push_whose_only_prefill_drops_is_computed_by_decode(pair: Pair) -> None:
+    """No other P: D gets the plain request and computes the prompt itself (streamed)."""
+    pair.prefill.behavior.drop_connection = True
+    async with serve_router(**push_config(pair, push_recovery="pull")) as (url, app):
+        async with httpx.AsyncClient(base_url=url) as client:
+            r = await client.post("/v1/completions", json={**BODY, "stream": True})
+            metrics = (await client.get("/metrics")).text
+        assert_nothing_in_flight(app)
+    assert r.status_code == 200, r.text
+    assert r.text.rstrip().endswith("data: [DONE]")
+    assert r.headers["x-kv-transfer-recovery"] == "recompute"
+    assert [s.outcome for s in pair.decode.seen] == ["cancelled", "ok"]
+    assert "kv_transfer_params" not in pair.decode.seen[1].body
+    assert 'pdproxy_push_recoveries_total{how="recompute"} 1.0' in metrics
+
+
+async def test_a_prefill_refusing_the_request_is_not_worked_around(pair: Pair) -> None:
+    """A 4xx from P is the request's own fault: the client gets it, D is not asked again."""
+    pair.prefill.behavior.fail_status = 400
+    async with serve_router(**push_config(pair, push_recovery="recompute")) as (url, app):
+        async with httpx.AsyncClient(base_url=url) as client:
+            r = await client.post("/v1/completions", json=BODY)
+        await pair.decode.until(lambda seen: seen and seen[0].outcome == "cancelled")
+    assert r.status_code == 400
+    assert "x-kv-transfer-recovery" not in r.headers
+    assert len(pair.decode.seen) == 1
+
+
+async def test_lost_connections_count_against_a_servers_health(pair: Pair) -> None:
+    """P's connection drops mid-answer twice in a row: P is out, as after two failed
+    health checks (a refused connection takes it out at once; a lost one is counted)."""
+    pair.prefill.behavior.drop_connection = True
+    config = {"prefill": [pair.p_url], "decode": [pair.d_url],
+              "health": {"interval": 60, "unhealthy_threshold": 2}}
+    async with serve_router(**config) as (url, app):
+        endpoint = app.state.router.prefill.endpoints[0]
+        async with httpx.AsyncClient(base_url=url) as client:
+            assert_openai_error(await client.post("/v1/completions", json=BODY), 502)
+            assert endpoint.healthy, "one lost connection is one failure, not an outage"
+            assert_openai_error(await client.post("/v1/completions", json=BODY), 502)
+            assert not endpoint.healthy
+            r = await client.post("/v1/completions", json=BODY)
+    assert_openai_error(r, 503)

@@ -83,6 +83,29 @@ async def test_each_model_goes_to_its_own_pool_and_models_lists_the_union(pool: 
         assert r.status_code == 404 and r.json()["error"]["param"] == "model"
 
 
+async def test_a_retried_leg_stays_with_the_requests_model(pool: Pool) -> None:
+    """A model-a P that fails is retried on the other model-a P, never on model-b's
+    servers (the retry's pick keeps the first pick's model filter)."""
+    broken, p_a = await pool.add("prefill", "model-a"), await pool.add("prefill", "model-a")
+    p_b = await pool.add("prefill", "model-b")
+    d_a, d_b = await pool.add("decode", "model-a"), await pool.add("decode", "model-b")
+    broken.behavior.fail_status = 500
+    config = {"prefill": [pool.url(f) for f in (broken, p_a, p_b)],
+              "decode": [pool.url(d_a), pool.url(d_b)],
+              "balance": {"prefill": "round_robin", "decode": "round_robin"},
+              "retry_budget": {"min_per_window": 100}}
+    async with serve_router(**config) as (url, _), httpx.AsyncClient(timeout=10) as client:
+        for _ in range(12):
+            r = await complete(client, url, "model-a")
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "model-a"
+        metrics = (await client.get(f"{url}/metrics")).text
+    assert len(broken.seen) >= 1, "the broken P took its turns"
+    assert 'pdproxy_retries_total{cluster="prefill",reason="status_5xx"}' in metrics
+    assert [len(f.seen) for f in (p_b, d_b)] == [0, 0], "model-b's servers saw model-a requests"
+    assert len(p_a.seen) == 12 and len(d_a.seen) == 12
+
+
 async def test_a_model_whose_servers_are_all_down_gives_503(pool: Pool) -> None:
     p_a, p_b = await pool.add("prefill", "model-a"), await pool.add("prefill", "model-b")
     d_a, d_b = await pool.add("decode", "model-a"), await pool.add("decode", "model-b")
