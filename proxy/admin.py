@@ -8,12 +8,15 @@
                                                      TTFT per mode and prompt-length bucket
 
 Every call needs `Authorization: Bearer <admin_token>`; without a configured token the
-routes do not exist. Answers are JSON; errors are OpenAI-shaped like the rest.
+routes do not exist. A refused call is logged (method, path, client address) and counted
+in `pdproxy_admin_auth_failures_total`. With `admin_listen`, these routes are served on
+that address only, never on the public listener. Answers are JSON; errors are OpenAI-shaped like the rest.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -27,13 +30,19 @@ from proxy.errors import InvalidRequest, Unauthorized
 if TYPE_CHECKING:
     from proxy.router import Router
 
+logger = logging.getLogger("pdproxy.admin")
+
 
 def install(app: FastAPI, token: str) -> None:
     def authorized(request: Request) -> Router:
+        router: Router = request.app.state.router
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            router.metrics.admin_auth_failures.inc()
+            client = request.client.host if request.client else "?"
+            logger.warning("admin API: refused %s %s from %s (%s token)", request.method,
+                           request.url.path, client, "wrong" if given else "no")
             raise Unauthorized("the admin API needs Authorization: Bearer <admin_token>")
-        router: Router = request.app.state.router
         return router
 
     async def body_of(request: Request) -> dict[str, Any]:

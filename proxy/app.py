@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -29,12 +30,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy import admin
-from proxy.config import RouterConfig
+from proxy.config import RouterConfig, resolve_secret
 from proxy.errors import (
     InvalidRequest,
     MethodNotAllowed,
     NotFound,
+    Overloaded,
     RouterError,
+    Unauthorized,
     error_body,
     internal_error,
 )
@@ -48,20 +51,86 @@ logger = logging.getLogger("pdproxy.app")
 INFERENCE_ROUTES = {route.value: route for route in Route}
 
 
+class ClientKeys:
+    """The API keys clients must show on the inference routes and /v1/models
+    ("Authorization: Bearer <key>"); none configured: every client is let in."""
+
+    def __init__(self, keys: list[str]) -> None:
+        self._expected = [f"Bearer {key}".encode("latin-1") for key in keys]
+
+    def __bool__(self) -> bool:
+        return bool(self._expected)
+
+    def check(self, scope: Scope) -> None:
+        given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+        # Every key compared in constant time, whichever matches: no timing hint.
+        if not any([hmac.compare_digest(given, expected) for expected in self._expected]):
+            raise Unauthorized("a valid API key is needed: Authorization: Bearer <key>")
+
+    @classmethod
+    def of(cls, config: RouterConfig) -> ClientKeys:
+        keys = [resolve_secret(key) or "" for key in config.auth.client_api_keys]
+        if not keys and os.environ.get("PDPROXY_CLIENT_API_KEYS"):
+            keys = os.environ["PDPROXY_CLIENT_API_KEYS"].split(",")
+        keys = [key.strip() for key in keys if key.strip()]
+        return cls(keys)
+
+
 class RouterApp:
     """The ASGI app that uvicorn serves: POSTs to the inference routes go straight to the
-    router; everything else (lifespan, other routes, wrong methods) to `api`."""
+    router; everything else (lifespan, other routes, wrong methods) to `api`.
 
-    def __init__(self, api: FastAPI, config: RouterConfig) -> None:
+    It admits an inference request only with a client key (when keys are configured) and
+    under `limits.max_in_flight`; the count covers the request from its first byte to its
+    last, so slow bodies and long streams count too."""
+
+    def __init__(self, api: FastAPI, config: RouterConfig, admin_api: FastAPI | None = None) -> None:
         self.api = api
         self.state = api.state  # the running Router is `state.router`
+        # The admin API when it listens on its own address (`admin_listen`), else None.
+        self.admin_api = admin_api
         self._max_body = config.limits.max_body_bytes
+        self._max_in_flight = config.limits.max_in_flight
+        self._client_keys = ClientKeys.of(config)
+        self.in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         route = INFERENCE_ROUTES.get(scope.get("path", "")) if scope["type"] == "http" else None
         if route is None:
+            if self._client_keys and scope["type"] == "http" and scope["path"] == "/v1/models":
+                try:
+                    self._client_keys.check(scope)
+                except RouterError as exc:
+                    self._reject(exc)
+                    await _json_error(exc)(scope, receive, send)
+                    return
             await self.api(scope, receive, send)
             return
+        try:
+            self._admit(scope)
+        except RouterError as exc:
+            self._reject(exc)
+            await _json_error(exc)(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self._infer(route, scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+    def _admit(self, scope: Scope) -> None:
+        if self._client_keys:
+            self._client_keys.check(scope)
+        if self._max_in_flight and self.in_flight >= self._max_in_flight:
+            raise Overloaded(f"the router is serving {self.in_flight} requests, its limit "
+                             "(limits.max_in_flight); try again shortly", reason="max_in_flight")
+
+    def _reject(self, error: RouterError) -> None:
+        metrics = self.state.router.metrics
+        reason = error.reason if isinstance(error, Overloaded) else "unauthorized"
+        metrics.child(metrics.rejected, reason).inc()
+
+    async def _infer(self, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             if scope["method"] != "POST":
                 raise MethodNotAllowed(f"method {scope['method']} not allowed on {route.value}")
@@ -88,6 +157,9 @@ def create_app(config: RouterConfig, source: ConfigSource | None = None) -> Rout
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         router = Router(config, source)
         app.state.router = router
+        if admin_api is not None:
+            admin_api.state.router = router
+        router.metrics.watch_in_flight(lambda: router_app.in_flight)
         await router.start()
         try:
             yield
@@ -119,21 +191,37 @@ def create_app(config: RouterConfig, source: ConfigSource | None = None) -> Rout
     app.router.add_route("/v1/models", models, methods=["GET"])
     app.router.add_route("/health", health, methods=["GET"])
     app.router.add_route("/metrics", metrics, methods=["GET"])
-    admin_token = config.admin_token or os.environ.get("PDPROXY_ADMIN_TOKEN")
-    if admin_token:
+    admin_token = resolve_secret(config.admin_token) or os.environ.get("PDPROXY_ADMIN_TOKEN")
+    admin_api: FastAPI | None = None
+    if admin_token and config.admin_listen:
+        # The admin API on its own listener (cli.serve runs it): the public one has no
+        # /admin routes at all.
+        admin_api = FastAPI(title="pd-proxy admin", docs_url=None, redoc_url=None)
+        admin.install(admin_api, admin_token)
+        admin_document = openapi_document(admin=True)
+        admin_api.openapi = lambda: admin_document  # type: ignore[method-assign]
+        _install_error_handlers(admin_api)
+    elif admin_token:
         admin.install(app, admin_token)
-    document = openapi_document(admin=bool(admin_token))
+    document = openapi_document(admin=bool(admin_token) and admin_api is None)
     app.openapi = lambda: document  # type: ignore[method-assign]
     _install_error_handlers(app)
-    return RouterApp(app, config)
+    router_app = RouterApp(app, config, admin_api)
+    return router_app
 
 
 @contextlib.asynccontextmanager
-async def serving(app: ASGIApp, *, name: str = "router") -> AsyncIterator[tuple[str, Any]]:
+async def serving(
+    app: ASGIApp, *, name: str = "router", config: RouterConfig | None = None
+) -> AsyncIterator[tuple[str, Any]]:
     """Serve `app` with uvicorn on 127.0.0.1 (a free port) inside the running event loop,
-    for tests and tools that embed the router; yields (base URL, the uvicorn server)."""
+    for tests and tools that embed the router; yields (base URL, the uvicorn server).
+    It listens as `pd-proxy serve` does (proxy.listener), with `config`'s client timeouts
+    and shutdown grace (their defaults without one)."""
+    from proxy.listener import server_config
+
     server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+        server_config(app, config, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
     )
     task = asyncio.create_task(server.serve(), name=name)
     async with asyncio.timeout(10):

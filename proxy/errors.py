@@ -5,6 +5,7 @@
     │   └── PayloadTooLarge          413: the body is over the configured limit
     │   └── MethodNotAllowed         405: a route asked with the wrong method
     ├── NotFound                     404: unknown route or model
+    ├── Unauthorized                 401: a missing or wrong API key
     ├── NoHealthyEndpoint            503: no upstream can take the request now
     ├── Overloaded                   503: over a limit of the router's own (shed load)
     ├── KVTransferError              502: the KV hand-over between P and D failed
@@ -65,6 +66,9 @@ class MethodNotAllowed(InvalidRequest):
 class Unauthorized(RouterError):
     status = 401
     error_type = "authentication_error"
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
 
 
 class Conflict(InvalidRequest):

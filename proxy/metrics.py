@@ -132,6 +132,12 @@ class RouterMetrics:
             registry=r,
         )
 
+    def watch_in_flight(self, in_flight: Callable[[], int]) -> None:
+        """Report the inference requests in flight (read when scraped)."""
+        Gauge("pdproxy_requests_in_flight",
+              "Inference requests the router is serving now (limits.max_in_flight caps them)",
+              registry=self.registry).set_function(in_flight)
+
     def watch_endpoints(self, endpoints: Callable[[], Iterable[Any]]) -> None:
         """Report each endpoint's in-flight count and health, read when scraped (the
         endpoints keep the numbers; nothing is updated per request)."""

@@ -103,7 +103,25 @@ ROWS: list[tuple[str, list[Panel]]] = [
               [(rate("pdproxy_cancelled_legs_total", "cluster, reason"),
                 "{{cluster}} {{reason}}")]),
     ]),
+    ("Load and safety", [
+        Panel("Requests in flight", "Inference requests the router serves now "
+              "(limits.max_in_flight caps them).",
+              [(f"sum(pdproxy_requests_in_flight{{{SELECT}}})", "in flight")], "short",
+              width=6),
+        Panel("Rejected", "Requests refused by the router's own limits or checks, by reason "
+              "(pool_timeout, max_in_flight, unauthorized).",
+              [(rate("pdproxy_rejected_total", "reason"), "{{reason}}")], width=6),
+        Panel("Clients cut", "Client connections cut for accepting no bytes (stall) or "
+              "sending their request too slowly (slow_request).",
+              [(rate("pdproxy_client_cuts_total", "reason"), "{{reason}}")], width=6),
+        Panel("Admin auth failures", "Admin API calls refused for a missing or wrong token.",
+              [(f"sum(rate(pdproxy_admin_auth_failures_total{{{SELECT}}}[{WINDOW}]))",
+                "refused")], width=6),
+    ]),
     ("KV transfer", [
+        Panel("Push recoveries", "Pushes whose P failed before D's first byte and were "
+              "answered anyway: redone as a pull, or computed by D.",
+              [(rate("pdproxy_push_recoveries_total", "how"), "{{how}}")], width=12),
         Panel("Mode fallbacks", "Requests that asked for a mode the chosen servers cannot do "
               "and got another, by reason.",
               [(rate("pdproxy_mode_fallbacks_total", "requested, used, reason"),

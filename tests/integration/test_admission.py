@@ -1,0 +1,104 @@
+"""Who gets in: client API keys on the inference routes, the in-flight limit that sheds
+load, and the admin API's refused logins, on fake backends."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import serve_router
+from tests.integration.conftest import Pair
+
+BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 3}
+
+
+def config(pair: Pair, **extra: Any) -> dict[str, Any]:
+    return {"prefill": [pair.p_url], "decode": [pair.d_url], **extra}
+
+
+async def until(condition: Any, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_over_max_in_flight_a_request_gets_503_with_retry_after(pair: Pair) -> None:
+    pair.decode.behavior.delay = 1.0  # D holds each request a second
+    async with serve_router(**config(pair, limits={"max_in_flight": 2})) as (url, app), \
+            httpx.AsyncClient(base_url=url, timeout=10) as client:
+        held = [asyncio.create_task(client.post("/v1/completions", json=BODY)) for _ in range(2)]
+        await until(lambda: app.in_flight == 2, "two requests in flight")
+        r = await client.post("/v1/completions", json=BODY)
+        assert r.status_code == 503, r.text
+        assert r.headers["retry-after"] == "1"
+        assert r.json()["error"]["type"] == "service_unavailable"
+        assert "max_in_flight" in r.json()["error"]["message"]
+        assert [t.status_code for t in await asyncio.gather(*held)] == [200, 200]
+        assert app.in_flight == 0
+        assert (await client.post("/v1/completions", json=BODY)).status_code == 200
+        metrics = (await client.get("/metrics")).text
+    assert 'pdproxy_rejected_total{reason="max_in_flight"} 1.0' in metrics
+    assert "pdproxy_requests_in_flight 0.0" in metrics
+    assert len(pair.decode.seen) == 3, "the refused request reached no server"
+
+
+async def test_client_api_keys_guard_the_inference_routes(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("SECOND_CLIENT_KEY", "key-two")
+    keys = {"auth": {"client_api_keys": ["key-one", "env:SECOND_CLIENT_KEY"]}}
+    async with serve_router(**config(pair, **keys)) as (url, _app), \
+            httpx.AsyncClient(base_url=url, timeout=10) as client:
+        missing = await client.post("/v1/completions", json=BODY)
+        wrong = await client.post("/v1/chat/completions", headers={"Authorization": "Bearer x"},
+                                  json={"model": "fake-model", "max_tokens": 2,
+                                        "messages": [{"role": "user", "content": "hi"}]})
+        models = await client.get("/v1/models")
+        right = await client.post("/v1/completions", json=BODY,
+                                  headers={"Authorization": "Bearer key-two"})
+        listed = await client.get("/v1/models", headers={"Authorization": "Bearer key-one"})
+        health = await client.get("/health")
+        metrics = (await client.get("/metrics")).text
+    for refused in (missing, wrong, models):
+        assert refused.status_code == 401, refused.text
+        assert refused.json()["error"]["type"] == "authentication_error"
+        assert refused.headers["www-authenticate"] == "Bearer"
+    assert right.status_code == 200 and listed.status_code == 200
+    assert health.status_code == 200, "health stays open for load balancers' probes"
+    assert 'pdproxy_rejected_total{reason="unauthorized"} 3.0' in metrics
+    assert len(pair.decode.seen) == 1
+
+
+async def test_client_api_keys_from_the_environment(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PDPROXY_CLIENT_API_KEYS", "alpha, beta")
+    async with serve_router(**config(pair)) as (url, _app), \
+            httpx.AsyncClient(base_url=url, timeout=10) as client:
+        refused = await client.post("/v1/completions", json=BODY)
+        served = await client.post("/v1/completions", json=BODY,
+                                   headers={"Authorization": "Bearer beta"})
+    assert (refused.status_code, served.status_code) == (401, 200)
+
+
+async def test_failed_admin_logins_are_logged_and_counted(
+    pair: Pair, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with serve_router(**config(pair, admin_token="the-admin-token")) as (url, _app), \
+            httpx.AsyncClient(base_url=url, timeout=10) as client:
+        with caplog.at_level(logging.WARNING, logger="pdproxy.admin"):
+            bad = await client.get("/admin/endpoints", headers={"Authorization": "Bearer no"})
+            none = await client.get("/admin/endpoints")
+        good = await client.get("/admin/endpoints",
+                                headers={"Authorization": "Bearer the-admin-token"})
+        metrics = (await client.get("/metrics")).text
+    assert (bad.status_code, none.status_code, good.status_code) == (401, 401, 200)
+    assert "pdproxy_admin_auth_failures_total 2.0" in metrics
+    refusals = [r.getMessage() for r in caplog.records if r.name == "pdproxy.admin"]
+    assert len(refusals) == 2 and "127.0.0.1" in refusals[0] and "wrong token" in refusals[0]
