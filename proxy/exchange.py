@@ -17,8 +17,8 @@ from proxy.config import Mode
 from proxy.endpoints import ClusterName, Endpoint
 from proxy.errors import (
     NoHealthyEndpoint,
-    RouterError,
     Overloaded,
+    RouterError,
     UpstreamConnectError,
     UpstreamConnectionLost,
     UpstreamError,

@@ -82,6 +82,12 @@ def test_toml_config(tmp_path: Path) -> None:
     ({"prefill": ["http://p:1"], "decode": ["http://d:1"], "mode": "fast"}, "mode"),
     ({"prefill": ["http://p:1"], "decode": ["http://d:1"], "timeouts": {"prefill": 0}}, "timeouts.prefill"),
     ({"prefill": ["http://p:1"], "decode": ["http://d:1"], "colour": "red"}, "colour"),
+    ({"prefill": ["http://p:1"], "decode": ["http://d:1"], "timeouts": {"pool": 0}}, "timeouts.pool"),
+    ({"prefill": ["http://p:1"], "decode": ["http://d:1"], "limits": {"max_in_flight": -1}},
+     "limits.max_in_flight"),
+    ({"prefill": ["http://p:1"], "decode": ["http://d:1"], "admin_listen": "8001"}, "host:port"),
+    ({"prefill": ["http://p:1"], "decode": ["http://d:1"], "push_recovery": "pray"},
+     "push_recovery"),
 ])
 def test_bad_config_is_refused_with_the_reason(values: dict, words: str) -> None:
     with pytest.raises(ValueError, match=words):
@@ -93,3 +99,14 @@ def test_shipped_configs_are_valid(name: str) -> None:
     args = build_parser().parse_args(["serve", "--config", str(REPO / "configs" / name)])
     config = load_config(args)
     assert config.prefill and config.decode
+
+
+def test_a_secret_may_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from proxy.config import resolve_secret
+
+    monkeypatch.setenv("ROUTER_TEST_KEY", "s3cret")
+    assert resolve_secret("env:ROUTER_TEST_KEY") == "s3cret"
+    assert resolve_secret("plain") == "plain" and resolve_secret(None) is None
+    monkeypatch.delenv("ROUTER_TEST_KEY")
+    with pytest.raises(ValueError, match="ROUTER_TEST_KEY"):
+        resolve_secret("env:ROUTER_TEST_KEY")
