@@ -13,6 +13,14 @@ watches the answers and the deadlines. D's engine learns which pushes failed fro
 prompts, or frees the blocks of an aborted request); a push that succeeds is known to
 D's workers from the WRITE's own NIXL notification, and D's engine then calls `forget`.
 
+With CURVE keys (`connector.keys`), P's ROUTER is a CURVE server that admits only the
+peers whose public keys it holds (ZMQ's ZAP handshake, answered by pyzmq's authenticator
+thread); a refused handshake is counted (`refused_handshakes`) and nothing of that peer
+reaches the registry. D's DEALERs are CURVE clients. Each message's sender (`PeerId`) is
+its CURVE public key, else its routing identity: the registry lets only a transfer's
+registrant abort it. Without keys, anyone who reaches the push port is trusted, and P
+logs so once at start.
+
 ZMQ sockets are used only by the channel's thread. Every wait is bounded: the thread
 wakes at the earliest deadline it holds, or at least every `_MAX_SLEEP_S`.
 """
@@ -29,15 +37,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
 
 from connector.early import EarlyOutbox
+from connector.keys import ClientKeys, ServerKeys
 from connector.messages import (
+    Abandon,
     Abort,
     Ack,
     EngineId,
     FailReason,
     Message,
     Nack,
+    NackReason,
     Ping,
     Pong,
     ProtocolError,
@@ -51,6 +64,8 @@ from connector.messages import (
 )
 from connector.registry import (
     BlockIds,
+    Ignored,
+    PeerId,
     PushRegistry,
     Ready,
     Rejected,
@@ -64,6 +79,16 @@ logger = logging.getLogger("vllm.pd_connector.channel")
 
 _MAX_SLEEP_S = 1.0
 _JOIN_TIMEOUT_S = 5.0
+# A refused peer retries its handshake every 100 ms: log the first refusal, then at most
+# this often (the count is in `push stats:`).
+_REFUSAL_LOG_INTERVAL_S = 60.0
+# Handshake failures: a peer without a key (mechanism mismatch), with an unknown key
+# (the authenticator said no), or speaking garbage.
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+# A registration's frame, beyond its block ids (ids, host names and request ids included):
+# frames longer than this plus 10 bytes per P block end their connection unread.
+_FRAME_ALLOWANCE = 1 << 20
 
 
 def _drain(q: queue.SimpleQueue[Any]) -> list[Any]:
@@ -217,18 +242,34 @@ class FreeBlocks:
 PrefillAction = StartWrite | FreeBlocks
 
 
+class _AllowedKeys:
+    """The authenticator's question, on its own thread: may this CURVE public key (Z85)
+    connect? Frozen set lookups only, so no lock is needed."""
+
+    def __init__(self, allowed: frozenset[bytes]) -> None:
+        self._allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self._allowed
+
+
 class PrefillChannel(_ChannelThread):
     """P's side channel: the ROUTER socket, the registry, and the engine's two queues."""
 
     name = "pd-push-prefill"
 
     def __init__(self, registry: PushRegistry, bind_host: str, port: int, *,
-                 early_to: tuple[str, int] | None = None) -> None:
+                 early_to: tuple[str, int] | None = None,
+                 curve: ServerKeys | None = None) -> None:
         """`early_to`: the engine id and data-parallel index of P's one worker, to send
-        early WRITEs to (None: no early WRITEs)."""
+        early WRITEs to (None: no early WRITEs). `curve`: admit only peers with these
+        keys (None: anyone, with a warning)."""
         super().__init__()
         self.registry = registry
         self._early: EarlyOutbox | None = None
+        self._auth: ThreadAuthenticator | None = None
+        self._monitor: zmq.Socket[Any] | None = None
+        self.authenticated = curve is not None
         self.address = f"tcp://{bind_host}:{port}"
         self._actions: queue.SimpleQueue[PrefillAction] = queue.SimpleQueue()
         self._socket = self._context.socket(zmq.ROUTER)
@@ -236,6 +277,19 @@ class PrefillChannel(_ChannelThread):
         # A reply to a D whose connection is gone fails instead of vanishing: P then
         # knows that blocks it kept for that D's READ can go at once.
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if registry.config.num_blocks is not None:
+            self._socket.setsockopt(
+                zmq.MAXMSGSIZE, _FRAME_ALLOWANCE + 10 * registry.config.num_blocks)
+        if curve is not None:
+            # The authenticator answers ZMQ's handshake requests (ZAP) on its own thread,
+            # in this channel's context; it must run before the first peer connects.
+            self._auth = ThreadAuthenticator(self._context, log=logger)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", _AllowedKeys(curve.allowed))
+            self._socket.setsockopt(zmq.CURVE_SERVER, 1)
+            self._socket.setsockopt(zmq.CURVE_SECRETKEY, curve.pair.secret)
+            self._socket.setsockopt(zmq.CURVE_PUBLICKEY, curve.pair.public)
+            self._monitor = self._socket.get_monitor_socket(_HANDSHAKE_FAILED)
         try:
             self._socket.bind(self.address)
         except zmq.ZMQError as exc:
@@ -244,10 +298,16 @@ class PrefillChannel(_ChannelThread):
                 f"cannot listen for push registrations on {self.address}: {exc}; choose "
                 "another kv_connector_extra_config.push_port"
             ) from exc
+        if curve is None:
+            logger.warning(
+                "push side channel on %s is not authenticated: any process that reaches "
+                "this port can register transfers (have P write KV to an agent of its "
+                "choosing) and abort them; set curve_secret_key_file, curve_allowed_keys "
+                "and curve_server_key_file in kv_connector_extra_config", self.address)
         if early_to is not None:
             try:
                 self._early = EarlyOutbox(self._context, *early_to, port)
-            except zmq.ZMQError as exc:
+            except (OSError, zmq.ZMQError) as exc:
                 logger.warning("no socket for early WRITEs (%s): pushes are written at the "
                                "step after their prompt's", exc)
         # Prefills whose last step runs now: that step's number, for an early WRITE.
@@ -258,6 +318,9 @@ class PrefillChannel(_ChannelThread):
         # stats log).
         self.live_transfers = 0
         self.counters = registry.counters()
+        self.refused_handshakes = 0  # peers refused by CURVE (no key, or an unknown one)
+        self.unidentified = 0  # messages dropped: authenticated, yet no key on them
+        self._refusal_logged_at: float | None = None
 
     # --- engine thread -----------------------------------------------------------------
 
@@ -285,7 +348,17 @@ class PrefillChannel(_ChannelThread):
         self._post("written", transfer_id, error, pull_ttl)
 
     def _close_sockets(self) -> None:
-        self._socket.close()  # no-op when the thread already closed it
+        self._close_owned()  # each a no-op when the thread already closed it
+        if self._auth is not None:
+            self._auth.stop()  # its socket too must be closed before the context ends
+            self._auth = None
+
+    def _close_owned(self) -> None:
+        if self._monitor is not None and not self._monitor.closed:
+            if not self._socket.closed:
+                self._socket.disable_monitor()
+            self._monitor.close()
+        self._socket.close()
         if self._early is not None:
             self._early.close()
 
@@ -303,9 +376,13 @@ class PrefillChannel(_ChannelThread):
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(self._wakeup.read_fd, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 ready = self._poll(poller, self.registry.next_deadline())
+                if self._monitor is not None and self._monitor in ready:
+                    self._read_monitor(self._monitor)
                 if self._socket in ready:
                     self._read_socket()
                 events = self._drain_events()
@@ -317,42 +394,86 @@ class PrefillChannel(_ChannelThread):
                 self.counters = self.registry.counters()  # a copy, for the stats log
                 self._mark_handled(len(events))  # after live_transfers: see has_pending_work
         finally:
-            self._socket.close()
-            if self._early is not None:
-                self._early.close()
+            self._close_owned()
+
+    def _read_monitor(self, monitor: zmq.Socket[Any]) -> None:
+        """Count the peers CURVE refused (their messages never reach us), and say so in
+        the log: at once the first time, then at most every _REFUSAL_LOG_INTERVAL_S."""
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            if not event["event"] & _HANDSHAKE_FAILED:
+                continue
+            self.refused_handshakes += 1
+            now = time.monotonic()
+            last = self._refusal_logged_at
+            if last is None or now - last >= _REFUSAL_LOG_INTERVAL_S:
+                self._refusal_logged_at = now
+                logger.warning("push side channel: refused a peer without an allowed CURVE "
+                               "key (%d refusals so far)", self.refused_handshakes)
 
     def _read_socket(self) -> None:
         while True:
             try:
-                identity, payload = self._socket.recv_multipart(zmq.NOBLOCK)
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            except ValueError:
+            if len(frames) != 2:
                 continue  # not [identity, payload]: not one of ours
+            identity, payload = frames[0].bytes, frames[1]
+            peer = self._peer_of(identity, payload)
+            if peer is None:
+                continue
             try:
-                message = decode(payload)
+                message = decode(payload.bytes)
             except ProtocolError as exc:
                 logger.warning("push side channel: refused a message from %r: %s",
                                identity, exc)
                 continue
-            self._on_message(identity, message)
+            self._on_message(identity, message, peer)
 
-    def _on_message(self, identity: bytes, message: Message) -> None:
+    def _peer_of(self, identity: bytes, payload: zmq.Frame) -> PeerId | None:
+        """Who sent `payload`: its CURVE public key (Z85, as the authenticator named the
+        user), else its routing identity. None: authenticated, but no key on it (drop)."""
+        if not self.authenticated:
+            return identity
+        try:
+            user = payload.get("User-Id")
+        except zmq.ZMQError:
+            user = None
+        if not isinstance(user, str) or not user:
+            self.unidentified += 1
+            return None
+        return user.encode()
+
+    def _on_message(self, identity: bytes, message: Message, peer: PeerId) -> None:
         now = time.monotonic()
         if isinstance(message, Ping):
             self._send(identity, Pong())
         elif isinstance(message, RegisterBlocks):
-            self._on_outcome(self.registry.register(message, now=now), registration=message)
+            self._on_outcome(self.registry.register(message, now=now, peer=peer),
+                             registration=message)
         elif isinstance(message, Abort):
             tid = message.transfer_id
-            release = self.registry.abort(tid, now=now)
-            if release is not None:
-                self._released(release)
+            outcome = self.registry.abort(tid, now=now, peer=peer)
+            if isinstance(outcome, Ignored):
+                logger.debug("push %s: abort ignored: %s", tid, outcome.why)
+                return
+            if outcome is not None:
+                self._released(outcome)
             elif self.registry.state_of(tid) is None:
                 # Nothing here (yet) for this transfer: nothing will be written into D's
                 # blocks, so D may free them now.
                 self._send(identity, PushFailed(transfer_id=tid, reason=FailReason.ABORTED))
             logger.info("push %s: D aborted", tid)
+        elif isinstance(message, Abandon):
+            tid = message.transfer_id
+            outcome = self.registry.abandon(tid, now=now)
+            if isinstance(outcome, Ignored):
+                logger.debug("push %s: abandon ignored: %s", tid, outcome.why)
+                return
+            if outcome is not None:
+                self._released(outcome)
+            logger.info("push %s: abandoned by the router (its D leg failed)", tid)
         else:
             logger.warning("push side channel: unexpected %s from %r",
                            type(message).__name__, identity)
@@ -421,7 +542,10 @@ class PrefillChannel(_ChannelThread):
             logger.debug("push %s: matched, WRITE requested%s", outcome.transfer_id,
                          " right after the prompt's last forward pass" if outcome.early else "")
         elif isinstance(outcome, Rejected):
-            logger.warning("push %s refused: %s", outcome.transfer_id, outcome.message)
+            # A peer over its limit may be flooding: the stats line counts those.
+            level = logging.DEBUG if outcome.reason is NackReason.OVER_LIMIT \
+                else logging.WARNING
+            logger.log(level, "push %s refused: %s", outcome.transfer_id, outcome.message)
             if registration is not None:
                 self._send(registration.engine_id.encode(), Nack(
                     transfer_id=outcome.transfer_id, reason=outcome.reason,
@@ -517,9 +641,12 @@ class DecodeChannel(_ChannelThread):
     name = "pd-push-decode"
 
     def __init__(self, engine_id: EngineId, *, ack_timeout: float, ping_interval: float,
-                 peer_timeout: float, registration_ttl: float) -> None:
+                 peer_timeout: float, registration_ttl: float,
+                 curve: ClientKeys | None = None) -> None:
+        """`curve`: connect to P's as a CURVE client with these keys (None: in the clear)."""
         super().__init__()
         self.engine_id = engine_id
+        self._curve = curve
         self.ack_timeout = ack_timeout
         self.ping_interval = ping_interval
         self.peer_timeout = peer_timeout
@@ -608,6 +735,10 @@ class DecodeChannel(_ChannelThread):
             sock = self._context.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, self.engine_id.encode())
+            if self._curve is not None:
+                sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.pair.secret)
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.pair.public)
+                sock.setsockopt(zmq.CURVE_SERVERKEY, self._curve.server_public)
             sock.connect(address)
             self._poller.register(sock, zmq.POLLIN)
             peer = _Peer(sock, last_heard=now)

@@ -17,9 +17,20 @@ from typing import Any, Literal
 
 import msgspec
 
+from connector.keys import (
+    ClientKeys,
+    KeyFileError,
+    ServerKeys,
+    load_allowed,
+    load_key_pair,
+    load_public_key,
+)
+
 MAX_PORT = 65535
 MAX_PAUSE = 0.05  # push_wait_pause: longer would hold up the engine's other work
 CPU_PAUSE = 0.01  # push_wait_pause on a CPU server, unless set
+# max_pending_per_peer: well above one D's requests in flight (vLLM's max_num_seqs).
+DEFAULT_MAX_PENDING_PER_PEER = 4096
 
 # How a server's NIXL agent makes progress (`nixl_progress_thread`; connector/progress.py).
 ProgressMode = Literal["event", "off", "spin"]
@@ -39,7 +50,12 @@ KEYS = (
     "nixl_progress_thread",
     "push_wait_pause",
     "early_write",
+    "max_pending_per_peer",
+    "curve_secret_key_file",
+    "curve_allowed_keys",
+    "curve_server_key_file",
 )
+CURVE_KEYS = ("curve_secret_key_file", "curve_allowed_keys", "curve_server_key_file")
 
 
 class ConfigError(ValueError):
@@ -97,6 +113,21 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # ends, and with several workers every one must be told (connector/early.py); those
     # servers always WRITE at the next step.
     early_write: bool = True
+    # P: at most this many live push registrations from one peer (its CURVE key, else its
+    # ZMQ identity); more are refused (`NACK over_limit`) and that D recomputes.
+    max_pending_per_peer: int = DEFAULT_MAX_PENDING_PER_PEER
+    # Authentication of the push side channel (ZMQ CURVE; connector/keys.py makes keys).
+    # All three, or none (then anyone who reaches the push port is trusted, and the
+    # server logs a warning at start):
+    # - this server's key pair (a `.key_secret` file): P's push port serves with it, and
+    #   D connects to P's with it;
+    # - the public keys P accepts (D servers', and the router's for its abandons): a
+    #   directory of `*.key` files, or a list of files; others are refused and counted;
+    # - the P servers' public key (a `.key` file), that D checks P by. Every P a D pushes
+    #   from must hold that key pair: in a pool, give the P servers the same pair.
+    curve_secret_key_file: str | None = None
+    curve_allowed_keys: str | list[str] | None = None
+    curve_server_key_file: str | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.push_port <= MAX_PORT:
@@ -115,6 +146,15 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
         if pause is not None and not (math.isfinite(pause) and 0 <= pause <= MAX_PAUSE):
             raise ConfigError(f"push_wait_pause must be in 0..{MAX_PAUSE} seconds "
                               f"(0 turns the pause off), got {pause}")
+        if self.max_pending_per_peer < 1:
+            raise ConfigError(
+                f"max_pending_per_peer must be >= 1, got {self.max_pending_per_peer}")
+        given = [name for name in CURVE_KEYS if getattr(self, name)]
+        if given and len(given) != len(CURVE_KEYS):
+            missing = [name for name in CURVE_KEYS if name not in given]
+            raise ConfigError(
+                f"side-channel authentication needs {', '.join(CURVE_KEYS)} together; "
+                f"missing: {', '.join(missing)}")
         if self.peer_timeout <= self.ping_interval:
             raise ConfigError(
                 f"peer_timeout ({self.peer_timeout}) must be longer than ping_interval "
@@ -130,6 +170,25 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     def writes_early(self, on_cpu: bool, world_size: int) -> bool:
         """Whether P WRITEs right after the forward that completes a prompt."""
         return self.early_write and on_cpu and world_size == 1
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether the side channel is authenticated (CURVE keys are configured)."""
+        return self.curve_secret_key_file is not None
+
+    def curve_keys(self) -> tuple[ServerKeys, ClientKeys] | None:
+        """The keys for P's push port and for D's connections to P's, read from their
+        files; None without authentication. Raises ConfigError naming a bad file."""
+        if self.curve_secret_key_file is None or self.curve_allowed_keys is None \
+                or self.curve_server_key_file is None:
+            return None
+        try:
+            pair = load_key_pair(self.curve_secret_key_file)
+            allowed = load_allowed(self.curve_allowed_keys)
+            server = load_public_key(self.curve_server_key_file)
+        except KeyFileError as exc:
+            raise ConfigError(f"bad side-channel key: {exc}") from exc
+        return ServerKeys(pair, allowed), ClientKeys(pair, server)
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> DualConfig:

@@ -8,7 +8,7 @@ a ZMQ PUSH socket (`EarlyOutbox`, bound by the channel thread) to the worker's P
 socket (`EarlyInbox`, read by the worker's engine thread, without waiting, once the
 forward pass is done and at the start of each step). Both ends live on this host: an IPC
 socket named after the engine and its push port (see `connector.wake.ipc_address`), which
-no other server on the host can share.
+no other server on the host can share, in a directory only this user can enter.
 
 Only a P server with one worker makes early WRITEs: every rank must WRITE its share of a
 push, and one socket to one worker says it to exactly one.
@@ -18,12 +18,15 @@ The payload is the channel's `StartWrite`, msgpack-encoded.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import msgspec
 import zmq
 
-from connector.wake import ipc_address, remove_ipc_file
+from connector.wake import ipc_address, prepare_ipc_dir, remove_at_exit
+
+logger = logging.getLogger("vllm.pd_connector.early")
 
 
 def early_address(engine_id: str, dp_index: int, push_port: int) -> str:
@@ -38,7 +41,13 @@ class EarlyOutbox:
         self.address = early_address(engine_id, dp_index, push_port)
         self._socket = context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.bind(self.address)
+        try:
+            prepare_ipc_dir(self.address)
+            self._socket.bind(self.address)
+        except (OSError, zmq.ZMQError):
+            self._socket.close()
+            raise
+        self._remove = remove_at_exit(self, self.address)
 
     def send(self, message: Any) -> bool:
         """False when it could not go (no worker connected, or its queue is full)."""
@@ -50,18 +59,25 @@ class EarlyOutbox:
 
     def close(self) -> None:
         self._socket.close()
-        remove_ipc_file(self.address)
+        self._remove()
 
 
 class EarlyInbox:
-    """P's worker: the early WRITEs sent so far, decoded as `kind`. Never blocks."""
+    """P's worker: the early WRITEs sent so far, decoded as `kind`. Never blocks. With no
+    socket (the address refused), it takes nothing: P's channel then cannot hand the
+    WRITE over, and the engine starts it with the next step instead."""
 
     def __init__(self, kind: type[Any], engine_id: str, dp_index: int, push_port: int) -> None:
         self._decoder = msgspec.msgpack.Decoder(kind)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.connect(early_address(engine_id, dp_index, push_port))
+        address = early_address(engine_id, dp_index, push_port)
+        try:
+            self._socket.connect(address)
+        except zmq.ZMQError as exc:
+            logger.warning("no socket for early WRITEs at %s (%s): pushes are written at "
+                           "the step after their prompt's", address, exc)
 
     def take(self) -> list[Any]:
         taken: list[Any] = []

@@ -12,6 +12,13 @@ sides; nothing else is matched):
     D -> P  Abort           D's request is gone; P frees the blocks it holds for it and
                             answers PushFailed(aborted) once nothing more will be written.
     D -> P  Ping            D still waits on this P; P answers Pong at once (liveness).
+    R -> P  Abandon         the router's D leg failed before any D registered: P frees the
+                            prompt's blocks now instead of after `unclaimed_ttl`. No answer.
+
+Who may do what: a registered transfer is aborted only by the peer that registered it
+(its CURVE public key when the side channel is authenticated, else its ZMQ routing
+identity); for a transfer no D registered, knowing its `transfer_id` (128 random bits,
+from the router) is the capability, for an Abort as for an Abandon.
 
 PushFailed may follow RegisterBlocks at any time, with or without an Ack before it. D
 learns that its KV arrived from the WRITE's own NIXL notification, not from PushDone.
@@ -34,7 +41,8 @@ import msgspec
 # Protocol versions. Bump on any change to a message's fields, tags or meaning.
 #   1: RegisterBlocks, Ack, Nack, Abort, PushDone, PushFailed, Ping, Pong.
 #   2: PushFailed.pull, P's offer to be read instead after a failed WRITE.
-PROTOCOL_VERSION = 2
+#   3: Abandon (router -> P); Nack reasons over_limit and too_many_blocks.
+PROTOCOL_VERSION = 3
 
 TransferId = NewType("TransferId", str)
 EngineId = NewType("EngineId", str)
@@ -54,6 +62,8 @@ class NackReason(str, enum.Enum):
     TP_MISMATCH = "tp_mismatch"  # tp sizes differ, or the rank is not P's rank
     PREFILL_ABORTED = "prefill_aborted"  # P's request for it already ended without KV
     SHUTTING_DOWN = "shutting_down"
+    OVER_LIMIT = "over_limit"  # this peer holds too many pending registrations already
+    TOO_MANY_BLOCKS = "too_many_blocks"  # more block ids than P has blocks in all
 
 
 class FailReason(str, enum.Enum):
@@ -187,6 +197,13 @@ class PushFailed(_TransferMessage, frozen=True, kw_only=True, tag="push_failed")
     pull: PullOffer | None = None
 
 
+class Abandon(_TransferMessage, frozen=True, kw_only=True, tag="abandon"):
+    """Router -> P: this push's D leg failed (D refused, crashed, or answered an error)
+    and no D will claim the prompt: free its blocks now rather than after
+    `unclaimed_ttl`. P honours it only while no D has registered the transfer; a
+    registered transfer is ended by its registrant (Abort) or its WRITE. Not answered."""
+
+
 class Ping(_Message, frozen=True, kw_only=True, tag="ping"):
     """D -> P: are you there? Sent while D waits on this P."""
 
@@ -195,7 +212,9 @@ class Pong(_Message, frozen=True, kw_only=True, tag="pong"):
     """P -> D: yes (answered by P's side-channel thread, whatever its engine is doing)."""
 
 
-Message: TypeAlias = RegisterBlocks | Ack | Nack | Abort | PushDone | PushFailed | Ping | Pong
+Message: TypeAlias = (
+    RegisterBlocks | Ack | Nack | Abort | PushDone | PushFailed | Abandon | Ping | Pong
+)
 
 MESSAGE_TYPES: frozenset[str] = frozenset(
     str(cls.__struct_config__.tag) for cls in get_args(Message)

@@ -39,6 +39,17 @@ States of one transfer:
   prefill_finished follows the step) and a registration arriving meanwhile matches it
   early. Such a Ready says `early`.
 
+Who may end a transfer: a registered one is aborted only by the peer that registered it
+(`peer`: its CURVE public key, else its ZMQ routing identity); an abort from anyone else
+is ignored and counted. A transfer no D registered yet may be aborted, or abandoned (the
+router's word that its D leg failed), by anyone who names it: its 128-bit random id is
+the capability. An abandon of a registered transfer is ignored and counted.
+
+Limits, so that no peer can make P hold unbounded state: at most `max_pending_per_peer`
+live registrations per peer (more are refused, OVER_LIMIT), no more block ids in one
+registration than P has blocks (`num_blocks`; TOO_MANY_BLOCKS), and at most
+`MAX_TOMBSTONES` tombstones (the oldest go first).
+
 DONE, FAILED, EXPIRED and ABORTED are terminal: the record is removed in the call that
 reaches them (nothing outlives its transfer) and a `Release` says to free P's blocks, if
 P holds any, and to tell D, if D registered: PushDone, or PushFailed with the reason
@@ -62,9 +73,15 @@ import msgspec
 from connector.messages import EngineId, FailReason, NackReason, RegisterBlocks, TransferId
 
 RequestId: TypeAlias = str  # P's engine request id, which holds P's blocks
+PeerId: TypeAlias = bytes  # who sent a message: CURVE public key, else ZMQ routing identity
 
 DEFAULT_REGISTRATION_TTL_S = 120.0
 DEFAULT_UNCLAIMED_TTL_S = 120.0
+DEFAULT_MAX_PENDING_PER_PEER = 4096
+# Tombstones outlive nothing but their deadline; this bounds them under a flood of aborts
+# for ids P never saw. Evicting one early costs at most a late prefill held until its
+# deadline, or a late registration waiting for its TTL.
+MAX_TOMBSTONES = 65536
 
 BlockIds = list[list[int]]  # one list per KV-cache group
 
@@ -97,8 +114,15 @@ class RegistryConfig(msgspec.Struct, frozen=True, kw_only=True):
     tp_rank: int = 0
     registration_ttl: float = DEFAULT_REGISTRATION_TTL_S
     unclaimed_ttl: float = DEFAULT_UNCLAIMED_TTL_S
+    # P's KV cache blocks in all: no registration may name more block ids (None: unknown).
+    num_blocks: int | None = None
+    max_pending_per_peer: int = DEFAULT_MAX_PENDING_PER_PEER
 
     def __post_init__(self) -> None:
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.max_pending_per_peer < 1:
+            raise ValueError(f"max_pending_per_peer must be >= 1, got {self.max_pending_per_peer}")
         if not self.engine_id:
             raise ValueError("engine_id must be a non-empty string")
         if self.block_size < 1 or self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
@@ -161,6 +185,14 @@ class Release:
     request_id: RequestId | None = None  # P's request holding `block_ids`
 
 
+@dataclass(frozen=True, slots=True)
+class Ignored:
+    """An abort or abandon P does not honour (`why`); nothing to do, nobody to answer."""
+
+    transfer_id: TransferId
+    why: str
+
+
 Outcome: TypeAlias = Ready | Waiting | Rejected | Release
 
 
@@ -177,6 +209,11 @@ class RegistryCounters:
     expired_unclaimed: int = 0  # P finished, D never registered in time
     duplicates: int = 0
     rejected: int = 0  # registrations refused: block size or TP mismatch
+    over_limit: int = 0  # registrations refused: the peer's pending limit
+    too_many_blocks: int = 0  # registrations refused: more block ids than P's blocks
+    foreign_aborts: int = 0  # aborts of a registered transfer from another peer: ignored
+    abandoned: int = 0  # the router's abandons honoured
+    abandons_ignored: int = 0  # abandons of a transfer a D registered: ignored
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,6 +238,7 @@ class _Transfer:
     block_ids: BlockIds | None = None  # P's, held from prefill_finished until released
     request_id: RequestId | None = None  # P's request that holds block_ids
     abort_requested: bool = False  # D aborted during WRITING
+    owner: PeerId | None = None  # the peer that registered it, once one has
 
 
 class _Tombstone(enum.Enum):
@@ -227,12 +265,13 @@ class PushRegistry:
         self._tombstones: dict[TransferId, tuple[_Tombstone, float]] = {}  # cause, deadline
         # Prefills whose last step runs now, with no registration yet (prefill_completing).
         self._completing: dict[TransferId, tuple[RequestId, BlockIds]] = {}
+        self._pending_by_peer: dict[PeerId, int] = {}  # live registrations per owner
         self._counters = RegistryCounters()
 
     # --- events from D (side channel) ----------------------------------------------------
 
-    def register(self, reg: RegisterBlocks, *, now: float) -> Outcome:
-        """D's registration. Ready or Waiting: send Ack. Rejected: send Nack."""
+    def register(self, reg: RegisterBlocks, *, now: float, peer: PeerId = b"") -> Outcome:
+        """D's registration, from `peer`. Ready or Waiting: send Ack. Rejected: send Nack."""
         tid = reg.transfer_id
         if self._tombstones.get(tid, (None,))[0] is _Tombstone.PREFILL_ABORTED:
             del self._tombstones[tid]
@@ -243,9 +282,14 @@ class PushRegistry:
         if record is not None and record.state is not TransferState.AWAITING_REGISTRATION:
             self._counters.duplicates += 1
             return Rejected(tid, NackReason.DUPLICATE, f"transfer {tid!r} is already registered")
-        refusal = self._check_layout(reg)
+        refusal = self._check_limits(reg, peer) or self._check_layout(reg)
         if refusal is not None:
-            self._counters.rejected += 1
+            if refusal[0] is NackReason.OVER_LIMIT:
+                self._counters.over_limit += 1
+            elif refusal[0] is NackReason.TOO_MANY_BLOCKS:
+                self._counters.too_many_blocks += 1
+            else:
+                self._counters.rejected += 1
             if record is None:
                 return Rejected(tid, refusal[0], refusal[1])
             del self._transfers[tid]
@@ -258,31 +302,55 @@ class PushRegistry:
             record = _Transfer(tid, TransferState.AWAITING_PREFILL, None, registration=reg,
                                block_ids=block_ids, request_id=request_id)
             self._transfers[tid] = record
+            self._own(record, peer)
             self._counters.early += 1
             return self._match(record, early=True)
         if record is None:
             deadline = now + min(self.config.registration_ttl, reg.ttl_s)
-            self._transfers[tid] = _Transfer(
-                tid, TransferState.AWAITING_PREFILL, deadline, registration=reg
-            )
+            record = _Transfer(tid, TransferState.AWAITING_PREFILL, deadline, registration=reg)
+            self._transfers[tid] = record
+            self._own(record, peer)
             return Waiting(tid, TransferState.AWAITING_PREFILL)
         record.registration = reg
+        self._own(record, peer)
         return self._match(record)
 
-    def abort(self, transfer_id: TransferId, *, now: float) -> Release | None:
-        """D's request is gone. None: nothing to do now (a WRITE is in flight and its end
-        will release; or the id is unknown, and a tombstone frees a late prefill at once:
-        the caller answers D itself)."""
+    def abort(self, transfer_id: TransferId, *, now: float,
+              peer: PeerId = b"") -> Release | Ignored | None:
+        """D's request is gone (D is `peer`). None: nothing to do now (a WRITE is in flight
+        and its end will release; or the id is unknown, and a tombstone frees a late
+        prefill at once: the caller answers D itself). Ignored: another peer registered
+        this transfer; only it may abort it."""
         record = self._transfers.get(transfer_id)
         if record is None:
             self._completing.pop(transfer_id, None)  # its prefill_finished meets the tombstone
-            self._tombstones[transfer_id] = (_Tombstone.D_ABORTED, now + self.config.unclaimed_ttl)
+            self._bury(transfer_id, _Tombstone.D_ABORTED, now)
             return None
+        if record.owner is not None and record.owner != peer:
+            self._counters.foreign_aborts += 1
+            return Ignored(transfer_id, "aborted by a peer that did not register it")
         if record.state is TransferState.WRITING:
             record.abort_requested = True
             return None
         if record.state is TransferState.AWAITING_PREFILL:  # its prefill may still finish
-            self._tombstones[transfer_id] = (_Tombstone.D_ABORTED, now + self.config.unclaimed_ttl)
+            self._bury(transfer_id, _Tombstone.D_ABORTED, now)
+        return self._end(record, TransferState.ABORTED, FailReason.ABORTED)
+
+    # --- events from the router (side channel) ---------------------------------------------
+
+    def abandon(self, transfer_id: TransferId, *, now: float) -> Release | Ignored | None:
+        """The router's D leg for this transfer failed before any D registered: free P's
+        blocks now (Release), or as soon as the prefill finishes (None: a tombstone, as for
+        an abort of an unknown id). Ignored once a D has registered it: that D ends it."""
+        record = self._transfers.get(transfer_id)
+        if record is not None and record.registration is not None:
+            self._counters.abandons_ignored += 1
+            return Ignored(transfer_id, "a D has registered it")
+        self._counters.abandoned += 1
+        if record is None:
+            self._completing.pop(transfer_id, None)  # its prefill_finished meets the tombstone
+            self._bury(transfer_id, _Tombstone.D_ABORTED, now)
+            return None
         return self._end(record, TransferState.ABORTED, FailReason.ABORTED)
 
     # --- events from P's engine ----------------------------------------------------------
@@ -349,8 +417,7 @@ class PushRegistry:
         self._completing.pop(transfer_id, None)
         record = self._transfers.get(transfer_id)
         if record is None:
-            self._tombstones[transfer_id] = (
-                _Tombstone.PREFILL_ABORTED, now + self.config.unclaimed_ttl)
+            self._bury(transfer_id, _Tombstone.PREFILL_ABORTED, now)
             return None
         if record.state is not TransferState.AWAITING_PREFILL:
             return None  # its prefill already finished: the KV is held and may be written
@@ -404,6 +471,13 @@ class PushRegistry:
     def __len__(self) -> int:
         return len(self._transfers)
 
+    def pending_of(self, peer: PeerId) -> int:
+        """Live registrations `peer` made (what max_pending_per_peer limits)."""
+        return self._pending_by_peer.get(peer, 0)
+
+    def tombstones(self) -> int:
+        return len(self._tombstones)
+
     def counters(self) -> RegistryCounters:
         """A copy of the counts so far (cheap: no walk over the live transfers)."""
         return dataclasses.replace(self._counters)
@@ -415,6 +489,29 @@ class PushRegistry:
         return RegistrySnapshot(by_state, self.counters(), len(self._completing))
 
     # --- internals -----------------------------------------------------------------------
+
+    def _check_limits(self, reg: RegisterBlocks, peer: PeerId) -> tuple[NackReason, str] | None:
+        limit = self.config.max_pending_per_peer
+        if self._pending_by_peer.get(peer, 0) >= limit:
+            return NackReason.OVER_LIMIT, (
+                f"this peer already holds {limit} pending registrations on this P "
+                "(kv_connector_extra_config.max_pending_per_peer)")
+        count, most = sum(len(group) for group in reg.block_ids), self.config.num_blocks
+        if most is not None and count > most:
+            return NackReason.TOO_MANY_BLOCKS, (
+                f"{count} block ids in one registration; this P has {most} blocks in all")
+        return None
+
+    def _own(self, record: _Transfer, peer: PeerId) -> None:
+        """`peer` registered `record`: only it may abort it; it counts to its limit."""
+        record.owner = peer
+        self._pending_by_peer[peer] = self._pending_by_peer.get(peer, 0) + 1
+
+    def _bury(self, transfer_id: TransferId, cause: _Tombstone, now: float) -> None:
+        """Leave a tombstone until `unclaimed_ttl`; past MAX_TOMBSTONES, the oldest goes."""
+        if transfer_id not in self._tombstones and len(self._tombstones) >= MAX_TOMBSTONES:
+            del self._tombstones[next(iter(self._tombstones))]
+        self._tombstones[transfer_id] = (cause, now + self.config.unclaimed_ttl)
 
     def _check_layout(self, reg: RegisterBlocks) -> tuple[NackReason, str] | None:
         local = self.config
@@ -447,6 +544,12 @@ class PushRegistry:
     ) -> Release:
         """Remove the record and say what to release; the one exit of every transfer."""
         del self._transfers[record.transfer_id]
+        if record.owner is not None:
+            left = self._pending_by_peer[record.owner] - 1
+            if left:
+                self._pending_by_peer[record.owner] = left
+            else:
+                del self._pending_by_peer[record.owner]
         if record.abort_requested:
             state, reason = TransferState.ABORTED, FailReason.ABORTED
         if state is TransferState.EXPIRED:

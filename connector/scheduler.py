@@ -122,17 +122,20 @@ class DualScheduler(NixlPullConnectorScheduler):
             on_cpu=current_platform.is_cpu(),
             world_size=vllm_config.parallel_config.world_size)
         self._wake = self._wake_listener(engine_id, dp_index)
+        keys = config.curve_keys()  # read at start: a bad key file fails the start
         registry = PushRegistry(RegistryConfig(
             engine_id=EngineId(engine_id), block_size=self.block_size,
             tp_size=self.transfer_tp_size, registration_ttl=config.registration_ttl,
-            unclaimed_ttl=config.unclaimed_ttl))
+            unclaimed_ttl=config.unclaimed_ttl, num_blocks=kv_cache_config.num_blocks or None,
+            max_pending_per_peer=config.max_pending_per_peer))
         self.prefill_channel = PrefillChannel(
             registry, self.push_host, self.push_port,
-            early_to=(engine_id, dp_index) if self.early_write else None)
+            early_to=(engine_id, dp_index) if self.early_write else None,
+            curve=keys[0] if keys else None)
         self.decode_channel = DecodeChannel(
             EngineId(engine_id), ack_timeout=config.ack_timeout,
             ping_interval=config.ping_interval, peer_timeout=config.peer_timeout,
-            registration_ttl=config.registration_ttl)
+            registration_ttl=config.registration_ttl, curve=keys[1] if keys else None)
         self.prefill_channel.start()
         self.decode_channel.start()
         # D: pushes this engine waits for, by D's request id; and what the next step
@@ -154,9 +157,11 @@ class DualScheduler(NixlPullConnectorScheduler):
         self._next_step_jobs: list[PushJob] = []
         self.stats = PushStats()
         self._logged = (PushStats(), time.monotonic())
-        logger.info("dual connector: modes %s; push side channel on %s:%d; idle steps while "
-                    "waiting for pushes pause %.1f ms; early WRITEs %s",
+        self._refused: tuple[int, ...] = (0,) * 7  # the drop counts last logged
+        logger.info("dual connector: modes %s; push side channel on %s:%d (%s); idle steps "
+                    "while waiting for pushes pause %.1f ms; early WRITEs %s",
                     ",".join(TRANSFER_MODES), self.push_host, self.push_port,
+                    "CURVE-authenticated" if keys else "unauthenticated",
                     self.push_wait_pause * 1000, "on" if self.early_write else "off")
 
     # --- D: register allocated blocks with P ---------------------------------------------
@@ -369,7 +374,7 @@ class DualScheduler(NixlPullConnectorScheduler):
             return None
         try:
             return WakeListener(engine_id, dp_index)
-        except zmq.ZMQError as exc:
+        except (OSError, zmq.ZMQError) as exc:
             logger.warning("no wake-up socket for the push-wait pause (%s): a landed push "
                            "is seen up to %.1f ms late", exc, self.push_wait_pause * 1000)
             return None
@@ -383,20 +388,28 @@ class DualScheduler(NixlPullConnectorScheduler):
     def _log_stats(self) -> None:
         last, at = self._logged
         now = time.monotonic()
-        if now - at < self.stats_interval or self.stats == last:
+        channel = self.prefill_channel
+        s, r = self.stats, channel.counters
+        refused = (r.over_limit, r.too_many_blocks, r.foreign_aborts, r.abandoned,
+                   r.abandons_ignored, channel.refused_handshakes, channel.unidentified)
+        if now - at < self.stats_interval or (self.stats == last and refused == self._refused):
             return
         self._logged = (dataclasses.replace(self.stats), now)
-        s, r = self.stats, self.prefill_channel.counters
+        self._refused = refused
         mean_ms = s.write_seconds / s.writes_done * 1000 if s.writes_done else 0.0
         logger.info(
             "push stats: P prefills pull %d push %d probes %d; writes done %d failed %d "
             "(%d blocks, mean %.1f ms, early %d), offered for pull %d; registry matched %d "
             "expired %d+%d aborted %d refused %d; D registered %d received %d pulled instead "
-            "%d fell back %d aborted %d",
+            "%d fell back %d aborted %d; abandoned %d (ignored %d); dropped: over the "
+            "per-peer limit %d, too many blocks %d, aborts not from the registrant %d, "
+            "peers refused by CURVE %d, unidentified messages %d",
             s.pull_prefills, s.push_prefills, s.probes, s.writes_done, s.writes_failed,
             s.blocks_written, mean_ms, r.early, s.pull_offers, r.matched,
             r.expired_registrations, r.expired_unclaimed, r.aborted, r.rejected + r.duplicates,
-            s.registrations, s.received, s.pulled_instead, s.fell_back, s.aborted)
+            s.registrations, s.received, s.pulled_instead, s.fell_back, s.aborted,
+            r.abandoned, r.abandons_ignored, r.over_limit, r.too_many_blocks,
+            r.foreign_aborts, channel.refused_handshakes, channel.unidentified)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import random
 import re
+import secrets
 from typing import Any
 
 import msgspec
@@ -425,5 +426,14 @@ def new_id() -> str:
     return f"{_ids.getrandbits(128):032x}"
 
 
-new_transfer_id = new_id
+def new_transfer_id() -> str:
+    """A fresh transfer id: 128 bits from the OS's secure random source, in hex.
+
+    Unlike request ids it is a secret: knowing it is the capability to abandon a push on
+    P's side channel, or to register for its KV first. So it must not be guessable from
+    the request ids a client sees echoed (`new_id`'s generator is predictable from about
+    156 of them), nor repeat in a forked process."""
+    return secrets.token_hex(16)
+
+
 _ids = random.Random()

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq.auth
 
 from connector.config import CPU_PAUSE, MAX_PAUSE, ConfigError, DualConfig
+from connector.keys import load_key_pair, load_public_key
+from connector.keys import main as make_keys
 
 
 def test_only_our_keys_are_read_and_the_defaults_fill_the_rest() -> None:
@@ -89,7 +93,88 @@ def test_push_port_is_required(extra: dict[str, Any] | None) -> None:
                  id="pause-negative"),
     pytest.param({"push_port": 5700, "push_wait_pause": 1}, "push_wait_pause",
                  id="pause-too-long"),
+    pytest.param({"push_port": 5700, "max_pending_per_peer": 0}, "max_pending_per_peer",
+                 id="pending-limit-zero"),
+    pytest.param({"push_port": 5700, "curve_secret_key_file": "/k"},
+                 "missing: curve_allowed_keys, curve_server_key_file", id="curve-partial"),
+    pytest.param({"push_port": 5700, "curve_allowed_keys": 5}, "curve_allowed_keys",
+                 id="curve-allowed-not-a-path"),
 ])
 def test_a_bad_value_fails_the_start_naming_the_key(extra: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
         DualConfig.from_extra_config(extra)
+
+
+# --- side-channel authentication --------------------------------------------------------
+
+
+def test_without_keys_the_side_channel_is_unauthenticated() -> None:
+    config = DualConfig.from_extra_config({"push_port": 5700})
+    assert config.max_pending_per_peer == 4096
+    assert not config.authenticated and config.curve_keys() is None
+
+
+@pytest.fixture
+def key_dir(tmp_path: Path) -> Path:
+    """Key pairs made by the helper: p (the P servers'), d (a D's), router; and the
+    public keys P allows, in a directory of their own."""
+    for name in ("p", "d", "router"):
+        assert make_keys([str(tmp_path / "keys"), name]) == 0
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    for name in ("d", "router"):
+        (allowed / f"{name}.key").write_bytes((tmp_path / "keys" / f"{name}.key").read_bytes())
+    return tmp_path
+
+
+def test_the_key_helper_makes_a_private_key_pair(key_dir: Path) -> None:
+    secret = key_dir / "keys" / "p.key_secret"
+    assert secret.stat().st_mode & 0o077 == 0, "readable by its owner only"
+    pair = load_key_pair(str(secret))
+    assert load_public_key(str(key_dir / "keys" / "p.key")) == pair.public
+
+
+@pytest.mark.parametrize("as_list", [False, True], ids=["directory", "list"])
+def test_keys_are_read_from_their_files(key_dir: Path, as_list: bool) -> None:
+    keys = key_dir / "keys"
+    allowed: str | list[str] = str(key_dir / "allowed")
+    if as_list:
+        allowed = [str(keys / "d.key"), str(keys / "router.key")]
+    config = DualConfig.from_extra_config({
+        "push_port": 5700, "curve_secret_key_file": str(keys / "p.key_secret"),
+        "curve_allowed_keys": allowed, "curve_server_key_file": str(keys / "p.key")})
+    loaded = config.curve_keys()
+    assert config.authenticated and loaded is not None
+    server, client = loaded
+    assert server.pair == load_key_pair(str(keys / "p.key_secret")) == client.pair
+    assert server.allowed == {load_public_key(str(keys / f"{n}.key")) for n in ("d", "router")}
+    assert client.server_public == server.pair.public
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    pytest.param({"curve_secret_key_file": "p.key"}, "no CURVE secret key", id="public-as-pair"),
+    pytest.param({"curve_secret_key_file": "absent"}, "cannot read", id="missing-file"),
+    pytest.param({"curve_allowed_keys": "empty"}, "no public key file", id="no-allowed-keys"),
+    pytest.param({"curve_allowed_keys": "p.key"}, "not a directory", id="allowed-not-a-dir"),
+    pytest.param({"curve_server_key_file": "garbled.key"}, "CURVE public key",
+                 id="garbled-key"),
+])
+def test_a_bad_key_file_fails_the_start_naming_it(
+    key_dir: Path, change: dict[str, str], named: str,
+) -> None:
+    keys = key_dir / "keys"
+    (keys / "empty").mkdir()
+    (keys / "garbled.key").write_text('metadata\ncurve\n    public-key = "short"\n')
+    extra: dict[str, Any] = {
+        "push_port": 5700, "curve_secret_key_file": str(keys / "p.key_secret"),
+        "curve_allowed_keys": str(key_dir / "allowed"),
+        "curve_server_key_file": str(keys / "p.key"),
+        **{key: str(keys / value) for key, value in change.items()}}
+    with pytest.raises(ConfigError, match=named) as caught:
+        DualConfig.from_extra_config(extra).curve_keys()
+    assert str(keys) in str(caught.value), "the bad file is named"
+
+
+def test_key_files_are_made_by_zmq_certificates(tmp_path: Path) -> None:
+    public, secret = zmq.auth.create_certificates(str(tmp_path), "x")
+    assert load_key_pair(secret).public == load_public_key(public)

@@ -11,6 +11,7 @@ import pytest
 from connector.messages import (
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
+    Abandon,
     Abort,
     Ack,
     EngineId,
@@ -49,6 +50,7 @@ ONE_OF_EACH: list[Message] = [
     Ack(transfer_id=TID, engine_id=EngineId("p"), block_size=16, tp_size=2),
     Nack(transfer_id=TID, reason=NackReason.DUPLICATE, message="again"),
     Abort(transfer_id=TID),
+    Abandon(transfer_id=TID),
     PushDone(transfer_id=TID),
     PushFailed(transfer_id=TID, reason=FailReason.WRITE_ERROR, message="nixl"),
     PushFailed(transfer_id=TID, reason=FailReason.WRITE_ERROR, message="nixl",
