@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import gc
 import logging
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -104,9 +107,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(config: RouterConfig, source: ConfigSource | None = None) -> None:
+    """Run the router (and its admin listener, with `admin_listen`) until SIGTERM/SIGINT."""
     import uvicorn
+    from uvicorn._compat import asyncio_run
+    from uvicorn.config import STARTUP_FAILURE
 
     from proxy.app import create_app
+    from proxy.listener import server_config
 
     logging.basicConfig(
         level=config.log_level.upper(),
@@ -125,13 +132,38 @@ def serve(config: RouterConfig, source: ConfigSource | None = None) -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        loop="uvloop",
-        http="httptools",
-        log_level=config.log_level,
-        access_log=config.access_log,
-        timeout_graceful_shutdown=config.shutdown_grace,
-    )
+    # The listener cuts clients that stall or send their request too slowly (see there).
+    server = uvicorn.Server(server_config(app, config))
+    class AdminServer(uvicorn.Server):
+        """The admin listener: it leaves signals to the main server (two servers that
+        both capture them would each see only their own), which stops it."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    admin = None
+    if app.admin_api is not None and config.admin_listen is not None:
+        host, _, port = config.admin_listen.rpartition(":")
+        admin = AdminServer(server_config(app.admin_api, config, host=host.strip("[]"),
+                                            port=int(port), lifespan="off"))
+        logging.getLogger("pdproxy").info("admin API on http://%s", config.admin_listen)
+
+    async def run() -> None:
+        if admin is None:
+            await server.serve()
+            return
+        admin_task = asyncio.create_task(admin.serve(), name="admin-listener")
+        try:
+            await server.serve()  # until a signal, or a failed start
+        finally:
+            admin.should_exit = True
+            await admin_task
+        if not admin.started:
+            server.started = False  # the admin address could not be bound: a failed start
+
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn has already shut down
+        asyncio_run(run(), loop_factory=server.config.get_loop_factory())
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)
+

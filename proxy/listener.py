@@ -1,0 +1,246 @@
+"""The router's HTTP listener: uvicorn's httptools protocol, plus the limits that stop a
+bad client from holding the router's resources.
+
+A client that stops reading its answer makes uvicorn pause the flow that writes to it; the
+flow then stops reading its upstream legs, which keep their upstream connections and
+leases. Nothing in uvicorn ever ends that, so a few such clients could take every
+upstream connection (`limits.max_connections`) for good. Likewise a client that sends its
+request slowly (its head or its body) holds a connection forever. This protocol cuts both:
+
+- stall: while the transport's write buffer is full (uvicorn paused writing), a timer of
+  `timeouts.client_stall` runs; when it fires and the client accepted no byte since it
+  was armed, the connection is aborted. A slow client that still reads is left alone:
+  any progress re-arms the timer. Abort, not close: close() would wait to flush bytes the
+  client never reads. uvicorn then tells the app `http.disconnect`, and the flow is
+  cancelled with both its legs (see `relay.FlowResponse`). The clock starts only once the
+  kernel's send queue for the socket is full too: the kernel autotunes that queue, up to
+  a few MB (measured on loopback: 2.9 MB queued before the pause), so a client that
+  stops reading a short or slow stream may get it whole into kernel buffers, uncut.
+- slow_request: from a request's first byte, its head and body must be in within
+  `timeouts.client_request`.
+- a new connection that sends nothing is closed after uvicorn's keep-alive timeout, as
+  an idle connection between two requests already is (uvicorn arms that timer only after
+  a response).
+
+Each cut is logged with the client's address and counted in `pdproxy_client_cuts`.
+Timers exist only while there is something to watch: one while writes are paused, one
+while a request is coming in; none per byte.
+
+`server_config()` builds the uvicorn config for the router from its `RouterConfig`, so
+that the CLI and the tests serve through the same listener.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import fcntl
+import logging
+import struct
+import termios
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import uvicorn
+from starlette.types import ASGIApp
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from proxy.config import RouterConfig, Timeouts
+
+logger = logging.getLogger("pdproxy.listener")
+
+# Called with the reason ("stall" or "slow_request") of each cut.
+OnCut = Callable[[str], None]
+
+# Linux: the bytes in a socket's send queue not yet acknowledged by the peer. With it a
+# client's progress is seen byte by byte, not only when the kernel takes a new chunk.
+_OUTQ: int | None = getattr(termios, "TIOCOUTQ", None)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClientLimits:
+    client_stall: float  # seconds a client may accept no byte while writes are paused
+    client_request: float  # seconds from a request's first byte to its last
+    on_cut: OnCut
+
+
+class GuardedHttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the client limits above; `server_config()`
+    makes a subclass that sets `limits`."""
+
+    limits: ClassVar[ClientLimits]
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._unsent_at_arm = 0  # what the client had not taken when the stall timer was armed
+        self._request_timer: asyncio.TimerHandle | None = None
+        self._request_began: float | None = None  # loop time of a request's first byte
+
+    # The connection
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        # A connection that never sends a byte is idle like one between two requests.
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_stall_timer()
+        self._stop_request_timer()
+        super().connection_lost(exc)
+
+    # The request coming in
+
+    # A request that arrives whole in one read (nearly all) never arms a timer: arming
+    # one per request was measured at a tenth of the router's CPU (see http11.Deadlines).
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._request_began is not None and self._request_timer is None:
+            left = self._request_began + self.limits.client_request - self.loop.time()
+            self._request_timer = self.loop.call_later(max(left, 0.0), self._request_overdue)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._stop_request_timer()
+        self._request_began = self.loop.time()
+
+    def on_message_complete(self) -> None:
+        self._request_began = None
+        self._stop_request_timer()
+        super().on_message_complete()
+
+    def _request_overdue(self) -> None:
+        self._request_timer = None
+        if self.flow.read_paused:
+            # We stopped reading (a pipelined request waits for the one before it): the
+            # wait is ours, not the client's.
+            self._request_timer = self.loop.call_later(
+                self.limits.client_request, self._request_overdue
+            )
+            return
+        self._cut("slow_request", f"request not complete within {self.limits.client_request:g} s "
+                                  "(timeouts.client_request)")
+
+    def _stop_request_timer(self) -> None:
+        if self._request_timer is not None:
+            self._request_timer.cancel()
+            self._request_timer = None
+
+    # The answer going out
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._watch_unsent()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        self._stop_stall_timer()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self.transport.is_closing():  # closed after the answer: close() flushes first
+            self._watch_unsent()
+
+    def timeout_keep_alive_handler(self) -> None:
+        super().timeout_keep_alive_handler()
+        self._watch_unsent()  # the last answer may still be unread
+
+    def _watch_unsent(self) -> None:
+        """Arm the stall timer, unless it runs or the client has everything already."""
+        if self._stall_timer is not None:
+            return
+        unsent = self._unsent()
+        if unsent:
+            self._unsent_at_arm = unsent
+            self._stall_timer = self.loop.call_later(self.limits.client_stall, self._stall_check)
+
+    def _stall_check(self) -> None:
+        self._stall_timer = None
+        unsent = self._unsent()
+        if unsent == 0:
+            return
+        if unsent < self._unsent_at_arm:  # it took some bytes: slow, not stalled
+            self._watch_unsent()
+            return
+        self._cut("stall", f"accepted no bytes for {self.limits.client_stall:g} s "
+                           f"(timeouts.client_stall), {unsent} bytes unsent")
+
+    def _unsent(self) -> int:
+        """Bytes written to this client that it has not accepted yet: those still in the
+        transport's buffer, plus (on Linux) those in the kernel's send queue. While writes
+        are paused or the transport is closing nothing is added, so a smaller number
+        means the client read."""
+        unsent = self.transport.get_write_buffer_size()
+        sock = self.transport.get_extra_info("socket")
+        if _OUTQ is not None and sock is not None:
+            try:
+                queued = fcntl.ioctl(sock.fileno(), _OUTQ, b"\0\0\0\0")
+                unsent += struct.unpack("i", queued)[0]
+            except (OSError, ValueError):
+                pass  # closed meanwhile, or not a TCP socket: the buffer alone says enough
+        return unsent
+
+    def _stop_stall_timer(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _cut(self, reason: str, why: str) -> None:
+        client = f"{self.client[0]}:{self.client[1]}" if self.client else "unknown address"
+        logger.warning("cut client %s: %s", client, why)
+        self.limits.on_cut(reason)
+        self.transport.abort()  # connection_lost follows: uvicorn tells the app, timers stop
+
+
+def count_in_router_metrics(app: object) -> OnCut:
+    """An `OnCut` that counts in the running router's `metrics.client_cuts` (the app's
+    `state.router`, set by its lifespan; nothing is counted while there is none)."""
+
+    def count(reason: str) -> None:
+        router = getattr(getattr(app, "state", None), "router", None)
+        if router is not None:
+            router.metrics.client_cuts.labels(reason).inc()
+
+    return count
+
+
+def server_config(
+    app: ASGIApp,
+    config: RouterConfig | None = None,
+    *,
+    on_cut: OnCut | None = None,
+    **overrides: Any,
+) -> uvicorn.Config:
+    """The uvicorn config that serves `app` for the router: address, loop, logs and
+    shutdown grace from `config`, and the listener above with its timeouts (their
+    defaults without a config). `overrides` are uvicorn.Config arguments that win (tests
+    listen on a free port); cuts are counted in the app's router metrics unless `on_cut`."""
+    timeouts = config.timeouts if config is not None else Timeouts()
+    limits = ClientLimits(
+        client_stall=timeouts.client_stall,
+        client_request=timeouts.client_request,
+        on_cut=on_cut or count_in_router_metrics(app),
+    )
+    protocol = type("RouterHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})
+    settings: dict[str, Any] = {}
+    if config is not None:
+        settings = {
+            "host": config.host,
+            "port": config.port,
+            "loop": "uvloop",
+            "log_level": config.log_level,
+            "access_log": config.access_log,
+            "timeout_graceful_shutdown": config.shutdown_grace,
+        }
+    settings.update(overrides)
+    return uvicorn.Config(app, http=protocol, **settings)
