@@ -172,6 +172,23 @@ def resolve_secret(value: str | None) -> str | None:
     return os.environ[name]
 
 
+class PushChannel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The router's own word to P's push side channels (our connector's `push_port`):
+    after a push's D leg failed or the client left, the router abandons the transfer so
+    that P frees the prompt's blocks at once instead of after its `unclaimed_ttl`.
+    With CURVE keys on the connectors (`python -m connector.keys`), the router needs its
+    key pair (its public key among P's `curve_allowed_keys`) and P's public key."""
+
+    abandon: bool = True
+    curve_secret_key_file: str | None = None  # the router's .key_secret file
+    curve_server_key_file: str | None = None  # the P servers' public .key file
+
+    def __post_init__(self) -> None:
+        if (self.curve_secret_key_file is None) != (self.curve_server_key_file is None):
+            raise ValueError("push_channel.curve_secret_key_file and curve_server_key_file "
+                             "go together")
+
+
 class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Time limits in seconds, one per phase of a P/D request."""
 
@@ -275,6 +292,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     models: list[str] = []
     missing_kv_params: MissingKVParams = MissingKVParams.ERROR
     push_recovery: PushRecovery = PushRecovery.PULL
+    push_channel: PushChannel = PushChannel()
     auth: Auth = Auth()
     health: HealthChecks = HealthChecks()
     auto: AutoSettings = AutoSettings()

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from proxy.balance import Balancer
-from proxy.config import Ejection, EndpointConfig, Mode, Policy
+from proxy.config import Ejection, EndpointConfig, Mode, Policy, resolve_secret
 from proxy.errors import NoHealthyEndpoint
 from proxy.outlier import OutlierRecord
 from proxy.protocol import PrefillCoordinates
@@ -37,11 +38,14 @@ class ClusterName(str, enum.Enum):
 
 class Endpoint:
     def __init__(
-        self, config: EndpointConfig, cluster: ClusterName, ejection: Ejection = DEFAULT_EJECTION
+        self, config: EndpointConfig, cluster: ClusterName, ejection: Ejection = DEFAULT_EJECTION,
+        *, api_key: str | None = None,
     ) -> None:
         self.config = config
         self.url = config.url.rstrip("/")
         self.cluster = cluster
+        # The bearer token this server wants (vLLM's --api-key): its own, else its cluster's.
+        self.api_key = resolve_secret(config.api_key) or api_key
         self.in_flight = 0
         self.healthy = True  # until a check or a failed connection says otherwise
         self._checks_against = 0  # active checks in a row that disagree with `healthy`
@@ -163,19 +167,29 @@ class Cluster:
         configs: list[EndpointConfig],
         balancer: Balancer | None = None,
         ejection: Ejection = DEFAULT_EJECTION,
+        *,
+        api_key: str | None = None,
+        on_add: Callable[[Endpoint], None] = lambda endpoint: None,
     ) -> None:
         self.name = name
         self.ejection = ejection
+        self._api_key = api_key  # the cluster's bearer token for servers without their own
+        self._on_add = on_add  # told of every member, first and added (credentials)
         # Replaced, never changed in place: a reader holding the old list is unaffected.
-        self.endpoints = [Endpoint(c, name, ejection) for c in configs]
+        self.endpoints = [self._member(c) for c in configs]
         self.balancer = balancer or Balancer(Policy.LEAST_OUTSTANDING)
+
+    def _member(self, config: EndpointConfig) -> Endpoint:
+        endpoint = Endpoint(config, self.name, self.ejection, api_key=self._api_key)
+        self._on_add(endpoint)
+        return endpoint
 
     def find(self, url: str) -> Endpoint | None:
         url = url.rstrip("/")
         return next((e for e in self.endpoints if e.url == url), None)
 
     def add(self, config: EndpointConfig) -> Endpoint:
-        endpoint = Endpoint(config, self.name, self.ejection)
+        endpoint = self._member(config)
         self.endpoints = [*self.endpoints, endpoint]
         return endpoint
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from proxy.config import HealthChecks
 from proxy.endpoints import ClusterName, Endpoint
-from proxy.errors import UpstreamError
+from proxy.errors import Overloaded, UpstreamError
 from proxy.periodic import Periodic
 from proxy.probe import CoordinateProber
 from proxy.upstream import UpstreamClient
@@ -60,6 +60,9 @@ class HealthChecker:
                 timeout=self._timeout,
                 expect_json=False,
             )
+        except Overloaded as exc:  # the control lane is full: no verdict on the server
+            logger.warning("health check of %s skipped: %s", endpoint.url, exc)
+            return
         except UpstreamError as exc:
             error = str(exc)
             endpoint.last_error = error

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.errors import UpstreamError
+from proxy.errors import Overloaded, UpstreamError
 from proxy.periodic import Periodic
 from proxy.upstream import UpstreamClient
 
@@ -146,7 +146,7 @@ class LoadScraper:
                 cluster=endpoint.cluster.value,
                 timeout=self._timeout,
             )
-        except UpstreamError as exc:
+        except (UpstreamError, Overloaded) as exc:  # Overloaded: the control lane is full
             self._failed(endpoint, str(exc))
             return
         report = parse_vllm_metrics(text, time.monotonic())

@@ -126,6 +126,13 @@ class RouterMetrics:
             ["how"],
             registry=r,
         )
+        self.push_abandons = Counter(
+            "pdproxy_push_abandons",
+            "Pushes abandoned on P's side channel after D's leg failed or the client left, so "
+            "P frees the prompt's blocks (sent; dropped: P's queue was full or unreachable)",
+            ["result"],
+            registry=r,
+        )
         self.admin_auth_failures = Counter(
             "pdproxy_admin_auth_failures",
             "Admin API calls refused for a missing or wrong token",

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from proxy.endpoints import Endpoint
-from proxy.errors import NotFound, UpstreamError
+from proxy.errors import NotFound, Overloaded, UpstreamError
 from proxy.upstream import UpstreamClient
 
 logger = logging.getLogger("pdproxy.models")
@@ -112,7 +112,7 @@ class ModelCatalog:
                 cluster=endpoint.cluster.value,
                 timeout=self._timeout,
             )
-        except UpstreamError as exc:
+        except (UpstreamError, Overloaded) as exc:  # Overloaded: the control lane is full
             logger.warning("cannot list models of %s: %s", endpoint.url, exc)
             return None
         data = answer.get("data") if isinstance(answer, dict) else None

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from proxy.endpoints import Endpoint
-from proxy.errors import UpstreamError
+from proxy.errors import Overloaded, UpstreamError
 from proxy.metrics import RouterMetrics
 from proxy.protocol import PREFILL_KV_PARAMS, PrefillCoordinates, coordinates_from_answer
 from proxy.upstream import UpstreamClient
@@ -112,8 +112,9 @@ class CoordinateProber:
                 endpoint=endpoint.url,
                 cluster=endpoint.cluster.value,
                 timeout=self._timeout,
+                control=True,  # never queued behind user traffic
             )
-        except UpstreamError as exc:
+        except (UpstreamError, Overloaded) as exc:  # Overloaded: the control lane is full
             self._failed(endpoint, f"{type(exc).__name__}: {exc}")
             return None
         params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None

@@ -56,11 +56,28 @@ async def run_push(exchange: Exchange, down: Downstream, coordinates: PrefillCoo
             legs.create_task(_prefill(exchange, p_body, down), name="push-prefill")
             legs.create_task(_decode(exchange, d_body, down), name="push-decode")
     except BaseExceptionGroup as group:
+        _abandon(exchange, coordinates, transfer_id)
         error = _first_error(group)
         if isinstance(error, PrefillLegFailed):
             await recover(exchange, down, error.error)
             return
         raise error from None
+    except asyncio.CancelledError:  # the client left, or the router shuts down
+        _abandon(exchange, coordinates, transfer_id)
+        raise
+
+
+def _abandon(exchange: Exchange, coordinates: PrefillCoordinates, transfer_id: str) -> None:
+    """Tell P (our connector) that no D will claim this transfer unless one already
+    did, so P frees the prompt's blocks now rather than at its `unclaimed_ttl`. P ignores
+    it for a transfer a D has registered (that D aborts its own); never waits."""
+    channel = exchange.router.push_channel
+    if channel is None or coordinates.push_port is None:
+        return
+    sent = channel.abandon(coordinates.push_host or coordinates.host, coordinates.push_port,
+                           transfer_id)
+    metrics = exchange.router.metrics
+    metrics.child(metrics.push_abandons, "sent" if sent else "dropped").inc()
 
 
 async def recover(exchange: Exchange, down: Downstream, failure: UpstreamError) -> None:

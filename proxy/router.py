@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from proxy.balance import Balancer
-from proxy.config import Mode, Policy, RouterConfig
+from proxy.config import Mode, Policy, RouterConfig, resolve_secret
 from proxy.endpoints import Cluster, ClusterName, Endpoint
 from proxy.exchange import Exchange
 from proxy.health import HealthChecker
@@ -31,6 +32,7 @@ from proxy.pull import run_pull
 from proxy.push import run_push
 from proxy.relay import Downstream, FlowResponse
 from proxy.retry import RetryBudget
+from proxy.sidechannel import SideChannel
 from proxy.upstream import UpstreamClient
 
 logger = logging.getLogger("pdproxy.router")
@@ -48,6 +50,12 @@ class ConfigSource:
     load: Callable[[], RouterConfig]
 
 
+def cluster_api_key(configured: str | None, cluster: str) -> str | None:
+    """A cluster's bearer token: configured (maybe "env:NAME"), else the environment's
+    PDPROXY_<CLUSTER>_API_KEY, else none."""
+    return resolve_secret(configured) or os.environ.get(f"PDPROXY_{cluster}_API_KEY") or None
+
+
 class Router:
     """Create inside a running event loop (the app's lifespan); close with `aclose`."""
 
@@ -57,13 +65,26 @@ class Router:
         self.retry_budget = RetryBudget(config.retry_budget.ratio, config.retry_budget.min_per_window,
                                         config.retry_budget.window_s)
         self.client = UpstreamClient(config.timeouts, config.limits)
+        channel = config.push_channel
+        self.push_channel = SideChannel(
+            secret_key_file=channel.curve_secret_key_file,
+            server_key_file=channel.curve_server_key_file,
+        ) if channel.abandon else None
         self.learner = ModeLearner(config.auto) if config.auto.learn else None
         balance = config.balance
         self._needs_prefix = Policy.PREFIX_AFFINITY in balance.uses
+        def credentials(endpoint: Endpoint) -> None:  # every call to it carries its key
+            self.client.set_api_key(endpoint.url, endpoint.api_key)
+
+        auth = config.auth
         self.prefill = Cluster(ClusterName.PREFILL, config.prefill,
-                               Balancer(balance.prefill, balance), config.ejection)
+                               Balancer(balance.prefill, balance), config.ejection,
+                               api_key=cluster_api_key(auth.prefill_api_key, "PREFILL"),
+                               on_add=credentials)
         self.decode = Cluster(ClusterName.DECODE, config.decode,
-                              Balancer(balance.decode, balance), config.ejection)
+                              Balancer(balance.decode, balance), config.ejection,
+                              api_key=cluster_api_key(auth.decode_api_key, "DECODE"),
+                              on_add=credentials)
         self.metrics.watch_endpoints(self.all_endpoints)
         self.prober = CoordinateProber(
             self.client,
@@ -120,6 +141,8 @@ class Router:
         await self.prober.aclose()
         await self.catalog.aclose()
         await self.client.aclose()
+        if self.push_channel is not None:
+            await self.push_channel.aclose()
 
     async def _probe_all(self) -> None:
         names = await self.catalog.names()

@@ -6,7 +6,15 @@ opens a response whose body is read chunk by chunk as it arrives (D's leg), alwa
 inside `async with` so that the connection goes back to its pool when the answer is
 complete, or is closed when a leg is cancelled or fails: closing the connection is how
 vLLM learns to abort the request. `get_json` and `get_text` are for the small GETs
-(/health, /metrics). The transport is `http11` (keep-alive HTTP/1.1).
+(/health, /v1/models, /metrics). The transport is `http11` (keep-alive HTTP/1.1).
+
+Two lanes, each its own `http11.Client` with its own cap: requests (P and D legs)
+under `limits.max_connections`, and control traffic (health checks, model lists,
+/metrics scrapes, probes: `post_json(control=True)`) under `limits.control_connections`,
+so that a lane full of user traffic never delays a health check. No room in a lane
+within `timeouts.pool` is the router's own overload: `Overloaded` (503, not retried,
+not counted against the server), never an `UpstreamError`. Credentials for a server
+(`set_api_key`) go with every request to it, in either lane.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import msgspec
 
 from proxy.config import Limits, Timeouts
 from proxy.errors import (
+    Overloaded,
     UpstreamConnectError,
     UpstreamConnectionLost,
     UpstreamError,
@@ -27,15 +36,22 @@ from proxy.errors import (
     UpstreamStatusError,
     UpstreamTimeout,
 )
-from proxy.http11 import Client, ConnectFailed, ConnectionLost, Response
+from proxy.http11 import (
+    Client,
+    ConnectFailed,
+    ConnectionLost,
+    MalformedAnswer,
+    PoolTimeout,
+    Response,
+)
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 # What the transport raises when a server fails us (TimeoutError: our own bounds).
 TRANSPORT_ERRORS = (
-    ConnectFailed, TimeoutError, ConnectionLost, httptools.HttpParserError, msgspec.DecodeError,
-    OSError,
+    ConnectFailed, TimeoutError, ConnectionLost, MalformedAnswer, httptools.HttpParserError,
+    msgspec.DecodeError, OSError,
 )  # fmt: skip
 
 
@@ -95,26 +111,57 @@ class StreamedResponse:
         return upstream_error(exc, self._endpoint, self._cluster, what)
 
 
+class _Lane:
+    """One http11 client and the limit that caps it (named in its Overloaded errors)."""
+
+    def __init__(self, timeouts: Timeouts, limits: Limits, limit_name: str) -> None:
+        self.limit_name = limit_name
+        self.cap: int = getattr(limits, limit_name)
+        self.wait_s = timeouts.pool
+        self.http = Client(
+            max_connections=self.cap,
+            pool_timeout=timeouts.pool,
+            idle_reuse=timeouts.upstream_idle,
+            max_header_bytes=limits.max_upstream_header_bytes,
+        )
+
+    def overloaded(self, endpoint: str, cluster: str) -> Overloaded:
+        return Overloaded(
+            f"no upstream connection to {cluster} server {endpoint} free within "
+            f"{self.wait_s:g} s (limits.{self.limit_name}={self.cap})",
+            reason="pool_timeout",
+        )
+
+
 class UpstreamClient:
-    """Keep-alive connections to every upstream; create in the app's lifespan."""
+    """Keep-alive connections to every upstream, in two lanes (see the module's
+    docstring); create in the app's lifespan."""
 
     def __init__(self, timeouts: Timeouts, limits: Limits) -> None:
         self._timeouts = timeouts
-        self._http = Client(max_connections=limits.max_connections)
+        self._requests = _Lane(timeouts, limits, "max_connections")
+        self._control = _Lane(timeouts, limits, "control_connections")
 
     async def aclose(self) -> None:
-        self._http.close()
+        self._requests.http.close()
+        self._control.http.close()
+
+    def set_api_key(self, base_url: str, key: str | None) -> None:
+        """Every request to the server of `base_url` (either lane, any path) carries
+        `Authorization: Bearer <key>` from now on; None: no Authorization header."""
+        for lane in (self._requests, self._control):
+            lane.http.set_bearer_token(base_url, key)
 
     async def get_json(
         self, url: str, *, endpoint: str, cluster: str, timeout: float, expect_json: bool = True
     ) -> Any:
         """GET and decode the JSON answer (or only check the status: expect_json=False)."""
-        content = await self._whole("GET", url, b"", {}, endpoint, cluster, timeout)
+        content = await self._whole(self._control, "GET", url, b"", {}, endpoint, cluster, timeout)
         return _decode_json(content, endpoint, cluster) if expect_json else None
 
     async def get_text(self, url: str, *, endpoint: str, cluster: str, timeout: float) -> str:
         """GET a text answer (a server's /metrics); bytes that are not UTF-8 are replaced."""
-        content = await self._whole("GET", url, b"", {}, endpoint, cluster, timeout)
+        content = await self._whole(self._control, "GET", url, b"", {}, endpoint, cluster, timeout)
         return content.decode("utf-8", errors="replace")
 
     async def post_json(
@@ -126,29 +173,33 @@ class UpstreamClient:
         endpoint: str,
         cluster: str,
         timeout: float,
+        control: bool = False,
     ) -> Any:
-        """POST and decode the whole JSON answer; error statuses raise UpstreamStatusError."""
+        """POST and decode the whole JSON answer; error statuses raise UpstreamStatusError.
+        `control`: on the control lane (probes), not behind user traffic."""
+        lane = self._control if control else self._requests
         content = await self._whole(
-            "POST", url, msgspec.json.encode(body), {**_JSON_HEADERS, **headers},
+            lane, "POST", url, msgspec.json.encode(body), {**_JSON_HEADERS, **headers},
             endpoint, cluster, timeout,
         )
         return _decode_json(content, endpoint, cluster)
 
     async def _whole(
-        self, method: str, url: str, body: bytes, headers: dict[str, str],
+        self, lane: _Lane, method: str, url: str, body: bytes, headers: dict[str, str],
         endpoint: str, cluster: str, timeout: float,
     ) -> bytes:
-        pool, path = self._http.pool(url)
+        pool, path = lane.http.pool(url)
         try:
             connection, response = await pool.request(
                 method, path, body, headers, connect_timeout=self._timeouts.connect,
                 timeout=timeout,
             )
             try:
-                await response.head
                 content = await response.read()
             finally:
                 pool.release(connection, response)
+        except PoolTimeout as exc:
+            raise lane.overloaded(endpoint, cluster) from exc
         except TRANSPORT_ERRORS as exc:
             raise upstream_error(exc, endpoint, cluster, "its answer") from exc
         _raise_for_status(response.status, content, endpoint, cluster)
@@ -166,19 +217,18 @@ class UpstreamClient:
     ) -> AsyncIterator[StreamedResponse]:
         """POST and yield the open response once its headers are in (bounded by
         `first_token`). Error statuses raise UpstreamStatusError with the body."""
-        pool, path = self._http.pool(url)
+        lane = self._requests
+        pool, path = lane.http.pool(url)
         try:
             connection, response = await pool.request(
                 "POST", path, msgspec.json.encode(body), {**_JSON_HEADERS, **headers},
                 connect_timeout=self._timeouts.connect, timeout=self._timeouts.first_token,
             )
+        except PoolTimeout as exc:
+            raise lane.overloaded(endpoint, cluster) from exc
         except TRANSPORT_ERRORS as exc:
             raise upstream_error(exc, endpoint, cluster, "with its first byte") from exc
         try:
-            try:
-                await response.head
-            except TRANSPORT_ERRORS as exc:
-                raise upstream_error(exc, endpoint, cluster, "with its first byte") from exc
             response.expect_within(self._timeouts.stream_idle, per_chunk=True)
             streamed = StreamedResponse(response, endpoint=endpoint, cluster=cluster)
             if response.status >= 400:

@@ -104,11 +104,14 @@ class FakeVLLM:
         self.fabric = fabric
         self.model = model  # the one model it serves; a request for another gets 404
         self.behavior = Behavior()
+        # As vLLM's --api-key: every /v1 route needs "Authorization: Bearer <key>" (401).
+        self.api_key: str | None = None
+        self.refused_keys = 0  # /v1 calls answered 401
         self.random = random.Random(seed)  # draws the random faults (fault_rate)
         self.record = True  # keep a `Seen` per request (off for long benchmarks)
         self.seen: list[Seen] = []
         self._changed = asyncio.Event()  # set (and replaced) whenever `seen` changes
-        self.app = web.Application()
+        self.app = web.Application(middlewares=[self._check_api_key])
         self.app.router.add_get("/health", self._health)
         self.app.router.add_get("/v1/models", self._models)
         self.app.router.add_get("/metrics", self._metrics)
@@ -128,6 +131,15 @@ class FakeVLLM:
     @property
     def active(self) -> int:
         return sum(1 for s in self.seen if s.outcome == "running")
+
+    @web.middleware
+    async def _check_api_key(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.api_key is not None and request.path.startswith("/v1"):
+            if request.headers.get("Authorization") != f"Bearer {self.api_key}":
+                self.refused_keys += 1
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        response: web.StreamResponse = await handler(request)
+        return response
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="", status=self.behavior.health_status)

@@ -122,6 +122,9 @@ ROWS: list[tuple[str, list[Panel]]] = [
         Panel("Push recoveries", "Pushes whose P failed before D's first byte and were "
               "answered anyway: redone as a pull, or computed by D.",
               [(rate("pdproxy_push_recoveries_total", "how"), "{{how}}")], width=12),
+        Panel("Push abandons", "Pushes abandoned on P's side channel after D's leg failed "
+              "or the client left, so P frees the prompt's blocks (sent or dropped).",
+              [(rate("pdproxy_push_abandons_total", "result"), "{{result}}")], width=12),
         Panel("Mode fallbacks", "Requests that asked for a mode the chosen servers cannot do "
               "and got another, by reason.",
               [(rate("pdproxy_mode_fallbacks_total", "requested, used, reason"),

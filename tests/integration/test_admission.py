@@ -102,3 +102,23 @@ async def test_failed_admin_logins_are_logged_and_counted(
     assert "pdproxy_admin_auth_failures_total 2.0" in metrics
     refusals = [r.getMessage() for r in caplog.records if r.name == "pdproxy.admin"]
     assert len(refusals) == 2 and "127.0.0.1" in refusals[0] and "wrong token" in refusals[0]
+
+
+async def test_upstreams_started_with_an_api_key_get_it_on_every_call(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """P's key from the cluster setting, D's from its own entry (via the environment):
+    model lists (control lane) and both legs pass vLLM's --api-key check."""
+    pair.prefill.api_key, pair.decode.api_key = "p-key", "d-key"
+    monkeypatch.setenv("TEST_D_KEY", "d-key")
+    settings = {"prefill": [pair.p_url], "decode": [{"url": pair.d_url, "api_key": "env:TEST_D_KEY"}],
+                "auth": {"prefill_api_key": "p-key"}}
+    async with serve_router(**settings) as (url, _app), \
+            httpx.AsyncClient(base_url=url, timeout=10) as client:
+        listed = await client.get("/v1/models")
+        r = await client.post("/v1/completions", json=BODY)
+    assert listed.status_code == 200 and [m["id"] for m in listed.json()["data"]] == ["fake-model"]
+    assert r.status_code == 200, r.text
+    assert pair.prefill.seen[0].headers["authorization"] == "Bearer p-key"
+    assert pair.decode.seen[0].headers["authorization"] == "Bearer d-key"
+    assert pair.prefill.refused_keys == pair.decode.refused_keys == 0

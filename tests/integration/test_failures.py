@@ -271,3 +271,33 @@ async def test_lost_connections_count_against_a_servers_health(pair: Pair) -> No
             assert not endpoint.healthy
             r = await client.post("/v1/completions", json=BODY)
     assert_openai_error(r, 503)
+
+
+async def test_a_push_whose_decode_fails_is_abandoned_on_ps_side_channel(pair: Pair) -> None:
+    """D answers 500 after P finished: the router tells P's push port (a ROUTER socket
+    here, as our connector binds) to abandon that transfer, so P frees its blocks."""
+    import zmq
+    import zmq.asyncio
+
+    from connector.messages import Abandon, decode
+
+    context = zmq.asyncio.Context()
+    side_channel = context.socket(zmq.ROUTER)
+    try:
+        port = side_channel.bind_to_random_port("tcp://127.0.0.1")
+        pair.decode.behavior.fail_status = 500
+        config = push_config(pair, prefill=[{"url": pair.p_url, **PREFILL_COORDS, "push_port": port}])
+        async with serve_router(**config) as (url, _app):
+            async with httpx.AsyncClient(base_url=url) as client:
+                r = await client.post("/v1/completions", json=BODY)
+                async with asyncio.timeout(5):
+                    _peer, payload = await side_channel.recv_multipart()
+                metrics = (await client.get("/metrics")).text
+    finally:
+        side_channel.close(linger=0)
+        context.term()
+    assert r.status_code == 500
+    message = decode(payload)
+    assert isinstance(message, Abandon)
+    assert message.transfer_id == pair.prefill.seen[0].body["kv_transfer_params"]["transfer_id"]
+    assert 'pdproxy_push_abandons_total{result="sent"} 1.0' in metrics
