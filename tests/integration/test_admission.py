@@ -122,3 +122,27 @@ async def test_upstreams_started_with_an_api_key_get_it_on_every_call(
     assert pair.prefill.seen[0].headers["authorization"] == "Bearer p-key"
     assert pair.decode.seen[0].headers["authorization"] == "Bearer d-key"
     assert pair.prefill.refused_keys == pair.decode.refused_keys == 0
+
+
+async def test_no_upstream_connection_free_in_time_gives_503_not_silence(pair: Pair) -> None:
+    """One upstream connection, held by a slow answer: the next request waits at most
+    timeouts.pool for one, then gets 503 with Retry-After (counted), and the router
+    serves again once the slot is free."""
+    pair.decode.behavior.delay = 1.5
+    settings = config(pair, limits={"max_connections": 1}, timeouts={"pool": 0.3, "health": 10.0})
+    async with serve_router(**settings) as (url, app), \
+            httpx.AsyncClient(base_url=url, timeout=10) as client:
+        held = asyncio.create_task(client.post("/v1/completions", json=BODY))
+        await pair.decode.until(lambda seen: len(seen) == 1)
+        r = await client.post("/v1/completions", json=BODY)
+        answered_while_held = not held.done()
+        assert r.status_code == 503, r.text
+        assert r.headers["retry-after"] == "1"
+        assert "limits.max_connections=1" in r.json()["error"]["message"]
+        assert answered_while_held, "the 503 came before the held request freed its connection"
+        assert (await held).status_code == 200
+        pair.decode.behavior.delay = 0
+        assert (await client.post("/v1/completions", json=BODY)).status_code == 200
+        metrics = (await client.get("/metrics")).text
+    assert 'pdproxy_rejected_total{reason="pool_timeout"} 1.0' in metrics
+    assert app.state.router.decode.in_flight() == 0
