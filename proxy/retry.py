@@ -40,16 +40,24 @@ class RetryBudget:
         self._retries: collections.deque[float] = collections.deque()
 
     def request(self, now: float | None = None) -> None:
-        """Count one client request (each request, retried or not)."""
-        self._requests.append(time.monotonic() if now is None else now)
+        """Count one client request (each request, retried or not). What left the window
+        is dropped here too, not only when a retry asks: under healthy traffic none asks,
+        and the record would keep one timestamp per request for ever."""
+        now = time.monotonic() if now is None else now
+        self._forget_before(now - self.window_s)
+        self._requests.append(now)
 
     def try_spend(self, now: float | None = None) -> bool:
         """True (and counted) when one more retry fits the budget now."""
         now = time.monotonic() if now is None else now
-        for times in (self._requests, self._retries):
-            while times and times[0] <= now - self.window_s:
-                times.popleft()
+        self._forget_before(now - self.window_s)
         if len(self._retries) >= self.min_per_window + self.ratio * len(self._requests):
             return False
         self._retries.append(now)
         return True
+
+    def _forget_before(self, cutoff: float) -> None:
+        """Drop the requests and retries at or before `cutoff` (both are in time order)."""
+        for times in (self._requests, self._retries):
+            while times and times[0] <= cutoff:
+                times.popleft()
