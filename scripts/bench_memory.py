@@ -38,19 +38,16 @@ import asyncio
 import contextlib
 import itertools
 import json
-import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from scripts.bench_proxy import free_port, process
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "fake-model"  # what scripts.fake_vllm serves
@@ -62,48 +59,12 @@ def log(message: str) -> None:
     print(f"[bench_memory] {message}", flush=True)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def rss_bytes(pid: int) -> int:
     """The process's resident memory now (VmRSS, Linux)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for process {pid}")
-
-
-@contextlib.contextmanager
-def process(args: list[str], port: int, name: str, log_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """Start a server process (its own process group, output to `log_path`, so a full pipe
-    can never stall it) and wait, at most 30 s, until its port accepts connections."""
-    with log_path.open("wb") as output:
-        proc = subprocess.Popen(args, cwd=REPO, process_group=0, stdout=output, stderr=output)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{name} exited with {proc.returncode}: {tail}")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not start within 30 s") from None
-                time.sleep(0.1)
-        yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def request_shape(index: int) -> tuple[str, dict[str, Any], bool]:
@@ -204,12 +165,13 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         for role, port in (("prefill", p_port), ("decode", d_port)):
             stack.enter_context(process(
                 [py, "-m", "scripts.fake_vllm", "--role", role, "--port", str(port)],
-                port, f"fake {role}", workdir / f"fake-{role}.log"))
+                f"http://127.0.0.1:{port}", f"fake {role}", workdir / f"fake-{role}.log"))
         p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
         # JSON is YAML: the router reads it as its config file, as in production.
         config.write_text(json.dumps(router_config(p_url, d_url, r_port, args)))
         router = stack.enter_context(process(
-            [py, "-m", "proxy", "serve", "--config", str(config)], r_port, "router",
+            [py, "-m", "proxy", "serve", "--config", str(config)], f"http://127.0.0.1:{r_port}",
+            "router",
             workdir / "router.log"))
         load = Load(f"http://127.0.0.1:{r_port}", router.pid, args)
         connector = aiohttp.TCPConnector(limit=args.concurrency)

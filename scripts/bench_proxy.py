@@ -146,15 +146,26 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def process(args: list[str], ready_url: str, name: str) -> Iterator[subprocess.Popen[bytes]]:
-    """Start a server process (own process group) and wait until `ready_url` answers."""
-    proc = subprocess.Popen(args, cwd=REPO, process_group=0, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+def process(args: list[str], ready_url: str, name: str,
+            log_path: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """Start a server process (own process group) and wait until `ready_url` answers.
+    With `log_path` its output goes there (a long run never fills a pipe), else stderr is
+    kept for the error of a failed start."""
+    if log_path is None:
+        proc = subprocess.Popen(args, cwd=REPO, process_group=0, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE)
+    else:
+        with log_path.open("wb") as output:
+            proc = subprocess.Popen(args, cwd=REPO, process_group=0, stdout=output,
+                                    stderr=output)
     try:
         deadline = time.monotonic() + 30
         while True:
             if proc.poll() is not None:
-                err = proc.stderr.read().decode() if proc.stderr else ""
+                if log_path is not None:
+                    err = log_path.read_text(errors="replace")
+                else:
+                    err = proc.stderr.read().decode() if proc.stderr else ""
                 raise RuntimeError(f"{name} exited with {proc.returncode}: {err[-2000:]}")
             try:
                 with socket.create_connection(_host_port(ready_url), timeout=0.2):

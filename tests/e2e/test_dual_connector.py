@@ -284,6 +284,38 @@ async def test_a_prefill_no_d_claims_is_freed_at_its_deadline(dual_pair: Pair) -
         assert time.monotonic() - finished >= UNCLAIMED_TTL_S - 1, "freed before its deadline"
 
 
+async def test_a_push_whose_decode_fails_is_abandoned_and_p_frees_at_once(dual_pair: Pair) -> None:
+    """Through the router (in this process): the real P computes the prompt and keeps it
+    for D, but D (a fake that answers 500 after P is done) fails before it registers. The
+    router abandons the transfer on P's push port, and P frees the prompt's blocks at
+    once, well before `unclaimed_ttl`."""
+    from scripts.fake_vllm import FakeVLLM, start
+    from tests.conftest import serve_router
+
+    broken_d = FakeVLLM("decode", model="tiny")
+    broken_d.behavior.delay, broken_d.behavior.fail_status = 1.0, 500
+    runner, d_url = await start(broken_d)
+    try:
+        config = {"prefill": [dual_pair.prefill_url], "decode": [d_url], "mode": "push",
+                  "push_recovery": "error", "timeouts": {"health": 10.0, "probe": 60.0}}
+        async with serve_router(**config) as (url, _app), \
+                httpx.AsyncClient(timeout=TIMEOUT) as client:
+            started = time.monotonic()
+            r = await client.post(url + COMPLETIONS, json=make_body(COMPLETIONS))
+            assert r.status_code == 500, r.text
+            metrics = (await client.get(url + "/metrics")).text
+            assert 'pdproxy_push_abandons_total{result="sent"} 1.0' in metrics
+            await assert_nothing_held(client, dual_pair, within_s=UNCLAIMED_TTL_S)
+            assert time.monotonic() - started < UNCLAIMED_TTL_S - 2, "freed only by the deadline"
+            deadline = time.monotonic() + 10  # P logs its stats each second when they change
+            while not re.search(r"push stats:.*abandoned [1-9]",
+                                dual_pair.prefill.spec.log_path.read_text()):
+                assert time.monotonic() < deadline, "P's stats do not count the abandon"
+                await asyncio.sleep(0.2)
+    finally:
+        await runner.cleanup()
+
+
 async def test_a_registration_p_never_serves_falls_back_to_recompute(dual_pair: Pair) -> None:
     """D registers; P is alive but never gets the prompt: at the registration deadline P
     says so, and D computes the prompt itself. The answer is still right."""
