@@ -22,12 +22,14 @@ def _answer(description: str, content_type: str = "application/json",
 def _errors(*statuses: int) -> dict[str, Any]:
     meaning = {
         400: "invalid request (the message names the field)",
-        401: "missing or wrong admin token",
+        401: "missing or wrong API key (client keys when configured; the admin token)",
         404: "unknown model, or no such server",
         409: "conflict (already a member, or the last server of its cluster)",
         413: "request body too large",
         502: "a prefill or decode server failed, or answered what the router cannot use",
-        503: "no healthy server for this request (the message says which cluster or model)",
+        503: "no healthy server for this request (the message says which cluster or model), "
+             "or over a limit of the router's (no upstream connection free within "
+             "timeouts.pool, limits.max_in_flight): retry after Retry-After",
         504: "a server did not answer within its time limit",
     }
     return {str(s): _answer(meaning[s], schema=ERROR) for s in statuses}
@@ -49,6 +51,9 @@ _ANSWER_HEADERS = {
     "X-KV-Transfer-Mode-Reason": {"schema": {"type": "string"},
                                   "description": "Why the asked mode was not used (only then)."},
     "X-Request-Id": {"schema": {"type": "string"}, "description": "The request's id."},
+    "X-KV-Transfer-Recovery": {
+        "schema": {"type": "string", "enum": ["pull", "recompute"]},
+        "description": "A push whose prefill failed was answered this way (only then)."},
 }
 
 
@@ -72,7 +77,7 @@ def _inference(summary: str, prompt_field: dict[str, Any]) -> dict[str, Any]:
         "summary": summary,
         "parameters": [_MODE_HEADER, _REQUEST_ID_HEADER],
         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
-        "responses": {"200": answer, **_errors(400, 404, 413, 502, 503, 504)},
+        "responses": {"200": answer, **_errors(400, 401, 404, 413, 502, 503, 504)},
     }}
 
 
