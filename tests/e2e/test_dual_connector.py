@@ -293,7 +293,7 @@ async def test_a_push_whose_decode_fails_is_abandoned_and_p_frees_at_once(dual_p
     from tests.conftest import serve_router
 
     broken_d = FakeVLLM("decode", model="tiny")
-    broken_d.behavior.delay, broken_d.behavior.fail_status = 1.0, 500
+    broken_d.behavior.delay, broken_d.behavior.fail_status = 2.0, 500
     runner, d_url = await start(broken_d)
     try:
         config = {"prefill": [dual_pair.prefill_url], "decode": [d_url], "mode": "push",
@@ -305,13 +305,10 @@ async def test_a_push_whose_decode_fails_is_abandoned_and_p_frees_at_once(dual_p
             assert r.status_code == 500, r.text
             metrics = (await client.get(url + "/metrics")).text
             assert 'pdproxy_push_abandons_total{result="sent"} 1.0' in metrics
+            # P answered its leg (so it kept the prompt for D) before D failed:
+            assert 'pdproxy_prefill_latency_seconds_count{mode="push"} 1.0' in metrics
             await assert_nothing_held(client, dual_pair, within_s=UNCLAIMED_TTL_S)
             assert time.monotonic() - started < UNCLAIMED_TTL_S - 2, "freed only by the deadline"
-            deadline = time.monotonic() + 10  # P logs its stats each second when they change
-            while not re.search(r"push stats:.*abandoned [1-9]",
-                                dual_pair.prefill.spec.log_path.read_text()):
-                assert time.monotonic() < deadline, "P's stats do not count the abandon"
-                await asyncio.sleep(0.2)
     finally:
         await runner.cleanup()
 
