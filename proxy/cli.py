@@ -22,8 +22,9 @@ Clients call the router; for each request it picks a prefill server (P) and a de
 server (D) and hands the prompt's KV cache from P to D in one of two modes:
   pull  P computes the prompt first, then D reads P's KV blocks (vLLM's default).
   push  P and D get the request at the same time; P writes the KV into D's blocks.
-  auto  push when the chosen P can push, else pull.
-A request may pick its own mode with the header X-KV-Transfer-Mode: pull|push|auto;
+  auto  push when the chosen P can push, else pull (the faster, once measured).
+  local no P: D computes the prompt itself (auto may choose it with auto.local).
+A request may pick its own mode with the header X-KV-Transfer-Mode: pull|push|auto|local;
 every answer says the mode used in the same header.
 """
 
@@ -54,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port to listen on (default 8000)")
     serve.add_argument("--mode", choices=[m.value for m in Mode],
-                       help="KV hand-over mode when a request does not choose (default pull)")
+                       help="KV hand-over mode when a request does not choose (default pull); "
+                            "local: no P, D computes the prompt itself")
     serve.add_argument("--model", action="append", dest="models", metavar="NAME",
                        help="served model name (repeatable; default: ask the upstreams)")
     serve.add_argument("--missing-kv-params", choices=["error", "recompute"],

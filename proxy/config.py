@@ -24,7 +24,8 @@ class Mode(str, enum.Enum):
 
     PULL = "pull"  # P first, then D READs P's blocks
     PUSH = "push"  # P and D at once; P WRITEs into D's blocks
-    AUTO = "auto"  # push when the chosen pair can, else pull
+    LOCAL = "local"  # no P: D computes the prompt itself (conditional disaggregation)
+    AUTO = "auto"  # the mode measured faster for the prompt's length (see proxy.learn)
 
 
 class Policy(str, enum.Enum):
@@ -121,8 +122,18 @@ class AutoSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Prompt length in characters: n chars fall in the first bucket whose edge is > n,
     # or in the last, open bucket. Empty: one bucket for all prompts.
     bucket_edges: list[int] = msgspec.field(default_factory=_default_bucket_edges)
+    # Auto may also choose local (D computes the prompt, no P) where it is measured
+    # fastest, but only on a D whose recent inter-token latency is at most
+    # local_itl_budget x its latency measured with no local prompt in flight there.
+    local: bool = False
+    local_itl_budget: float = 1.25
 
     def __post_init__(self) -> None:
+        if self.local and not self.learn:
+            raise ValueError("auto.local needs auto.learn: true (local is chosen where measured fastest)")
+        if not self.local_itl_budget >= 1.0:
+            raise ValueError(
+                f"auto.local_itl_budget must be >= 1 (a ratio), got {self.local_itl_budget!r}")
         if not 0.0 <= self.explore <= 1.0:
             raise ValueError(f"auto.explore must be within 0..1, got {self.explore!r}")
         if self.min_samples < 1:

@@ -92,7 +92,10 @@ class Endpoint:
 
     def can(self, mode: Mode) -> bool:
         """True unless this server is known not to do `mode`: configured transfer_modes,
-        or for a P its learned coordinates (unknown: maybe)."""
+        or for a P its learned coordinates (unknown: maybe). Any D can do `local` (it
+        computes the prompt itself)."""
+        if mode is Mode.LOCAL:
+            return True
         if self.config.transfer_modes:
             return mode in self.config.transfer_modes
         known = self.coordinates

@@ -215,8 +215,9 @@ class Exchange:
             learner = self.router.learner
             if learner and self.bucket is not None and self.request.stream and down.status == 200:
                 learner.observe(self.decision.used, self.bucket, ttfb)
+        local = self.decision.used is Mode.LOCAL  # no P leg: D computed the prompt
         if client_left:
-            for cluster in ("prefill", "decode"):
+            for cluster in ("decode",) if local else ("prefill", "decode"):
                 metrics.cancelled_legs.labels(cluster, "client_disconnected").inc()
         if not logger.isEnabledFor(logging.INFO):
             return
@@ -228,7 +229,7 @@ class Exchange:
             self.mode,
             self.decision.requested.value,
             self.decision.reason,
-            self.prefill_endpoint.url,
+            "-" if local else self.prefill_endpoint.url,
             self.decode_endpoint.url,
             status,
             _ms(down.first_byte_at - self.started_at if down.first_byte_at else None),

@@ -1,26 +1,29 @@
 """Which KV hand-over a request gets: the mode policy.
 
-The request's `X-KV-Transfer-Mode` header wins over the configured mode. `auto` picks
-pull when the chosen pair cannot push; when it can do both, the router's `ModeLearner`
+The request's `X-KV-Transfer-Mode` header wins over the configured mode. `local` is
+always possible: any D can compute a prompt itself, and no P is used. `auto` picks pull
+when the chosen pair cannot push; when it can do both, the router's `ModeLearner`
 (`proxy.learn`) picks the one measured faster for prompts of this length, and without
-one (`auto.learn: false`) push. When the asked mode is impossible for the
-chosen servers the other one is used, and the decision says why (the response header
-and a metric tell the client and the operator).
+one (`auto.learn: false`) push. With `auto.local`, local is a third candidate of the
+learner's (whatever the pair can do), within D's inter-token latency budget. When the
+asked mode is impossible for the chosen servers the other one is used, and the decision
+says why (the response header and a metric tell the client and the operator).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
 from proxy.config import Mode
+from proxy.learn import PAIR_MODES
 from proxy.protocol import PrefillCoordinates
 
 
 class ModeDecision(msgspec.Struct, frozen=True, kw_only=True):
     requested: Mode
-    used: Mode  # PULL or PUSH, never AUTO
+    used: Mode  # PULL, PUSH or LOCAL, never AUTO
     reason: str
 
     @property
@@ -34,13 +37,24 @@ def decide_mode(
     coordinates: PrefillCoordinates | None,
     *,
     decode_can_push: bool = True,
-    learned: Callable[[], tuple[Mode, str]] | None = None,
+    learned: Callable[[Sequence[Mode]], tuple[Mode, str]] | None = None,
+    auto_local: bool = False,
 ) -> ModeDecision:
     """Pick the mode for a request, given what is known about its P and whether its D
-    can take a push. `learned` answers `auto` when the pair can do both modes.
+    can take a push. `learned(candidates)` answers `auto` when more than one mode is
+    possible: the pair can do both pull and push, or `auto_local` (auto may choose
+    local) adds local to what the pair can do.
 
     `coordinates` is None when the P's engine id and side channel are not known (no
     probe answered yet): push is then impossible."""
+    if requested is Mode.LOCAL:
+        return ModeDecision(requested=requested, used=Mode.LOCAL, reason="requested")
+    if requested is Mode.AUTO and auto_local and learned is not None:
+        pair = (Mode.PULL,) if coordinates is None else tuple(
+            mode for mode in PAIR_MODES if mode in coordinates.transfer_modes
+            and (decode_can_push or mode is not Mode.PUSH))
+        used, reason = learned((*(pair or (Mode.PULL,)), Mode.LOCAL))
+        return ModeDecision(requested=requested, used=used, reason=reason)
     if coordinates is None:
         if requested is Mode.PULL:
             return ModeDecision(requested=requested, used=Mode.PULL, reason="requested")
@@ -58,7 +72,7 @@ def decide_mode(
             return ModeDecision(requested=requested, used=Mode.PUSH, reason="requested")
         return ModeDecision(requested=requested, used=Mode.PULL, reason=cannot_push)
     if can_push and can_pull and learned is not None:
-        used, reason = learned()
+        used, reason = learned(PAIR_MODES)
         return ModeDecision(requested=requested, used=used, reason=reason)
     if can_push:
         return ModeDecision(requested=requested, used=Mode.PUSH, reason="auto_pair_can_push")

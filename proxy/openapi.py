@@ -37,8 +37,9 @@ def _errors(*statuses: int) -> dict[str, Any]:
 
 _MODE_HEADER = {
     "name": "X-KV-Transfer-Mode", "in": "header", "required": False,
-    "schema": {"type": "string", "enum": ["pull", "push", "auto"]},
-    "description": "KV hand-over for this request; overrides the configured mode.",
+    "schema": {"type": "string", "enum": ["pull", "push", "local", "auto"]},
+    "description": "KV hand-over for this request; overrides the configured mode "
+                   "(local: no prefill server, the decode server computes the prompt).",
 }
 _REQUEST_ID_HEADER = {
     "name": "X-Request-Id", "in": "header", "required": False,
@@ -46,7 +47,7 @@ _REQUEST_ID_HEADER = {
     "description": "Your id for the request; both legs get it (else one is generated).",
 }
 _ANSWER_HEADERS = {
-    "X-KV-Transfer-Mode": {"schema": {"type": "string", "enum": ["pull", "push"]},
+    "X-KV-Transfer-Mode": {"schema": {"type": "string", "enum": ["pull", "push", "local"]},
                            "description": "The mode used."},
     "X-KV-Transfer-Mode-Reason": {"schema": {"type": "string"},
                                   "description": "Why the asked mode was not used (only then)."},

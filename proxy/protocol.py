@@ -259,7 +259,7 @@ def _mode_override(value: str | None) -> Mode | None:
         return Mode(value.strip().lower())
     except ValueError:
         raise InvalidRequest(
-            f"X-KV-Transfer-Mode must be pull, push or auto, got {value!r}",
+            f"X-KV-Transfer-Mode must be pull, push, local or auto, got {value!r}",
             param="X-KV-Transfer-Mode",
         ) from None
 

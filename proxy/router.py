@@ -2,8 +2,9 @@
 
 `Router` owns everything that lives as long as the server: the upstream client, the two
 clusters, the prober, the health checker, the model catalog and the metrics. For each
-request it picks a P and a D, decides the mode, and hands an `Exchange` to the pull or
-push flow inside a `FlowResponse`.
+request it picks a P and a D, decides the mode, and hands an `Exchange` to the pull,
+push or local flow inside a `FlowResponse`. A local request (D computes the prompt
+itself) picks no P at all, so it is served while every P is down.
 """
 
 from __future__ import annotations
@@ -18,16 +19,18 @@ from pathlib import Path
 from proxy.balance import Balancer
 from proxy.config import Mode, Policy, RouterConfig, resolve_secret
 from proxy.endpoints import Cluster, ClusterName, Endpoint
+from proxy.errors import NoHealthyEndpoint
 from proxy.exchange import Exchange
 from proxy.health import HealthChecker
 from proxy.learn import ModeLearner
 from proxy.load import LoadScraper
+from proxy.local import ItlWatchedResponse, run_local
 from proxy.membership import ConfigWatcher, Membership
 from proxy.metrics import RouterMetrics
 from proxy.models import ModelCatalog
-from proxy.modes import decide_mode
+from proxy.modes import ModeDecision, decide_mode
 from proxy.probe import CoordinateProber
-from proxy.protocol import ClientRequest, prefix_key, prompt_chars
+from proxy.protocol import ClientRequest, PrefillCoordinates, prefix_key, prompt_chars
 from proxy.pull import run_pull
 from proxy.push import run_push
 from proxy.relay import Downstream, FlowResponse
@@ -126,7 +129,7 @@ class Router:
         self.load.start()
         if self.watcher is not None:
             self.watcher.start()
-        if self.config.mode is not Mode.PULL:
+        if self.config.mode in (Mode.PUSH, Mode.AUTO):
             # Learn P coordinates ahead of the first push request, in the background.
             self._warmup = asyncio.create_task(self._probe_all(), name="probe-prefills")
 
@@ -157,28 +160,54 @@ class Router:
         self.retry_budget.request()
         key = prefix_key(request, self.config.balance.prefix_chars) if self._needs_prefix else None
         requested = request.mode_override or self.config.mode
-        # Prefer a P and a D that can do the mode asked (auto: push), so fewer requests
-        # fall back; only servers of the request's model.
-        wanted = Mode.PULL if requested is Mode.PULL else Mode.PUSH
-        prefill = self.prefill.pick(key=key, mode=wanted, model=request.model)
-        decode = self.decode.pick(key=key, mode=wanted, model=request.model)
-        coordinates = prefill.coordinates
-        if requested is not Mode.PULL and coordinates is None:
-            coordinates = await self.prober.coordinates(prefill, request.model)
         # auto learns from streamed requests' time to first token, per prompt length
         learner = self.learner
         bucket = (learner.bucket(prompt_chars(request))
                   if learner and (requested is Mode.AUTO or request.stream) else None)
+        budget = learner.local_budget if learner else None  # only with auto.local
+        if requested is Mode.LOCAL:  # no P: D computes the prompt
+            decode = self.decode.pick(key=key, model=request.model)
+            decision = decide_mode(requested, None)
+            return self._respond(request, None, decode, decision, bucket, key)
+        # Prefer a P and a D that can do the mode asked (auto: push), so fewer requests
+        # fall back; only servers of the request's model.
+        wanted = Mode.PULL if requested is Mode.PULL else Mode.PUSH
+        try:
+            prefill = self.prefill.pick(key=key, mode=wanted, model=request.model)
+        except NoHealthyEndpoint:
+            if requested is not Mode.AUTO or budget is None:
+                raise
+            # auto may go local: with no P to be had, D computes the prompt
+            decode = self.decode.pick(key=key, model=request.model)
+            decision = ModeDecision(requested=requested, used=Mode.LOCAL, reason="auto_no_prefill")
+            self.metrics.child(self.metrics.auto_decisions, "local", decision.reason).inc()
+            return self._respond(request, None, decode, decision, bucket, key)
+        decode = self.decode.pick(key=key, mode=wanted, model=request.model)
+        coordinates = prefill.coordinates
+        if requested is not Mode.PULL and coordinates is None:
+            coordinates = await self.prober.coordinates(prefill, request.model)
         decision = decide_mode(
             requested, coordinates, decode_can_push=decode.can(Mode.PUSH),
-            learned=(lambda: learner.choose(bucket, measured=request.stream))
+            learned=(lambda candidates: learner.choose(
+                bucket, measured=request.stream, candidates=candidates,
+                local_within_budget=budget is None or budget.allows(decode)))
             if learner and bucket is not None else None,
+            auto_local=budget is not None,
         )
         if requested is Mode.AUTO:
             self.metrics.child(self.metrics.auto_decisions, decision.used.value,
                                decision.reason).inc()
-        exchange = Exchange(self, request, prefill=prefill, decode=decode, decision=decision,
-                            bucket=bucket, prefix=key)
+        return self._respond(request, prefill, decode, decision, bucket, key, coordinates)
+
+    def _respond(
+        self, request: ClientRequest, prefill: Endpoint | None, decode: Endpoint,
+        decision: ModeDecision, bucket: int | None, key: str | None,
+        coordinates: PrefillCoordinates | None = None,
+    ) -> FlowResponse:
+        """The response that runs the decided flow. A local exchange has no P: it names D
+        in P's place (D computes the prompt), and no P leg is ever run or leased."""
+        exchange = Exchange(self, request, prefill=prefill or decode, decode=decode,
+                            decision=decision, bucket=bucket, prefix=key)
         if decision.is_fallback:
             self.metrics.mode_fallbacks.labels(
                 decision.requested.value, decision.used.value, decision.reason
@@ -189,6 +218,8 @@ class Router:
             if decision.used is Mode.PUSH:
                 assert coordinates is not None  # decide_mode pushes only with coordinates
                 await run_push(exchange, down, coordinates)
+            elif decision.used is Mode.LOCAL:
+                await run_local(exchange, down)
             else:
                 await run_pull(exchange, down)
 
@@ -198,4 +229,11 @@ class Router:
         ]
         if decision.is_fallback:
             headers.append((MODE_REASON_HEADER, decision.reason.encode()))
+        budget = self.learner.local_budget if self.learner else None
+        local = decision.used is Mode.LOCAL
+        if budget is not None and (request.stream or local):
+            # auto.local: D's inter-token latency is measured, and its local prompts marked
+            return ItlWatchedResponse(flow, streaming=request.stream, headers=headers,
+                                      done=exchange.finish, exchange=exchange, budget=budget,
+                                      local=local)
         return FlowResponse(flow, streaming=request.stream, headers=headers, done=exchange.finish)

@@ -2,7 +2,9 @@
 
 - pull: a P/D pair with stock `NixlConnector`, the router in pull mode;
 - push: a P/D pair with stock `NixlPushConnector`, the router in push mode (it probes P
-  for its engine id and side channel, then sends both legs at once).
+  for its engine id and side channel, then sends both legs at once);
+- local: on the pull pair's router, `X-KV-Transfer-Mode: local` sends D alone the
+  request, and D computes the prompt (no request reaches P).
 For completions and chat, streamed and not: the greedy tokens equal the same request
 served whole by one server, the answer says the mode used, and D's /metrics shows that
 the prompt's KV came over KV transfer (not recomputed). After the requests, no KV block
@@ -109,3 +111,43 @@ async def test_push_router_learned_p_coordinates_by_one_probe(push_pair: Pair, p
         samples = parse_metrics((await client.get(router_url + "/metrics")).text)
     assert metric(samples, "pdproxy_prefill_probes_total", result="ok") == 1.0
     assert metric(samples, "pdproxy_requests_total", mode="push", status="200") >= 2.0
+
+
+REQUESTS_DONE = "vllm:request_success_total"  # every finished request, by finish reason
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+
+
+async def test_local_through_router_reaches_d_alone(pull_pair: Pair, proxy_for: ProxyFactory) -> None:
+    """`X-KV-Transfer-Mode: local` on the running pull pair and router: D computes the
+    prompt itself. The tokens equal one server's, no request reaches P (its vLLM
+    counters stand still while D's count both requests), no KV came by transfer, and the
+    router counts the requests as mode=local."""
+    router_url = proxy_for(pull_pair, "pull")
+    p_url, d_url = pull_pair.prefill_url, pull_pair.decode_url
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        p_before, d_before = await get_metrics(client, p_url), await get_metrics(client, d_url)
+        router_before = parse_metrics((await client.get(router_url + "/metrics")).text)
+        cases = [(COMPLETIONS, False), (CHAT, True)]
+        answers = []
+        for path, stream in cases:
+            body = make_body(path)
+            tokens, _ = await decode(client, router_url + path, body, stream=stream,
+                                     headers={"X-KV-Transfer-Mode": "local"})
+            answers.append((path, body, tokens))
+        # D's stats show both requests: vLLM has published what it did for them
+        d_after = await wait_for_metric(
+            client, d_url,
+            lambda s: metric(s, REQUESTS_DONE) - metric(d_before, REQUESTS_DONE) >= len(cases))
+        p_after = await get_metrics(client, p_url)
+        router_after = parse_metrics((await client.get(router_url + "/metrics")).text)
+        for path, body, tokens in answers:
+            assert tokens == await reference_tokens(client, d_url, path, body), (
+                f"{path}: tokens differ from one server's")
+    assert metric(d_after, REQUESTS_DONE) - metric(d_before, REQUESTS_DONE) == len(cases)
+    assert external_kv_tokens(d_after) == external_kv_tokens(d_before), "no KV came by transfer"
+    for name in (REQUESTS_DONE, PROMPT_TOKENS):
+        assert metric(p_after, name) == metric(p_before, name), f"P's {name} moved: P was used"
+    counted = (metric(router_after, "pdproxy_requests_total", mode="local", status="200")
+               - metric(router_before, "pdproxy_requests_total", mode="local", status="200"))
+    assert counted == len(cases)
+    assert metric(router_after, "pdproxy_prefill_latency_seconds_count", mode="local") == 0.0

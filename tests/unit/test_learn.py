@@ -1,17 +1,29 @@
 """Auto mode's learning, on synthetic TTFTs: settings are checked; prompts fall in the
 right bucket; while learning the modes take turns (push first); then the faster mode
-gets all but the `explore` share; buckets learn apart; the average follows a change."""
+gets all but the `explore` share; buckets learn apart; the average follows a change.
+With local: three candidates take turns, and D's inter-token latency budget (measured by
+`ItlWatchedResponse`) keeps local away from a D whose streams it slows too much."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import gc
 import random
+import types
+from typing import cast
 
 import msgspec
 import pytest
+from starlette.types import Message
 
-from proxy.config import AutoSettings, Mode
-from proxy.learn import ModeLearner
+from proxy.config import AutoSettings, EndpointConfig, Mode
+from proxy.endpoints import ClusterName, Endpoint
+from proxy.errors import UpstreamConnectError
+from proxy.exchange import Exchange
+from proxy.learn import LocalBudget, ModeLearner
+from proxy.local import ItlWatchedResponse
+from proxy.relay import Downstream
 
 PULL, PUSH = Mode.PULL, Mode.PUSH
 
@@ -180,7 +192,7 @@ def test_the_first_sample_sets_the_average() -> None:
 
 def test_observe_refuses_auto_and_bad_times_and_takes_mode_names() -> None:
     learn = learner(min_samples=1)
-    with pytest.raises(ValueError, match="only pull and push"):
+    with pytest.raises(ValueError, match="only pull, push and local"):
         learn.observe(Mode.AUTO, 0, 0.1)
     for bad in (float("nan"), float("inf"), -0.1):
         with pytest.raises(ValueError, match="TTFT"):
@@ -211,3 +223,228 @@ def test_a_request_that_cannot_be_measured_takes_no_turn_and_gets_push_until_lea
     feed(learn, 0, Mode.PUSH, 0.3, 2)
     feed(learn, 0, Mode.PULL, 0.1, 2)
     assert learn.choose(0, measured=False) == (Mode.PULL, "auto_faster_pull")  # never explores
+
+
+# --- local: a third candidate, within D's inter-token latency budget -------------------
+
+LOCAL = Mode.LOCAL
+THREE = (PUSH, PULL, LOCAL)
+
+
+def test_local_settings_default_off_and_are_checked() -> None:
+    settings = AutoSettings()
+    assert (settings.local, settings.local_itl_budget) == (False, 1.25)
+    with pytest.raises(ValueError, match="auto.local_itl_budget must be >= 1"):
+        AutoSettings(local=True, local_itl_budget=0.9)
+    with pytest.raises(ValueError, match="auto.local needs auto.learn"):
+        AutoSettings(local=True, learn=False)
+    assert learner().local_budget is None, "no ITL bookkeeping unless local is on"
+    assert learner(local=True).local_budget is not None
+
+
+def test_three_candidates_take_turns_push_pull_local_then_the_fastest_wins() -> None:
+    learn = learner(local=True, min_samples=4, explore=0.0)
+    ttft = {PUSH: 0.3, PULL: 0.2, LOCAL: 0.1}
+    chosen = []
+    for _ in range(3 * 4):
+        mode, reason = learn.choose(0, candidates=THREE)
+        assert reason == "auto_learning"
+        chosen.append(mode)
+        learn.observe(mode, 0, ttft[mode])
+    assert chosen[:3] == [PUSH, PULL, LOCAL]
+    assert collections.Counter(chosen) == {PUSH: 4, PULL: 4, LOCAL: 4}
+    assert learn.choose(0, candidates=THREE) == (LOCAL, "auto_faster_local")
+
+
+def test_a_request_that_cannot_be_measured_gets_the_first_candidate_until_learned() -> None:
+    learn = learner(local=True, min_samples=1)
+    assert learn.choose(0, measured=False, candidates=THREE) == (PUSH, "auto_not_learned_yet")
+    assert learn.choose(0, measured=False, candidates=(PULL, LOCAL)) == (
+        PULL, "auto_not_learned_yet")
+
+
+def test_explore_spreads_over_both_slower_candidates() -> None:
+    learn = learner(seed=5, local=True, min_samples=1, explore=0.3)
+    for mode, ttft in ((PUSH, 0.3), (PULL, 0.2), (LOCAL, 0.1)):
+        learn.observe(mode, 0, ttft)
+    counts = collections.Counter(learn.choose(0, candidates=THREE) for _ in range(3000))
+    assert set(counts) == {(LOCAL, "auto_faster_local"), (PUSH, "auto_explore"),
+                           (PULL, "auto_explore")}
+    # each slower one: Binomial(3000, 0.15), mean 450, sd ~20
+    assert 350 <= counts[PUSH, "auto_explore"] <= 550
+    assert 350 <= counts[PULL, "auto_explore"] <= 550
+
+
+def test_over_budget_the_fastest_local_gives_way_to_the_next_fastest() -> None:
+    learn = learner(local=True, min_samples=2, explore=1.0)  # explore whenever it may
+    for mode, ttft in ((PUSH, 0.3), (PULL, 0.2), (LOCAL, 0.1)):
+        feed(learn, 0, mode, ttft, 2)
+    over = [learn.choose(0, candidates=THREE, local_within_budget=False) for _ in range(200)]
+    assert LOCAL not in {mode for mode, _ in over}, "no local, not even to explore"
+    assert set(over) == {(PUSH, "auto_explore")}, "the only other one is pull's explore share"
+    learn = learner(local=True, min_samples=2, explore=0.0)
+    for mode, ttft in ((PUSH, 0.3), (PULL, 0.2), (LOCAL, 0.1)):
+        feed(learn, 0, mode, ttft, 2)
+    assert learn.choose(0, candidates=THREE, local_within_budget=False) == (
+        PULL, "auto_itl_budget")
+    assert learn.choose(0, candidates=(PULL, LOCAL), local_within_budget=False) == (
+        PULL, "auto_itl_budget")
+    assert learn.choose(0, candidates=THREE) == (LOCAL, "auto_faster_local"), "back in budget"
+
+
+def test_over_budget_a_slower_local_changes_nothing() -> None:
+    learn = learner(local=True, min_samples=1, explore=0.0)
+    for mode, ttft in ((PUSH, 0.1), (PULL, 0.2), (LOCAL, 0.3)):
+        learn.observe(mode, 0, ttft)
+    assert learn.choose(0, candidates=THREE, local_within_budget=False) == (
+        PUSH, "auto_faster_push")
+
+
+def test_over_budget_local_takes_no_learning_turn() -> None:
+    learn = learner(local=True, min_samples=3)
+    chosen = [learn.choose(0, candidates=THREE, local_within_budget=False)[0] for _ in range(6)]
+    assert collections.Counter(chosen) == {PUSH: 3, PULL: 3}
+    assert learn.choose(0, candidates=THREE)[0] is LOCAL, "its turn comes once within budget"
+
+
+def test_snapshot_lists_local_only_when_auto_may_choose_it() -> None:
+    assert {r["mode"] for r in learner(bucket_edges=[]).snapshot()} == {"push", "pull"}
+    learn = learner(local=True, bucket_edges=[])
+    learn.observe(LOCAL, 0, 0.05)
+    rows = {r["mode"]: r for r in learn.snapshot()}
+    assert set(rows) == {"push", "pull", "local"}
+    assert (rows["local"]["avg_ms"], rows["local"]["samples"]) == (50.0, 1)
+
+
+def decode_server(port: int = 1) -> Endpoint:
+    return Endpoint(EndpointConfig(url=f"http://127.0.0.1:{port}"), ClusterName.DECODE)
+
+
+def budget(ratio: float = 1.5, smoothing: float = 0.5) -> LocalBudget:
+    return LocalBudget(AutoSettings(local=True, local_itl_budget=ratio, smoothing=smoothing))
+
+
+def test_a_decode_server_without_a_clean_stream_gets_no_local_request() -> None:
+    b, d = budget(), decode_server()
+    assert not b.allows(d), "nothing measured"
+    b.of(d).observe(0.010, clean=False, smoothing=b.smoothing)
+    assert not b.allows(d), "only streams slowed by local prompts: no baseline"
+    b.of(d).observe(0.010, clean=True, smoothing=b.smoothing)
+    assert b.allows(d)
+
+
+def test_the_budget_is_a_ratio_over_the_clean_itl_and_corrects_itself() -> None:
+    b, d = budget(ratio=1.5, smoothing=0.5), decode_server()
+    streams = b.of(d)
+    streams.observe(0.010, clean=True, smoothing=b.smoothing)  # clean 10 ms, recent 10 ms
+    streams.observe(0.018, clean=False, smoothing=b.smoothing)  # recent 14 ms: 1.4x
+    assert b.allows(d)
+    streams.observe(0.030, clean=False, smoothing=b.smoothing)  # recent 22 ms: 2.2x
+    assert not b.allows(d)
+    assert b.snapshot() == [{"decode": d.url, "clean_itl_ms": 10.0, "recent_itl_ms": 22.0,
+                             "local_prefills": 0, "within_budget": False}]
+    # no local request now: D's streams are clean, and the recent ITL comes back
+    streams.observe(0.010, clean=True, smoothing=b.smoothing)  # recent 16 ms: 1.6x
+    assert not b.allows(d)
+    streams.observe(0.010, clean=True, smoothing=b.smoothing)  # recent 13 ms: 1.3x
+    assert b.allows(d)
+
+
+def test_a_busier_decode_server_raises_its_clean_itl_too() -> None:
+    """More streams make every token slower, local or not: that is not local's cost."""
+    b, d = budget(ratio=1.25, smoothing=1.0), decode_server()
+    b.of(d).observe(0.010, clean=True, smoothing=b.smoothing)
+    b.of(d).observe(0.040, clean=True, smoothing=b.smoothing)
+    assert b.allows(d)
+
+
+def test_local_prompts_are_counted_per_decode_server_and_entries_go_with_it() -> None:
+    b, d1, d2 = budget(), decode_server(1), decode_server(2)
+    b.of(d1).local_begin()
+    assert (b.of(d1).local_prefills, b.of(d1).local_started) == (1, 1)
+    assert b.of(d2).local_prefills == 0
+    b.of(d1).local_end()
+    assert (b.of(d1).local_prefills, b.of(d1).local_started) == (0, 1)
+    del d1
+    gc.collect()
+    assert [row["decode"] for row in b.snapshot()] == [d2.url]
+
+
+# --- what the router measures for the budget (proxy.local.ItlWatchedResponse) ----------
+
+TOKEN_EVENT = b'data: {"choices": [{"text": "x"}]}\n\n'
+
+
+async def watched_answer(b: LocalBudget, d: Endpoint, chunks: list[bytes], *, status: int = 200,
+                         local: bool = False, fail: bool = False,
+                         hang: bool = False) -> list[Message]:
+    """Run a flow that answers `chunks` (the last one with the end) through an
+    ItlWatchedResponse; return the ASGI messages sent."""
+    sent: list[Message] = []
+
+    async def flow(down: Downstream) -> None:
+        if fail:
+            raise UpstreamConnectError("refused", endpoint=d.url, cluster="decode")
+        if hang:  # D computes for ever
+            await asyncio.Event().wait()
+        await down.start(status, "text/event-stream")
+        for chunk in chunks[:-1]:
+            await down.write(chunk)
+        await down.end(chunks[-1])
+
+    async def send(message: Message) -> None:
+        sent.append(message)
+
+    async def receive() -> Message:
+        await asyncio.Event().wait()  # the client never leaves
+        raise AssertionError
+
+    exchange = cast(Exchange, types.SimpleNamespace(decode_endpoint=d))
+    response = ItlWatchedResponse(flow, streaming=True, headers=[], done=lambda *_: None,
+                                  exchange=exchange, budget=b, local=local)
+    await response({"type": "http"}, receive, send)
+    return sent
+
+
+async def test_a_whole_stream_gives_one_clean_itl_sample() -> None:
+    b, d = budget(), decode_server()
+    await watched_answer(b, d, [TOKEN_EVENT, TOKEN_EVENT, TOKEN_EVENT + b"data: [DONE]\n\n"])
+    streams = b.of(d)
+    assert streams.recent_itl is not None and streams.recent_itl == streams.clean_itl
+
+
+@pytest.mark.parametrize(("chunks", "status"), [
+    ([TOKEN_EVENT, TOKEN_EVENT, TOKEN_EVENT], 200),  # cut short: no [DONE]
+    ([TOKEN_EVENT, b"data: [DONE]\n\n"], 200),  # one token: no gap to measure
+    ([b'{"error": {}}'], 500),
+], ids=["no-done", "one-token", "error-status"])
+async def test_streams_that_say_nothing_of_d_pace_are_not_measured(chunks: list[bytes],
+                                                                   status: int) -> None:
+    b, d = budget(), decode_server()
+    await watched_answer(b, d, chunks, status=status)
+    assert b.of(d).recent_itl is None
+
+
+async def test_a_stream_during_a_local_prompt_is_not_clean() -> None:
+    b, d = budget(), decode_server()
+    b.of(d).local_begin()  # another request's local prompt, being computed
+    await watched_answer(b, d, [TOKEN_EVENT, TOKEN_EVENT, b"data: [DONE]\n\n"])
+    assert b.of(d).recent_itl is not None and b.of(d).clean_itl is None
+
+
+async def test_a_local_requests_mark_ends_at_its_first_byte_or_its_failure() -> None:
+    b, d = budget(), decode_server()
+    await watched_answer(b, d, [TOKEN_EVENT, TOKEN_EVENT, b"data: [DONE]\n\n"], local=True)
+    streams = b.of(d)
+    assert (streams.local_prefills, streams.local_started) == (0, 1)
+    assert streams.clean_itl is not None, "its own stream began after its prompt: clean"
+    hung = asyncio.ensure_future(watched_answer(b, d, [TOKEN_EVENT], local=True, hang=True))
+    async with asyncio.timeout(5):
+        while streams.local_prefills == 0:
+            await asyncio.sleep(0)
+    hung.cancel()  # the router shuts down
+    with pytest.raises(asyncio.CancelledError):
+        await hung
+    assert (streams.local_prefills, streams.local_started) == (0, 2)
+    await watched_answer(b, d, [TOKEN_EVENT], local=True, fail=True)  # a 502 answer
+    assert (streams.local_prefills, streams.local_started) == (0, 3)
