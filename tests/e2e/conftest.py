@@ -73,7 +73,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     started again only for them.
 
     Only the positions those tests already hold are permuted, so every other test keeps
-    its place and order.
+    its place and order. The emulated-GPU server's tests (`gpu_server`: they measure
+    with nothing else running, so they close any pair) go before the first pair starts.
     """
     rank = {"pull_pair": 0, "push_pair": 1, "dual_pair": 2, "pool_2p1d": 3}
     positions = []
@@ -85,6 +86,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     picked = [items[index] for index, _ in ordered]
     for (index, _), item in zip(positions, picked, strict=True):
         items[index] = item
+    alone = [item for item in items if "gpu_server" in getattr(item, "fixturenames", ())]
+    if alone and positions:
+        first_pair = items[positions[0][0]]
+        for item in alone:
+            items.remove(item)
+        at = items.index(first_pair)
+        items[at:at] = alone
 
 
 def _require_vllm() -> None:

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 LINTERS = {
     "ruff": ["ruff", "check", "."],
-    "mypy": ["mypy", "proxy", "connector", "scripts"],
+    "mypy": ["mypy", "proxy", "connector", "scripts", "testbed"],
 }
 
 
