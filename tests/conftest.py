@@ -3,8 +3,11 @@ own event loop, so that HTTP, streaming and client disconnects behave as in prod
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import inspect
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from proxy.app import create_app, serving
@@ -23,3 +26,17 @@ async def serve_router(
     app = create_app(router_config, source)
     async with serving(app, name="test-router") as (url, _server):
         yield url, app
+
+
+async def until(condition: Callable[[], object], what: str, timeout: float = 5.0) -> None:
+    """Poll `condition()` every 10 ms until it is truthy (an async condition's result is
+    awaited); fail naming `what` after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        await asyncio.sleep(0.01)

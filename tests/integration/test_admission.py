@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.conftest import serve_router
+from tests.conftest import serve_router, until
 from tests.integration.conftest import Pair
 
 BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 3}
@@ -19,13 +18,6 @@ BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 3}
 
 def config(pair: Pair, **extra: Any) -> dict[str, Any]:
     return {"prefill": [pair.p_url], "decode": [pair.d_url], **extra}
-
-
-async def until(condition: Any, what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        await asyncio.sleep(0.01)
 
 
 async def test_over_max_in_flight_a_request_gets_503_with_retry_after(pair: Pair) -> None:

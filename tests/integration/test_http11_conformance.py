@@ -16,16 +16,9 @@ from proxy import http11
 from proxy.config import Limits, Timeouts
 from proxy.errors import Overloaded, UpstreamError
 from proxy.upstream import UpstreamClient
+from tests.conftest import until
 
 GUARD_S = 5.0  # a bound on every wait of these tests, far above what each should take
-
-
-async def until(condition: Callable[[], bool], what: str) -> None:
-    """Poll `condition` (every 10 ms, at most GUARD_S)."""
-    deadline = time.monotonic() + GUARD_S
-    while not condition():
-        assert time.monotonic() < deadline, f"still not {what} after {GUARD_S} s"
-        await asyncio.sleep(0.01)
 
 
 class Request:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 
 from scripts.fake_vllm import Fabric, FakeVLLM, start
-from tests.conftest import serve_router
+from tests.conftest import serve_router, until
 
 TOKEN = "admin-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -51,13 +51,6 @@ async def pool() -> AsyncIterator[Pool]:
     pool = Pool()
     async with pool._stack:
         yield pool
-
-
-async def until(condition: Callable[[], Any], what: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        await asyncio.sleep(0.02)
 
 
 async def complete(client: httpx.AsyncClient, url: str, model: str = "fake-model",

@@ -31,6 +31,7 @@ import httpx
 import pytest
 
 from scripts.fake_vllm import Fabric, FakeVLLM, start
+from tests.conftest import until
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENS = 8
@@ -202,16 +203,6 @@ class Front:
             await self.request()
 
 
-async def until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    """Poll `condition()` until true, bounded; a timeout names what was awaited."""
-    try:
-        async with asyncio.timeout(timeout):
-            while not condition():
-                await asyncio.sleep(0.02)  # a polling interval
-    except TimeoutError:
-        raise AssertionError(f"timed out waiting for: {what}") from None
-
-
 async def in_flight_metric(client: httpx.AsyncClient, router: RouterProcess) -> float:
     """The router's own count: pdproxy_requests_in_flight plus every endpoint's."""
     text = (await client.get(f"{router.url}/metrics")).text
@@ -242,8 +233,9 @@ async def kill_one_of_two(pools: Pools, tmp_path: Path, extra_config: str = "") 
             try:
                 # Both serve; then kill the first while some of its streams are half sent.
                 await until(lambda: min(front.served(0), front.served(1)) >= 3
-                            and bool(front.mid_stream(0, decode)), 30,
-                            "both routers served, and D streams answers through the first")
+                            and bool(front.mid_stream(0, decode)),
+                            "both routers served, and D streams answers through the first",
+                            timeout=30)
                 victim = routers[0].process
                 assert victim is not None
                 allowed = set(front.in_flight[0])  # in flight on it at the kill
@@ -257,8 +249,9 @@ async def kill_one_of_two(pools: Pools, tmp_path: Path, extra_config: str = "") 
                 allowed |= {i for i in range(before, gone) if front.attempts[i].router == 0}
                 assert victim.returncode == -signal.SIGKILL
                 # The survivor keeps serving, taking the requests the dead router refuses.
-                await until(lambda: front.refused[0] >= 3 and front.served(1) >= 20, 30,
-                            "requests refused by the killed router, served by the other")
+                await until(lambda: front.refused[0] >= 3 and front.served(1) >= 20,
+                            "requests refused by the killed router, served by the other",
+                            timeout=30)
             finally:
                 front.stop.set()
                 try:
