@@ -420,19 +420,11 @@ class Pool:
         deadline = time.monotonic() + timeout
         connection = self._idle_connection() or await self._lease(connect_timeout, fresh=False)
         reused = connection.requests > 0
-        response = connection.send(head, body)  # the usual path, inlined: `_exchange`
-        response.deadline = deadline
-        self._deadlines.watch(response)
         try:
-            await response.head
-            return connection, response
+            return connection, await self._exchange(connection, head, body, deadline)
         except ConnectionLost:
-            self.release(connection, response)
             if not (reused and connection.dropped and connection.head_bytes == 0):
                 raise
-        except BaseException:
-            self.release(connection, response)
-            raise
         # A stale keep-alive connection: its server closed it as we sent, with no byte
         # of an answer. It closed without reading the request: send it once more.
         connection = await self._lease(connect_timeout, fresh=True)
