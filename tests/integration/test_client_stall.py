@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.app import create_app, serving
 from proxy.config import build_config
 from proxy.listener import GuardedHttpProtocol, server_config
+from tests.conftest import until
 from tests.integration.conftest import Pair
 
 STALL = 1.0  # timeouts.client_stall in these tests
@@ -85,9 +86,10 @@ async def metric(url: str, name: str, **labels: str) -> float:
 
 
 async def until_metric(url: str, name: str, value: float, **labels: str) -> None:
-    async with asyncio.timeout(BOUND):
-        while await metric(url, name, **labels) != value:
-            await asyncio.sleep(0.05)
+    async def reached() -> bool:
+        return await metric(url, name, **labels) == value
+
+    await until(reached, f"{name}{labels or ''} at {value}", BOUND)
 
 
 async def test_a_client_that_never_reads_is_cut_and_its_legs_released(pair: Pair) -> None:
@@ -123,18 +125,15 @@ async def test_a_slow_client_that_reads_is_not_cut(pair: Pair) -> None:
         received = bytearray()
         try:
             await loop.sock_sendall(sock, stream_request(tokens))
-            async with asyncio.timeout(BOUND):
-                while not server.server_state.connections:
-                    await asyncio.sleep(0.01)
+            await until(lambda: server.server_state.connections, "the router's connection", BOUND)
             (protocol,) = server.server_state.connections
             # On loopback the kernel would queue megabytes for this socket before the
             # router's own buffer fills: a small send buffer gets there at once.
             protocol.transport.get_extra_info("socket").setsockopt(
                 socket.SOL_SOCKET, socket.SO_SNDBUF, 16384
             )
-            async with asyncio.timeout(BOUND):
-                while not protocol.flow.write_paused:  # the router waits on this client
-                    await asyncio.sleep(0.01)
+            # the router waits on this client:
+            await until(lambda: protocol.flow.write_paused, "writes paused", BOUND)
             # 2 KB every 100 ms for three times client_stall: the router's buffer stays
             # above its low-water mark all along (no resume_writing), yet every check
             # sees the client take bytes.
