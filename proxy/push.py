@@ -32,7 +32,7 @@ from proxy.exchange import Exchange
 from proxy.protocol import PrefillCoordinates, new_transfer_id, prefill_body, push_decode_body
 from proxy.pull import run_pull
 from proxy.relay import Downstream
-from proxy.retry import NOT_RETRIED_STATUSES
+from proxy.retry import retry_reason
 
 logger = logging.getLogger("pdproxy.push")
 
@@ -105,10 +105,8 @@ async def recover(exchange: Exchange, down: Downstream, failure: UpstreamError) 
 def recoverable(failure: UpstreamError) -> bool:
     """P's failure is P's own and worth working around: not a 4xx (the request's fault,
     which D would find too), nor 429/503 (an overloaded pool, told to the client as it is,
-    as for retries)."""
-    if isinstance(failure, UpstreamStatusError):
-        return failure.status >= 500 and failure.status not in NOT_RETRIED_STATUSES
-    return True
+    as for retries). An answer is judged by the retry rule; any other failure is P's."""
+    return not isinstance(failure, UpstreamStatusError) or retry_reason(failure) is not None
 
 
 def _recovering(exchange: Exchange, down: Downstream, how: str, where: str,
