@@ -43,7 +43,7 @@ class Exchange:
         router: Router,
         request: ClientRequest,
         *,
-        prefill: Endpoint,
+        prefill: Endpoint | None,
         decode: Endpoint,
         decision: ModeDecision,
         bucket: int | None = None,
@@ -51,7 +51,7 @@ class Exchange:
     ) -> None:
         self.router = router
         self.request = request
-        self.prefill_endpoint = prefill
+        self.prefill_endpoint = prefill  # None for a local exchange: D computes the prompt
         self.decode_endpoint = decode
         self.decision = decision
         self.bucket = bucket  # the prompt-length bucket auto mode learns in (streamed requests)
@@ -78,7 +78,7 @@ class Exchange:
             reason = retry_reason(exc)
             if reason is None or (down is not None and down.started):
                 raise
-            failed = self.prefill_endpoint if cluster is ClusterName.PREFILL else self.decode_endpoint
+            failed = self.prefill_server if cluster is ClusterName.PREFILL else self.decode_endpoint
             try:
                 other = self.pick_again(cluster, exclude=failed)
             except NoHealthyEndpoint:
@@ -105,9 +105,15 @@ class Exchange:
         return pool.pick(exclude=exclude, key=self.prefix, mode=mode or self.decision.used,
                          model=self.request.model)
 
+    @property
+    def prefill_server(self) -> Endpoint:
+        """The P of a pull or a push (only those flows ask: a local exchange has none)."""
+        assert self.prefill_endpoint is not None, "a local exchange has no prefill server"
+        return self.prefill_endpoint
+
     async def prefill(self, body: dict[str, Any]) -> dict[str, Any]:
         """P's leg: one token, not streamed. Returns P's JSON answer."""
-        p = self.prefill_endpoint
+        p = self.prefill_server
         started = time.perf_counter()
         with p.lease():
             try:
@@ -215,7 +221,7 @@ class Exchange:
             learner = self.router.learner
             if learner and self.bucket is not None and self.request.stream and down.status == 200:
                 learner.observe(self.decision.used, self.bucket, ttfb)
-        local = self.decision.used is Mode.LOCAL  # no P leg: D computed the prompt
+        local = self.prefill_endpoint is None  # no P leg: D computed the prompt
         if client_left:
             for cluster in ("decode",) if local else ("prefill", "decode"):
                 metrics.cancelled_legs.labels(cluster, "client_disconnected").inc()
@@ -229,7 +235,7 @@ class Exchange:
             self.mode,
             self.decision.requested.value,
             self.decision.reason,
-            "-" if local else self.prefill_endpoint.url,
+            "-" if self.prefill_endpoint is None else self.prefill_endpoint.url,
             self.decode_endpoint.url,
             status,
             _ms(down.first_byte_at - self.started_at if down.first_byte_at else None),

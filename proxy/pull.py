@@ -34,7 +34,7 @@ def decode_body(exchange: Exchange, p_answer: dict[str, Any]) -> dict[str, Any]:
     try:
         return pull_decode_body(exchange.request, params)
     except ValueError as exc:
-        why = f"prefill server {exchange.prefill_endpoint.url} gave no usable kv_transfer_params ({exc})"
+        why = f"prefill server {exchange.prefill_server.url} gave no usable kv_transfer_params ({exc})"
     metrics = exchange.router.metrics.missing_kv_params
     if exchange.router.config.missing_kv_params is MissingKVParams.RECOMPUTE:
         metrics.labels("recompute").inc()

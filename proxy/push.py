@@ -87,7 +87,7 @@ async def recover(exchange: Exchange, down: Downstream, failure: UpstreamError) 
     if how is PushRecovery.ERROR or not recoverable(failure) or not router.retry_budget.try_spend():
         router.metrics.cancelled_legs.labels("decode", "prefill_failed").inc()
         raise failure
-    failed = exchange.prefill_endpoint
+    failed = exchange.prefill_server
     if how is PushRecovery.PULL:
         try:
             other = exchange.pick_again(ClusterName.PREFILL, exclude=failed, mode=Mode.PULL)

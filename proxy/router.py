@@ -204,9 +204,9 @@ class Router:
         decision: ModeDecision, bucket: int | None, key: str | None,
         coordinates: PrefillCoordinates | None = None,
     ) -> FlowResponse:
-        """The response that runs the decided flow. A local exchange has no P: it names D
-        in P's place (D computes the prompt), and no P leg is ever run or leased."""
-        exchange = Exchange(self, request, prefill=prefill or decode, decode=decode,
+        """The response that runs the decided flow. A local exchange has no P (D computes
+        the prompt): no P leg is ever run or leased."""
+        exchange = Exchange(self, request, prefill=prefill, decode=decode,
                             decision=decision, bucket=bucket, prefix=key)
         if decision.is_fallback:
             self.metrics.mode_fallbacks.labels(
