@@ -15,21 +15,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
-
 from connector.metadata import PushReport
 from connector.scheduler import DualScheduler
+from connector.vllm_compat import (
+    KVConnectorMetadata,
+    KVConnectorRole,
+    NixlBaseConnector,
+    NixlConnectorMetadata,
+)
 from connector.worker import DualWorker
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.forward_context import ForwardContext
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from connector.vllm_compat import ForwardContext, KVCacheConfig, VllmConfig
 
 
 class NixlDualConnector(NixlBaseConnector):

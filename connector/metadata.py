@@ -9,11 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
-
 from connector.channel import StartWrite
 from connector.messages import PullOffer, TransferId
 from connector.registry import BlockIds
+from connector.vllm_compat import KVConnectorWorkerMetadata
 
 
 @dataclass(frozen=True, slots=True)

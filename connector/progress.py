@@ -36,9 +36,8 @@ from functools import partial
 from types import ModuleType
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
-
 from connector.config import ProgressMode
+from connector.vllm_compat import nixl_base_worker as base_worker
 
 logger = logging.getLogger("vllm.pd_connector.progress")
 

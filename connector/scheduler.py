@@ -29,35 +29,40 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any
 
 import zmq
-from vllm.distributed.kv_transfer.kv_connector.utils import yield_req_data
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
-    NixlPullConnectorScheduler,
-)
-from vllm.platforms import current_platform
 
+from connector import wire
 from connector.channel import DecodeChannel, FreeBlocks, PrefillChannel, StartWrite
 from connector.config import DualConfig
 from connector.messages import EngineId, RegisterBlocks, TransferId
 from connector.metadata import PushJob, PushReport, PushStep, WriteTally
+from connector.push_requests import (
+    DecodePushes,
+    DecodeState,
+    PrefillPush,
+    PrefillPushes,
+    PrefillState,
+)
 from connector.registry import PushRegistry, RegistryConfig
+from connector.vllm_compat import NixlPullConnectorScheduler, on_cpu, scheduled_blocks
 from connector.wake import WakeListener
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.utils import BlockIds
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-    from vllm.v1.core.sched.output import SchedulerOutput
-    from vllm.v1.kv_cache_interface import KVCacheConfig
-    from vllm.v1.outputs import KVConnectorOutput
-    from vllm.v1.request import Request
+    from connector.vllm_compat import (
+        BlockIds,
+        KVCacheBlocks,
+        KVCacheConfig,
+        KVConnectorMetadata,
+        KVConnectorOutput,
+        Request,
+        SchedulerOutput,
+        VllmConfig,
+    )
 
 logger = logging.getLogger("vllm.pd_connector.scheduler")
 
-TRANSFER_MODES = ["pull", "push"]
 # How long a step waits for the side channel to match a just-finished prefill, so its
 # WRITE starts in this step rather than the next.
 CATCH_UP_S = 0.005
@@ -83,23 +88,9 @@ class PushStats:
     aborted: int = 0  # D: pushes ended by D's own abort (client gone)
 
 
-@dataclass(slots=True)
-class _Prefill:
-    """P: a push request computing its prompt, followed step by step for an early WRITE."""
-
-    request: Request
-    transfer_id: TransferId
-    block_ids: list[list[int]] | None = None  # all its blocks so far, one list per group
-
-
-def is_push(params: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
-    return params is not None and params.get("transfer_mode") == "push"
-
-
-def transfer_id_of(params: dict[str, Any]) -> TransferId | None:
+def transfer_id_of(params: wire.KVTransferParams) -> TransferId | None:
     """The router's `transfer_id`, naming this push on P and D; None when absent."""
-    tid = params.get("transfer_id")
-    return TransferId(str(tid)) if tid else None
+    return TransferId(params.transfer_id) if params.transfer_id else None
 
 
 class DualScheduler(NixlPullConnectorScheduler):
@@ -117,9 +108,9 @@ class DualScheduler(NixlPullConnectorScheduler):
         self.stats_interval = config.stats_interval
         self.pull_fallback_ttl = config.pull_fallback_ttl
         self.fault_injection = config.fault_injection
-        self.push_wait_pause = config.wait_pause(on_cpu=current_platform.is_cpu())
+        self.push_wait_pause = config.wait_pause(on_cpu=on_cpu())
         self.early_write = config.writes_early(
-            on_cpu=current_platform.is_cpu(),
+            on_cpu=on_cpu(),
             world_size=vllm_config.parallel_config.world_size)
         self._wake = self._wake_listener(engine_id, dp_index)
         keys = config.curve_keys()  # read at start: a bad key file fails the start
@@ -138,21 +129,16 @@ class DualScheduler(NixlPullConnectorScheduler):
             registration_ttl=config.registration_ttl, curve=keys[1] if keys else None)
         self.prefill_channel.start()
         self.decode_channel.start()
-        # D: pushes this engine waits for, by D's request id; and what the next step
-        # tells the workers about them.
-        self._incoming: dict[str, TransferId] = {}
-        self._aborting: set[str] = set()  # D: aborted requests, until P answers
+        # D: the pushes this engine registered with a P; and what the next step tells the
+        # workers about them.
+        self._decode_pushes = DecodePushes()
         self._step = PushStep()
         # P: WRITEs some of P's workers (TP x PP ranks) finished, waiting for the rest.
         self._write_tally = WriteTally(vllm_config.parallel_config.world_size)
-        # P: requests asking for `fail_write`, until their prefill goes to the channel,
-        # which then carries the flag to the WRITE.
-        self._fail_on_purpose: set[str] = set()
-        # P: push prefills being computed, and those whose prompt a step completed (with
-        # the blocks it is in), until they finish; the number of the step being built; and
-        # early WRITEs that reached the engine instead of the worker, for the next step.
-        self._prefilling: dict[str, _Prefill] = {}
-        self._completed: dict[str, list[list[int]]] = {}
+        # P: the push requests computing their prompt, until they end; the number of the
+        # step being built; and early WRITEs that reached the engine instead of the
+        # worker, for the next step.
+        self._prefill_pushes = PrefillPushes()
         self._step_number = 0
         self._next_step_jobs: list[PushJob] = []
         self.stats = PushStats()
@@ -160,7 +146,7 @@ class DualScheduler(NixlPullConnectorScheduler):
         self._refused: tuple[int, ...] = (0,) * 7  # the drop counts last logged
         logger.info("dual connector: modes %s; push side channel on %s:%d (%s); idle steps "
                     "while waiting for pushes pause %.1f ms; early WRITEs %s",
-                    ",".join(TRANSFER_MODES), self.push_host, self.push_port,
+                    ",".join(wire.TRANSFER_MODE_VALUES), self.push_host, self.push_port,
                     "CURVE-authenticated" if keys else "unauthenticated",
                     self.push_wait_pause * 1000, "on" if self.early_write else "off")
 
@@ -169,16 +155,18 @@ class DualScheduler(NixlPullConnectorScheduler):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        params = request.kv_transfer_params
-        if not (is_push(params) and params.get("do_remote_prefill")):
+        params = wire.decode_params(request.kv_transfer_params)
+        if params is None or not params.is_push or not params.do_remote_prefill:
             super().update_state_after_alloc(request, blocks, num_external_tokens)
-            if is_push(params) and params.get("do_remote_decode"):
+            if params is not None and params.is_push and params.do_remote_decode:
                 self._follow_prefill(request, params)
             return
-        params["do_remote_prefill"] = False  # register once, even after a preemption
+        raw = request.kv_transfer_params
+        assert raw is not None  # decoded above
+        raw[wire.DO_REMOTE_PREFILL] = False  # register once, even after a preemption
         rid = request.request_id
         tid = transfer_id_of(params)
-        peer = self._push_peer(params)
+        peer = wire.push_channel_address(params)
         if num_external_tokens <= 0:
             # Every prompt block was in D's prefix cache: nothing to receive. P's blocks
             # are freed by telling P we will not take them.
@@ -186,7 +174,7 @@ class DualScheduler(NixlPullConnectorScheduler):
                 self.decode_channel.abort(tid, peer=peer)
             return
         local = self.get_exchange_clipped_blocks(blocks.get_unhashed_block_ids_all_groups())
-        params["remote_block_ids"] = []  # vLLM's recv bookkeeping wants the key
+        raw[wire.REMOTE_BLOCK_IDS] = []  # vLLM's recv bookkeeping wants the key
         self._reqs_need_recv[rid] = (request, local, (), True)
         self._step.recv.add(rid)
         if not tid or peer is None:
@@ -200,96 +188,99 @@ class DualScheduler(NixlPullConnectorScheduler):
             block_ids=[list(group) for group in local], block_size=self.block_size,
             host=self.side_channel_host, port=self.side_channel_port,
             ttl_s=self.registration_ttl))
-        self._incoming[rid] = tid
+        self._decode_pushes.registered(rid, tid)
         self.stats.registrations += 1
 
-    def _follow_prefill(self, request: Request, params: dict[str, Any]) -> None:
+    def _follow_prefill(self, request: Request, params: wire.KVTransferParams) -> None:
         """P: a push request was scheduled. Follow its blocks step by step if its WRITE
         may start right after the forward pass that completes its prompt: only when that
         pass also finishes the request (max_tokens 1, as the router sends), since P's
         blocks are freed as soon as the WRITE is done."""
-        rid, tid = request.request_id, transfer_id_of(params)
-        if self.fault_injection and params.get("fail_write"):
-            self._fail_on_purpose.add(rid)
-        if self.early_write and tid and not params.get("probe") and request.max_tokens == 1:
-            self._prefilling.setdefault(rid, _Prefill(request, tid))
-
-    @staticmethod
-    def _push_peer(params: dict[str, Any]) -> str | None:
-        host, port = params.get("push_host") or params.get("remote_host"), params.get("push_port")
-        if not isinstance(host, str) or not isinstance(port, int) or not 0 < port < 65536:
-            return None
-        return f"tcp://{host}:{port}"
+        self._prefill_pushes.scheduled(
+            request, transfer_id_of(params),
+            fail_on_purpose=self.fault_injection and params.fail_write,
+            follow=self.early_write and not params.probe and request.max_tokens == 1)
 
     # --- both: a request ends ---------------------------------------------------------
 
     def request_finished(
         self, request: Request, block_ids: BlockIds
     ) -> tuple[bool, dict[str, Any] | None]:
-        params = request.kv_transfer_params
-        if is_push(params) and not params.get("do_remote_decode"):
+        params = wire.decode_params(request.kv_transfer_params)
+        if params is not None and params.is_push and not params.do_remote_decode:
             return self._decode_push_finished(request, params)
         delay_free, answer = super().request_finished(request, block_ids)
-        if not params or not params.get("do_remote_decode"):
+        if params is None or not params.do_remote_decode:
             return delay_free, answer
         rid = request.request_id
-        if is_push(params):
-            tid = transfer_id_of(params)
-            self._prefilling.pop(rid, None)
-            fail_on_purpose = rid in self._fail_on_purpose
-            self._fail_on_purpose.discard(rid)
-            completed = self._completed.pop(rid, None)
-            if completed is not None and tid:
-                # Its last step computed the whole prompt, whatever ended the request
-                # (even an abort): the registry may have matched it then, and a WRITE
-                # may be reading these blocks. They go to the registry like any prefill's.
-                if answer is not None \
-                        and [list(g) for g in answer["remote_block_ids"]] != completed:
-                    logger.error("push %s: request %s holds blocks %s, not the %s its last "
-                                 "step was given", tid, rid, answer["remote_block_ids"],
-                                 completed)
-                delay_free = True
-            elif not delay_free or not tid or answer is None:
-                if tid:
-                    self.prefill_channel.prefill_aborted(tid)
+        if params.is_push:
+            delay_free, done = self._prefill_push_finished(rid, params, delay_free, answer)
+            if not done:
                 return delay_free, answer
-            else:
-                completed = answer["remote_block_ids"]
-            # The push registry holds these blocks now, not vLLM's pull lease.
-            self._stop_pull_lease(rid)
-            self.prefill_channel.prefill_finished(tid, rid, completed,
-                                                  fail_on_purpose=fail_on_purpose)
-            if answer is not None:
-                answer["transfer_mode"] = "push"
-            self.stats.push_prefills += 1
-        elif params.get("probe") and delay_free:
+        elif params.probe and delay_free:
             self._stop_pull_lease(rid)  # nobody will read a probe's KV
             delay_free = False
             self.stats.probes += 1
         elif delay_free:
             self.stats.pull_prefills += 1
         if answer is not None:
-            answer.update(transfer_modes=TRANSFER_MODES, push_host=self.push_host,
-                          push_port=self.push_port)
+            answer[wire.TRANSFER_MODES] = list(wire.TRANSFER_MODE_VALUES)
+            answer[wire.PUSH_HOST] = self.push_host
+            answer[wire.PUSH_PORT] = self.push_port
         return delay_free, answer
+
+    def _prefill_push_finished(
+        self, rid: str, params: wire.KVTransferParams, delay_free: bool,
+        answer: dict[str, Any] | None,
+    ) -> tuple[bool, bool]:
+        """P's push request ended: hand its blocks to the push registry (then True, with
+        whether vLLM must keep them), or tell the registry it was aborted (False)."""
+        tid = transfer_id_of(params)
+        record = self._prefill_pushes.finished(rid)
+        fail_on_purpose = record is not None and record.fail_on_purpose
+        completed = record.block_ids if record is not None \
+            and record.state is PrefillState.COMPLETING else None
+        if completed is not None and tid:
+            # Its last step computed the whole prompt, whatever ended the request (even
+            # an abort): the registry may have matched it then, and a WRITE may be
+            # reading these blocks. They go to the registry like any prefill's.
+            if answer is not None \
+                    and [list(g) for g in answer[wire.REMOTE_BLOCK_IDS]] != completed:
+                logger.error("push %s: request %s holds blocks %s, not the %s its last "
+                             "step was given", tid, rid, answer[wire.REMOTE_BLOCK_IDS],
+                             completed)
+            delay_free = True
+        elif not delay_free or not tid or answer is None:
+            if tid:
+                self.prefill_channel.prefill_aborted(tid)
+            return delay_free, False
+        else:
+            completed = answer[wire.REMOTE_BLOCK_IDS]
+        # The push registry holds these blocks now, not vLLM's pull lease.
+        self._stop_pull_lease(rid)
+        self.prefill_channel.prefill_finished(tid, rid, completed,
+                                              fail_on_purpose=fail_on_purpose)
+        if answer is not None:
+            answer[wire.TRANSFER_MODE] = wire.PUSH
+        self.stats.push_prefills += 1
+        return delay_free, True
 
     def _stop_pull_lease(self, request_id: str) -> None:
         self._reqs_need_send.pop(request_id, None)
         self._reqs_not_processed.add(request_id)
 
     def _decode_push_finished(
-        self, request: Request, params: dict[str, Any]
+        self, request: Request, params: wire.KVTransferParams
     ) -> tuple[bool, dict[str, Any] | None]:
         """D's push request ended. If it still waits for P's WRITE (the client left),
         tell P; D's blocks are freed when P confirms nothing more will be written."""
-        tid = self._incoming.pop(request.request_id, None)
+        tid = self._decode_pushes.aborting(request.request_id)
         if tid is not None:
             self.decode_channel.abort(tid)
-            self._aborting.add(request.request_id)
-        elif params.get("do_remote_prefill"):
+        elif params.do_remote_prefill and request.kv_transfer_params is not None:
             # Ended before it was ever scheduled: no registration; P may hold the KV.
-            params["do_remote_prefill"] = False
-            peer, tid = self._push_peer(params), transfer_id_of(params)
+            request.kv_transfer_params[wire.DO_REMOTE_PREFILL] = False
+            peer, tid = wire.push_channel_address(params), transfer_id_of(params)
             if peer and tid:
                 self.decode_channel.abort(tid, peer=peer)
         return False, None
@@ -302,18 +293,17 @@ class DualScheduler(NixlPullConnectorScheduler):
         self._step_number += 1
         step.number = self._step_number
         step.jobs, self._next_step_jobs = self._next_step_jobs, []
-        for rid, prefill, block_ids in self._prompts_completing(scheduler_output):
+        for record in self._prompts_completing(scheduler_output):
             # If D has registered, or does before this step ends, P's worker WRITEs right
             # after this step's forward pass.
-            self._completed[rid] = block_ids
+            assert record.transfer_id is not None and record.block_ids is not None
             self.prefill_channel.prefill_completing(
-                prefill.transfer_id, rid, block_ids, self._step_number,
-                fail_on_purpose=rid in self._fail_on_purpose)
+                record.transfer_id, record.request.request_id, record.block_ids,
+                self._step_number, fail_on_purpose=record.fail_on_purpose)
         for failure in self.decode_channel.take_failures():
             rid = failure.request_id
-            self._incoming.pop(rid, None)
-            if rid in self._aborting:
-                self._aborting.discard(rid)
+            ended = self._decode_pushes.ended(rid)
+            if ended is not None and ended.state is DecodeState.ABORTING:
                 step.failed.add(rid)
                 self.stats.aborted += 1
             elif failure.pull is not None:
@@ -343,29 +333,28 @@ class DualScheduler(NixlPullConnectorScheduler):
                 time.sleep(self.push_wait_pause)
         return meta
 
-    def _prompts_completing(
-        self, scheduler_output: SchedulerOutput
-    ) -> Iterator[tuple[str, _Prefill, list[list[int]]]]:
-        """P: the push prefills this step completes, with all of their blocks (clipped as
-        for the exchange: what `request_finished` will hand over). Updates the blocks of
-        the others (a prompt in chunks gets more blocks each step)."""
-        for rid, new_blocks, resumed in yield_req_data(scheduler_output):
-            prefill = self._prefilling.get(rid)
-            if prefill is None:
+    def _prompts_completing(self, scheduler_output: SchedulerOutput) -> Iterator[PrefillPush]:
+        """P: the followed push prefills this step completes, each now COMPLETING with all
+        of its blocks (clipped as for the exchange: what `request_finished` will hand
+        over). Updates the blocks of the others (a prompt in chunks gets more blocks each
+        step)."""
+        for rid, new_blocks, resumed in scheduled_blocks(scheduler_output):
+            record = self._prefill_pushes.get(rid)
+            if record is None or record.state is not PrefillState.FOLLOWED:
                 continue
             if new_blocks is not None:
-                if prefill.block_ids is None or resumed:  # first step, or after preemption
-                    prefill.block_ids = [list(group) for group in new_blocks]
+                if record.block_ids is None or resumed:  # first step, or after preemption
+                    record.block_ids = [list(group) for group in new_blocks]
                 else:
-                    for group, new in zip(prefill.block_ids, new_blocks, strict=True):
+                    for group, new in zip(record.block_ids, new_blocks, strict=True):
                         group.extend(new)
-            request = prefill.request
+            request = record.request
             scheduled = scheduler_output.num_scheduled_tokens.get(rid, 0)
-            if prefill.block_ids is not None \
+            if record.block_ids is not None \
                     and request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
-                del self._prefilling[rid]
-                clipped = self.get_exchange_clipped_blocks(prefill.block_ids)
-                yield rid, prefill, [list(group) for group in clipped]
+                clipped = self.get_exchange_clipped_blocks(record.block_ids)
+                self._prefill_pushes.completing(record, [list(group) for group in clipped])
+                yield record
 
     def _wake_listener(self, engine_id: str, dp_index: int) -> WakeListener | None:
         """D: where the workers wake the pausing engine when a push lands (None: no pause,
@@ -382,7 +371,7 @@ class DualScheduler(NixlPullConnectorScheduler):
     def _only_awaiting_pushes(self, scheduler_output: SchedulerOutput, step: PushStep) -> bool:
         """D: this step runs nothing and orders nothing; all D does is wait for pushes.
         vLLM would step again at once; a short pause leaves the CPU to others (P)."""
-        return (self.push_wait_pause > 0 and bool(self._incoming) and step.is_empty()
+        return (self.push_wait_pause > 0 and self._decode_pushes.awaiting() and step.is_empty()
                 and scheduler_output.total_num_scheduled_tokens == 0)
 
     def _log_stats(self) -> None:
@@ -414,7 +403,7 @@ class DualScheduler(NixlPullConnectorScheduler):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
         for rid in connector_output.finished_recving or ():
-            tid = self._incoming.pop(rid, None)
+            tid = self._decode_pushes.received(rid)
             if tid is not None:
                 self.decode_channel.forget(tid)
                 self.stats.received += rid not in connector_output.failed_recving

@@ -39,19 +39,6 @@ from collections import defaultdict
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
-    NixlConnectorMetadata,
-    RemoteMeta,
-    ReqMeta,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import (
-    NixlPullConnectorWorker,
-)
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
-    NixlPushConnectorWorker,
-)
-from vllm.platforms import current_platform
-
 from connector.channel import StartWrite
 from connector.config import DualConfig
 from connector.early import EarlyInbox
@@ -59,13 +46,21 @@ from connector.messages import PullOffer, TransferId
 from connector.metadata import PushEnd, PushJob, PushReport, PushStep
 from connector.pages import small_pages
 from connector.progress import agent_progress
+from connector.push_requests import IncomingPushes
+from connector.vllm_compat import (
+    NixlConnectorMetadata,
+    NixlPullConnectorWorker,
+    NixlPushConnectorWorker,
+    RemoteMeta,
+    ReqMeta,
+    on_cpu,
+)
 from connector.wake import WakeSender
 
 if TYPE_CHECKING:
     import torch
-    from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
-    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from connector.vllm_compat import KVCacheConfig, KVConnectorTransferResults, VllmConfig
 
 logger = logging.getLogger("vllm.pd_connector.worker")
 
@@ -97,7 +92,7 @@ class DualWorker(NixlPullConnectorWorker):
         # P: early WRITEs from P's channel thread, if this server makes them; those that
         # wait for their step's forward pass; and the number of the step now running.
         self._early_inbox: EarlyInbox | None = None
-        if config.writes_early(current_platform.is_cpu(), vllm_config.parallel_config.world_size):
+        if config.writes_early(on_cpu(), vllm_config.parallel_config.world_size):
             dp_index = vllm_config.parallel_config.data_parallel_index
             self._early_inbox = EarlyInbox(StartWrite, engine_id, dp_index,
                                            config.push_port + dp_index)
@@ -110,10 +105,9 @@ class DualWorker(NixlPullConnectorWorker):
         # start_load_kv (see `_lease_for_pull`).
         self._to_lease: dict[str, float] = {}
         self._ended: dict[TransferId, PushEnd] = {}  # P: for the next PushReport
-        # D: requests that wait for a WRITE, and how many notifications each has had;
-        # and those whose WRITE landed while D's handshake with their P was not done.
-        self._awaiting_push: dict[str, int] = {}
-        self._landed: set[str] = set()
+        # D: the pushes this worker receives, each awaited until its WRITEs' notifications
+        # came, then landed until D's handshake with its P is done (`IncomingPushes`).
+        self._incoming = IncomingPushes()
         # The poller thread (started with the first push), woken when a push starts; and
         # the notifications it fetched on D, for the engine thread.
         self._poll_wanted = threading.Event()
@@ -146,7 +140,7 @@ class DualWorker(NixlPullConnectorWorker):
             meta.local_physical_block_ids = self._logical_to_kernel_block_ids(
                 meta.local_block_ids, self._physical_blocks_per_logical_kv_block)
             self._recving_metadata[rid] = meta
-            self._awaiting_push[rid] = 0
+            self._incoming.expect(rid)
             self._wake_poller()
             # vLLM finishes a receive with P's layout (from the NIXL handshake with P),
             # so D needs that handshake even though P does the writing: start it now,
@@ -155,7 +149,7 @@ class DualWorker(NixlPullConnectorWorker):
             self._ensure_handshake(meta.remote.engine_id, meta.remote.host, meta.remote.port,
                                    meta.tp_size, meta.dcp_size, meta.pp_size)
         for rid in step.failed:
-            if self._awaiting_push.pop(rid, None) is not None:
+            if self._incoming.cancel(rid):
                 self._failed_recv_reqs.put(rid)
         for rid, offer in step.pull.items():
             self._pull_instead(rid, offer)
@@ -192,7 +186,7 @@ class DualWorker(NixlPullConnectorWorker):
 
     def _pull_instead(self, rid: str, offer: PullOffer) -> None:
         """D: P's WRITE failed but P kept the blocks: READ them, as vLLM's pull does."""
-        if self._awaiting_push.pop(rid, None) is None:
+        if not self._incoming.cancel(rid):
             return  # the push landed after all, or the request is gone
         meta = self._recving_metadata[rid]
         assert meta.remote is not None
@@ -315,7 +309,7 @@ class DualWorker(NixlPullConnectorWorker):
         as fast as D's agent is polled), keep them for the engine thread, which handles
         them in `_get_new_notifs`, and `wake` the scheduler should it be pausing. True
         while a push is awaited."""
-        if not self._awaiting_push:
+        if not self._incoming.awaiting:
             return False
         try:
             fetched = self.nixl_wrapper.get_new_notifs()
@@ -375,7 +369,7 @@ class DualWorker(NixlPullConnectorWorker):
                     self._handle_heartbeat(msg[3:])
                     continue
                 req_id, count = msg.rsplit(":", 1)
-                if req_id in self._awaiting_push:
+                if self._incoming.is_awaited(req_id):
                     self._push_arrived(req_id, int(count))
                 else:
                     self._pull_read_done(req_id, int(count), read_by_d)
@@ -385,16 +379,13 @@ class DualWorker(NixlPullConnectorWorker):
         """D: one of P's ranks finished its WRITE. With P's tp > D's, several do."""
         meta = self._recving_metadata[req_id]
         expected = meta.pp_size * max(1, producer_world_size // self.world_size)
-        self._awaiting_push[req_id] += 1
-        if self._awaiting_push[req_id] >= expected:
-            del self._awaiting_push[req_id]
-            self._landed.add(req_id)
+        if self._incoming.notified(req_id, expected):
             self._finish_landed()
 
     def _finish_landed(self) -> None:
         """D: report the pushes that landed as received, once D's handshake with their P
         is done (vLLM reads P's layout from it); fail them if that handshake failed."""
-        for req_id in list(self._landed):
+        for req_id in self._incoming.landed():
             meta = self._recving_metadata[req_id]
             assert meta.remote is not None
             engine = meta.remote.engine_id
@@ -409,7 +400,7 @@ class DualWorker(NixlPullConnectorWorker):
                 self._failed_recv_reqs.put(req_id)
             else:
                 continue
-            self._landed.discard(req_id)
+            self._incoming.reported(req_id)
 
     def _pull_read_done(self, req_id: str, expected: int, done: set[str]) -> None:
         """P: D finished reading `req_id` (pull). Same accounting as vLLM's pull worker."""

@@ -16,6 +16,7 @@ import logging
 import time
 from typing import Any
 
+from connector import wire
 from proxy.endpoints import Endpoint
 from proxy.errors import Overloaded, UpstreamError
 from proxy.metrics import RouterMetrics
@@ -74,10 +75,10 @@ class CoordinateProber:
         if (
             known is not None
             and isinstance(p_params, dict)
-            and p_params.get("remote_engine_id") == known.engine_id
-            and p_params.get("remote_port") == known.port
+            and p_params.get(wire.REMOTE_ENGINE_ID) == known.engine_id
+            and p_params.get(wire.REMOTE_PORT) == known.port
         ):
-            return  # the usual case, checked without building anything
+            return  # the usual case, checked without decoding the whole object
         seen = coordinates_from_answer(p_params)
         if seen is None or seen == known:
             return
@@ -102,13 +103,13 @@ class CoordinateProber:
             "max_tokens": 1,
             "stream": False,
             # `probe`: our connector frees a probe's blocks at once (stock ones ignore it).
-            "kv_transfer_params": {**PREFILL_KV_PARAMS, "probe": True},
+            wire.KV_TRANSFER_PARAMS: {**PREFILL_KV_PARAMS, wire.PROBE: True},
         }
         try:
             answer = await self._client.post_json(
                 f"{endpoint.url}/v1/completions",
                 body,
-                headers={"X-Request-Id": f"pdproxy-probe-{time.monotonic_ns()}"},
+                headers={wire.REQUEST_ID_HEADER: f"pdproxy-probe-{time.monotonic_ns()}"},
                 endpoint=endpoint.url,
                 cluster=endpoint.cluster.value,
                 timeout=self._timeout,
@@ -117,7 +118,7 @@ class CoordinateProber:
         except (UpstreamError, Overloaded) as exc:  # Overloaded: the control lane is full
             self._failed(endpoint, f"{type(exc).__name__}: {exc}")
             return None
-        params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+        params = answer.get(wire.KV_TRANSFER_PARAMS) if isinstance(answer, dict) else None
         seen = coordinates_from_answer(params)
         if seen is None:
             self._failed(endpoint, f"answer has no usable kv_transfer_params: {params!r}")

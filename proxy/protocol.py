@@ -23,6 +23,7 @@ from typing import Any
 
 import msgspec
 
+from connector import wire
 from proxy.config import Mode
 from proxy.errors import InvalidRequest, PayloadTooLarge
 
@@ -38,7 +39,7 @@ class Route(str, enum.Enum):
 
 
 # Keys the router owns on the way to P; a client must not set them.
-ROUTER_OWNED_FIELDS = ("kv_transfer_params",)
+ROUTER_OWNED_FIELDS = (wire.KV_TRANSFER_PARAMS,)
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 
@@ -136,10 +137,10 @@ def parse_request(
     _check_optional_int(body, "max_tokens", minimum=1)
     _check_optional_int(body, "max_completion_tokens", minimum=1)
     _check_disaggregation_limits(body)
-    if "kv_transfer_params" in body:
+    if wire.KV_TRANSFER_PARAMS in body:
         raise InvalidRequest(
-            "'kv_transfer_params' is set by the router and must not come from the client",
-            param="kv_transfer_params",
+            f"'{wire.KV_TRANSFER_PARAMS}' is set by the router and must not come from the client",
+            param=wire.KV_TRANSFER_PARAMS,
         )
 
     return ClientRequest(
@@ -147,8 +148,8 @@ def parse_request(
         body=body,
         model=model,
         stream=stream,
-        request_id=_request_id(headers.get("x-request-id")),
-        mode_override=_mode_override(headers.get("x-kv-transfer-mode")),
+        request_id=_request_id(headers.get(wire.REQUEST_ID_HEADER.lower())),
+        mode_override=_mode_override(headers.get(wire.TRANSFER_MODE_HEADER.lower())),
     )
 
 
@@ -246,8 +247,8 @@ def _request_id(value: str | None) -> str:
         return new_id()
     if not _REQUEST_ID_RE.match(value):
         raise InvalidRequest(
-            "X-Request-Id must be 1-128 characters of letters, digits and . _ : -",
-            param="X-Request-Id",
+            f"{wire.REQUEST_ID_HEADER} must be 1-128 characters of letters, digits and . _ : -",
+            param=wire.REQUEST_ID_HEADER,
         )
     return value
 
@@ -259,8 +260,8 @@ def _mode_override(value: str | None) -> Mode | None:
         return Mode(value.strip().lower())
     except ValueError:
         raise InvalidRequest(
-            f"X-KV-Transfer-Mode must be pull, push, local or auto, got {value!r}",
-            param="X-KV-Transfer-Mode",
+            f"{wire.TRANSFER_MODE_HEADER} must be pull, push, local or auto, got {value!r}",
+            param=wire.TRANSFER_MODE_HEADER,
         ) from None
 
 
@@ -320,12 +321,12 @@ class PushDecodeKVParams(msgspec.Struct, kw_only=True, omit_defaults=False):
 
 # P's kv_transfer_params in both modes: keep the KV for a remote decode.
 PREFILL_KV_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
+    wire.DO_REMOTE_DECODE: True,
+    wire.DO_REMOTE_PREFILL: False,
+    wire.REMOTE_ENGINE_ID: None,
+    wire.REMOTE_BLOCK_IDS: None,
+    wire.REMOTE_HOST: None,
+    wire.REMOTE_PORT: None,
 }
 
 
@@ -340,9 +341,9 @@ def prefill_body(request: ClientRequest, *, transfer_id: str | None) -> dict[str
         body.pop(name, None)
     params = dict(PREFILL_KV_PARAMS)
     if transfer_id is not None:
-        params["transfer_id"] = transfer_id
-        params["transfer_mode"] = Mode.PUSH.value
-    body["kv_transfer_params"] = params
+        params[wire.TRANSFER_ID] = transfer_id
+        params[wire.TRANSFER_MODE] = wire.PUSH
+    body[wire.KV_TRANSFER_PARAMS] = params
     return body
 
 
@@ -356,7 +357,7 @@ def pull_decode_body(request: ClientRequest, p_params: Any) -> dict[str, Any]:
     if not checked.do_remote_prefill:
         raise ValueError("P's kv_transfer_params do not ask D for a remote prefill")
     body = dict(request.body)
-    body["kv_transfer_params"] = p_params
+    body[wire.KV_TRANSFER_PARAMS] = p_params
     return body
 
 
@@ -377,8 +378,8 @@ def push_decode_body(
     body = dict(request.body)
     kv_params = msgspec.to_builtins(params)
     if coordinates.push_port is None:  # a stock P: no side channel of ours to name
-        del kv_params["push_host"], kv_params["push_port"]
-    body["kv_transfer_params"] = kv_params
+        del kv_params[wire.PUSH_HOST], kv_params[wire.PUSH_PORT]
+    body[wire.KV_TRANSFER_PARAMS] = kv_params
     return body
 
 
@@ -387,36 +388,31 @@ def coordinates_from_answer(p_params: Any) -> PrefillCoordinates | None:
 
     Capabilities: `transfer_modes` (a list; our connector), else `transfer_mode`, else
     pull only. Returns None when the answer does not name an engine and side channel."""
-    if not isinstance(p_params, dict):
+    params = wire.decode_params(p_params)
+    if params is None:
         return None
-    engine_id = p_params.get("remote_engine_id")
-    host = p_params.get("remote_host")
-    port = p_params.get("remote_port")
-    if not isinstance(engine_id, str) or not isinstance(host, str) or not isinstance(port, int):
+    engine_id, host, port = params.remote_engine_id, params.remote_host, params.remote_port
+    if engine_id is None or host is None or port is None:
         return None
-    tp_size = p_params.get("tp_size", 1)
-    push_host, push_port = p_params.get("push_host"), p_params.get("push_port")
-    has_push_channel = isinstance(push_port, int) and 0 < push_port < 65536
+    push_port = params.push_port
+    has_push_channel = push_port is not None and 0 < push_port < 65536
     return PrefillCoordinates(
         engine_id=engine_id,
         host=host,
         port=port,
-        tp_size=tp_size if isinstance(tp_size, int) and tp_size > 0 else 1,
-        transfer_modes=_modes_of(p_params),
-        push_host=push_host if has_push_channel and isinstance(push_host, str) else None,
+        tp_size=params.tp_size if params.tp_size is not None and params.tp_size > 0 else 1,
+        transfer_modes=_modes_of(params),
+        push_host=params.push_host if has_push_channel else None,
         push_port=push_port if has_push_channel else None,
     )
 
 
-def _modes_of(p_params: dict[str, Any]) -> frozenset[Mode]:
-    listed = p_params.get("transfer_modes")
-    if isinstance(listed, list):
-        modes = {Mode(m) for m in listed if m in (Mode.PULL.value, Mode.PUSH.value)}
-        if modes:
-            return frozenset(modes)
-    single = p_params.get("transfer_mode")
-    if single in (Mode.PULL.value, Mode.PUSH.value):
-        return frozenset({Mode(single)})
+def _modes_of(params: wire.KVTransferParams) -> frozenset[Mode]:
+    modes = {Mode(m) for m in params.transfer_modes or () if m in wire.TRANSFER_MODE_VALUES}
+    if modes:
+        return frozenset(modes)
+    if params.transfer_mode in wire.TRANSFER_MODE_VALUES:
+        return frozenset({Mode(params.transfer_mode)})
     return frozenset({Mode.PULL})
 
 

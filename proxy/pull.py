@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from connector import wire
 from proxy.config import MissingKVParams
 from proxy.endpoints import ClusterName
 from proxy.errors import KVTransferError
@@ -30,7 +31,7 @@ async def run_pull(exchange: Exchange, down: Downstream) -> None:
 def decode_body(exchange: Exchange, p_answer: dict[str, Any]) -> dict[str, Any]:
     """D's body from P's answer. P without usable kv_transfer_params means D would
     recompute the whole prompt: an error, or (when configured) a counted recompute."""
-    params = p_answer.get("kv_transfer_params")
+    params = p_answer.get(wire.KV_TRANSFER_PARAMS)
     try:
         return pull_decode_body(exchange.request, params)
     except ValueError as exc:

@@ -1,0 +1,301 @@
+"""D's side of the push side channel: one DEALER socket per P, and the thread that sends
+D's registrations, aborts and pings and watches the answers and the deadlines.
+
+Each DEALER's identity is D's engine id, so P's answers find their way back. D's engine
+hands the thread typed events (`RegisterPush`, `AbortPush`, `ForgetPush`; see
+`connector.channel_thread`) and learns which pushes failed from `take_failures` (it then
+reads P's blocks where P offers them, recomputes the other prompts, or frees the blocks
+of an aborted request); a push that succeeds is known to D's workers from the WRITE's
+own NIXL notification, and D's engine then calls `forget`.
+
+With CURVE keys (`connector.keys`), each DEALER is a CURVE client that checks P by P's
+public key. The sockets are used only by the channel's thread, which closes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from connector.channel_thread import ChannelThread, drain
+from connector.keys import ClientKeys
+from connector.messages import (
+    Abort,
+    Ack,
+    EngineId,
+    Message,
+    Nack,
+    Ping,
+    ProtocolError,
+    PullOffer,
+    PushDone,
+    PushFailed,
+    RegisterBlocks,
+    TransferId,
+    decode,
+    encode,
+)
+
+logger = logging.getLogger("vllm.pd_connector.channel")
+
+
+# --- the engine's events for D's channel thread ----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterPush:
+    """Register D's blocks with the P whose push side channel is `peer` (tcp://host:port)."""
+
+    peer: str
+    registration: RegisterBlocks
+
+
+@dataclass(frozen=True, slots=True)
+class AbortPush:
+    """D's request is gone (see `DecodeChannel.abort`)."""
+
+    transfer_id: TransferId
+    peer: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ForgetPush:
+    """The push arrived."""
+
+    transfer_id: TransferId
+
+
+DecodeEvent = RegisterPush | AbortPush | ForgetPush
+
+
+# --- what D's engine is told, and the thread's own records ---------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PushFailure:
+    """D's engine: the push for D's `request_id` will not arrive (`why`)."""
+
+    request_id: str
+    transfer_id: TransferId
+    why: str
+    pull: PullOffer | None = None  # P kept the blocks: READ them instead
+
+
+@dataclass(slots=True)
+class _Pending:
+    """One push D waits for."""
+
+    registration: RegisterBlocks
+    peer: str  # P's push side channel, tcp://host:port
+    deadline: float  # no Ack by then (or no answer to our Abort): give up
+    acked: bool = False
+    aborting: bool = False
+
+
+@dataclass(slots=True)
+class _Peer:
+    socket: zmq.Socket[Any]
+    last_heard: float
+    last_ping: float = 0.0
+    transfers: set[TransferId] = field(default_factory=set)
+
+
+class DecodeChannel(ChannelThread[DecodeEvent]):
+    """D's side channel: a socket per P, the pushes D waits for, and their deadlines."""
+
+    name = "pd-push-decode"
+
+    def __init__(self, engine_id: EngineId, *, ack_timeout: float, ping_interval: float,
+                 peer_timeout: float, registration_ttl: float,
+                 curve: ClientKeys | None = None) -> None:
+        """`curve`: connect to P's as a CURVE client with these keys (None: in the clear)."""
+        super().__init__()
+        self.engine_id = engine_id
+        self._curve = curve
+        self.ack_timeout = ack_timeout
+        self.ping_interval = ping_interval
+        self.peer_timeout = peer_timeout
+        self.registration_ttl = registration_ttl
+        self._failures: queue.SimpleQueue[PushFailure] = queue.SimpleQueue()
+        # Owned by the channel thread:
+        self._pending: dict[TransferId, _Pending] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._poller = zmq.Poller()
+        # Written by the channel thread, read by the engine thread (has_pending_work).
+        self.waiting = 0
+
+    # --- engine thread -----------------------------------------------------------------
+
+    def register(self, peer: str, registration: RegisterBlocks) -> None:
+        self._post(RegisterPush(peer, registration))
+
+    def abort(self, transfer_id: TransferId, peer: str | None = None) -> None:
+        """D's request is gone: tell P, and report the push failed (so D frees its
+        blocks) once P says nothing more will be written, or P cannot be reached.
+
+        With `peer`, for a transfer D never registered: only tell that P (so it frees
+        what it holds at once), and wait for nothing."""
+        self._post(AbortPush(transfer_id, peer))
+
+    def forget(self, transfer_id: TransferId) -> None:
+        """The push arrived (D's workers saw the WRITE's notification)."""
+        self._post(ForgetPush(transfer_id))
+
+    def take_failures(self) -> list[PushFailure]:
+        return drain(self._failures)
+
+    def has_pending_work(self) -> bool:
+        return self._events_pending() or self.waiting > 0 or not self._failures.empty()
+
+    # --- channel thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._poller.register(self._wakeup.read_fd, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                ready = self._poll(self._poller, self._next_deadline())
+                events = self._drain_events()
+                for event in events:
+                    self._on_engine_event(event)
+                for address, peer in list(self._peers.items()):
+                    if peer.socket in ready:
+                        self._read_peer(address, peer)
+                self._check_time(time.monotonic())
+                self.waiting = len(self._pending)
+                self._mark_handled(len(events))
+        finally:
+            for peer in self._peers.values():
+                peer.socket.close()
+
+    def _on_engine_event(self, event: DecodeEvent) -> None:
+        now = time.monotonic()
+        match event:
+            case RegisterPush(address, registration):
+                peer = self._peer(address, now)
+                tid = registration.transfer_id
+                self._pending[tid] = _Pending(registration, address, now + self.ack_timeout)
+                peer.transfers.add(tid)
+                self._send(peer, registration)
+            case AbortPush(tid, address):
+                pending = self._pending.get(tid)
+                if pending is None and address is not None:
+                    self._send(self._peer(address, now), Abort(transfer_id=tid))
+                    return
+                if pending is None or pending.aborting:
+                    return
+                # P answers once nothing more will be written (a WRITE in flight finishes
+                # first). Until then D keeps its blocks: freeing them under a running
+                # WRITE would corrupt another request's KV. A dead P is caught by
+                # peer_timeout; the deadline stays the registration's (or the Ack's, if
+                # none came).
+                pending.aborting = True
+                self._send(self._peers[pending.peer], Abort(transfer_id=tid))
+            case ForgetPush(tid):
+                self._drop(tid)
+
+    def _peer(self, address: str, now: float) -> _Peer:
+        peer = self._peers.get(address)
+        if peer is None:
+            sock = self._context.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, self.engine_id.encode())
+            if self._curve is not None:
+                sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.pair.secret)
+                sock.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.pair.public)
+                sock.setsockopt(zmq.CURVE_SERVERKEY, self._curve.server_public)
+            sock.connect(address)
+            self._poller.register(sock, zmq.POLLIN)
+            peer = _Peer(sock, last_heard=now)
+            self._peers[address] = peer
+        elif not peer.transfers:
+            peer.last_heard = now  # idle until now: its silence so far means nothing
+        return peer
+
+    def _read_peer(self, address: str, peer: _Peer) -> None:
+        while True:
+            try:
+                payload = peer.socket.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            peer.last_heard = time.monotonic()
+            try:
+                message = decode(payload)
+            except ProtocolError as exc:
+                logger.warning("push side channel: refused a message from %s: %s", address, exc)
+                continue
+            self._on_message(message)
+
+    def _on_message(self, message: Message) -> None:
+        if not isinstance(message, (Ack, Nack, PushFailed, PushDone)):
+            return  # a Pong (liveness only: heard), or nothing P sends
+        pending = self._pending.get(message.transfer_id)
+        if pending is None:
+            return  # already over here (done, failed or timed out)
+        if isinstance(message, Ack):
+            # From now on P is known to hold the registration: wait for its answer (the
+            # WRITE, or the reply to an abort) up to the registration's own deadline; a
+            # dead P is caught sooner by its silence (peer_timeout).
+            pending.acked = True
+            pending.deadline = time.monotonic() + min(
+                self.registration_ttl, pending.registration.ttl_s)
+        elif isinstance(message, Nack):
+            self._fail(pending, f"P refused the registration: {message.reason.value}: "
+                                f"{message.message}")
+        elif isinstance(message, PushFailed):
+            self._fail(pending, f"P will not write: {message.reason.value}"
+                                f"{': ' + message.message if message.message else ''}",
+                       pull=None if pending.aborting else message.pull)
+        elif isinstance(message, PushDone) and not pending.aborting:
+            pass  # D's workers learn it from the WRITE's notification, then `forget`
+
+    def _check_time(self, now: float) -> None:
+        for pending in [p for p in self._pending.values() if now >= p.deadline]:
+            if pending.aborting:
+                why = "P did not answer the abort in time"
+            elif not pending.acked:
+                why = f"P did not acknowledge the registration within {self.ack_timeout:g} s"
+            else:
+                why = "the push did not arrive before the registration's deadline"
+            self._fail(pending, why)
+        for address, peer in self._peers.items():
+            if not peer.transfers:
+                continue
+            if now - peer.last_heard >= self.peer_timeout:
+                for tid in list(peer.transfers):
+                    self._fail(self._pending[tid],
+                               f"P at {address} silent for {now - peer.last_heard:.1f} s")
+            elif now - peer.last_ping >= self.ping_interval:
+                peer.last_ping = now
+                self._send(peer, Ping())
+
+    def _next_deadline(self) -> float | None:
+        deadlines = [p.deadline for p in self._pending.values()]
+        deadlines.extend(peer.last_ping + self.ping_interval
+                         for peer in self._peers.values() if peer.transfers)
+        return min(deadlines, default=None)
+
+    def _fail(self, pending: _Pending, why: str, pull: PullOffer | None = None) -> None:
+        reg = pending.registration
+        self._failures.put(PushFailure(reg.request_id, reg.transfer_id, why, pull))
+        self._drop(reg.transfer_id)
+        log = logger.info if pending.aborting else logger.warning
+        log("push %s for request %s %s: %s%s", reg.transfer_id, reg.request_id,
+            "released" if pending.aborting else "failed", why,
+            "; P offers its blocks to read instead" if pull is not None else "")
+
+    def _drop(self, tid: TransferId) -> None:
+        pending = self._pending.pop(tid, None)
+        if pending is not None:
+            self._peers[pending.peer].transfers.discard(tid)
+
+    def _send(self, peer: _Peer, message: Message) -> None:
+        try:
+            peer.socket.send(encode(message), zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.warning("push side channel: could not send %s: %s",
+                           type(message).__name__, exc)

@@ -1,0 +1,519 @@
+"""P's side of the push side channel: a ROUTER socket on P's push port, and the thread
+that owns P's `PushRegistry`.
+
+D's registrations, aborts and pings (and the router's abandons) arrive on the socket;
+P's engine reports finished prefills and WRITE results through `PrefillChannel`'s
+methods, each a typed event (`PrefillFinished`, `PrefillCompleting`, `PrefillAborted`,
+`WriteEnded`) on the thread's queue (see `connector.channel_thread`), never a lock.
+What the engine must do next, start a WRITE or free a prefill's blocks, comes back from
+`take_actions` (`StartWrite`, `FreeBlocks`), which the engine calls every step; an early
+WRITE goes straight to P's worker instead (`connector.early`).
+
+With CURVE keys (`connector.keys`), the ROUTER is a CURVE server that admits only the
+peers whose public keys it holds (ZMQ's ZAP handshake, answered by pyzmq's authenticator
+thread); a refused handshake is counted (`refused_handshakes`) and nothing of that peer
+reaches the registry. Each message's sender (`PeerId`) is its CURVE public key, else its
+routing identity: the registry lets only a transfer's registrant abort it. Without keys,
+anyone who reaches the push port is trusted, and P logs so once at start.
+
+The ROUTER socket is used only by the channel's thread (and closed by `stop` if that
+thread never ran).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils.monitor import recv_monitor_message
+
+from connector.channel_thread import ChannelThread, drain
+from connector.early import EarlyOutbox
+from connector.keys import ServerKeys
+from connector.messages import (
+    Abandon,
+    Abort,
+    Ack,
+    FailReason,
+    Message,
+    Nack,
+    NackReason,
+    Ping,
+    Pong,
+    ProtocolError,
+    PullOffer,
+    PushDone,
+    PushFailed,
+    RegisterBlocks,
+    TransferId,
+    decode,
+    encode,
+)
+from connector.registry import (
+    BlockIds,
+    Ignored,
+    Outcome,
+    PeerId,
+    PushRegistry,
+    Ready,
+    Rejected,
+    Release,
+    RequestId,
+    TransferState,
+    Waiting,
+)
+
+logger = logging.getLogger("vllm.pd_connector.channel")
+
+# A refused peer retries its handshake every 100 ms: log the first refusal, then at most
+# this often (the count is in `push stats:`).
+_REFUSAL_LOG_INTERVAL_S = 60.0
+# Handshake failures: a peer without a key (mechanism mismatch), with an unknown key
+# (the authenticator said no), or speaking garbage.
+_HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+# A registration's frame, beyond its block ids (ids, host names and request ids included):
+# frames longer than this plus 10 bytes per P block end their connection unread.
+_FRAME_ALLOWANCE = 1 << 20
+
+
+# --- what P's engine is told to do --------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class StartWrite:
+    """P's engine: WRITE `block_ids` (P's, held by P's `request_id`) into D's blocks."""
+
+    transfer_id: TransferId
+    request_id: RequestId
+    block_ids: BlockIds
+    registration: RegisterBlocks
+    # Matched while engine step `early_step`, the one whose forward pass completes the
+    # prompt, was built or ran: WRITE right after that forward pass, not before it.
+    # None: matched after the prefill.
+    early_step: int | None = None
+    fail_on_purpose: bool = False  # fault injection (`fail_write`): fail, do not WRITE
+
+
+@dataclass(frozen=True, slots=True)
+class FreeBlocks:
+    """P's engine: free the blocks P's `request_id` holds; no WRITE will read them."""
+
+    transfer_id: TransferId
+    request_id: RequestId
+    why: str
+
+
+PrefillAction = StartWrite | FreeBlocks
+
+
+# --- the engine's events for P's channel thread ----------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillFinished:
+    """P's push prefill finished: its blocks are the registry's now."""
+
+    transfer_id: TransferId
+    request_id: RequestId
+    block_ids: BlockIds
+    fail_on_purpose: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCompleting:
+    """Engine step `step`, being built, completes this push's prompt."""
+
+    transfer_id: TransferId
+    request_id: RequestId
+    block_ids: BlockIds
+    step: int
+    fail_on_purpose: bool
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillAborted:
+    """P's push request ended before its prefill finished."""
+
+    transfer_id: TransferId
+
+
+@dataclass(frozen=True, slots=True)
+class WriteEnded:
+    """The WRITE is over on every rank: `error` None when it succeeded; `pull_ttl`, when
+    it failed and P's workers keep the blocks that long for D to READ."""
+
+    transfer_id: TransferId
+    error: str | None
+    pull_ttl: float | None
+
+
+PrefillEvent = PrefillFinished | PrefillCompleting | PrefillAborted | WriteEnded
+
+
+class _AllowedKeys:
+    """The authenticator's question, on its own thread: may this CURVE public key (Z85)
+    connect? Frozen set lookups only, so no lock is needed."""
+
+    def __init__(self, allowed: frozenset[bytes]) -> None:
+        self._allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self._allowed
+
+
+class PrefillChannel(ChannelThread[PrefillEvent]):
+    """P's side channel: the ROUTER socket, the registry, and the engine's two queues."""
+
+    name = "pd-push-prefill"
+
+    def __init__(self, registry: PushRegistry, bind_host: str, port: int, *,
+                 early_to: tuple[str, int] | None = None,
+                 curve: ServerKeys | None = None) -> None:
+        """`early_to`: the engine id and data-parallel index of P's one worker, to send
+        early WRITEs to (None: no early WRITEs). `curve`: admit only peers with these
+        keys (None: anyone, with a warning)."""
+        super().__init__()
+        self.registry = registry
+        self._early: EarlyOutbox | None = None
+        self._auth: ThreadAuthenticator | None = None
+        self._monitor: zmq.Socket[Any] | None = None
+        self.authenticated = curve is not None
+        self.address = f"tcp://{bind_host}:{port}"
+        self._actions: queue.SimpleQueue[PrefillAction] = queue.SimpleQueue()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        # A reply to a D whose connection is gone fails instead of vanishing: P then
+        # knows that blocks it kept for that D's READ can go at once.
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if registry.config.num_blocks is not None:
+            self._socket.setsockopt(
+                zmq.MAXMSGSIZE, _FRAME_ALLOWANCE + 10 * registry.config.num_blocks)
+        if curve is not None:
+            # The authenticator answers ZMQ's handshake requests (ZAP) on its own thread,
+            # in this channel's context; it must run before the first peer connects.
+            self._auth = ThreadAuthenticator(self._context, log=logger)
+            self._auth.start()
+            self._auth.configure_curve_callback("*", _AllowedKeys(curve.allowed))
+            self._socket.setsockopt(zmq.CURVE_SERVER, 1)
+            self._socket.setsockopt(zmq.CURVE_SECRETKEY, curve.pair.secret)
+            self._socket.setsockopt(zmq.CURVE_PUBLICKEY, curve.pair.public)
+            self._monitor = self._socket.get_monitor_socket(_HANDSHAKE_FAILED)
+        try:
+            self._socket.bind(self.address)
+        except zmq.ZMQError as exc:
+            self.stop()
+            raise OSError(
+                f"cannot listen for push registrations on {self.address}: {exc}; choose "
+                "another kv_connector_extra_config.push_port"
+            ) from exc
+        if curve is None:
+            logger.warning(
+                "push side channel on %s is not authenticated: any process that reaches "
+                "this port can register transfers (have P write KV to an agent of its "
+                "choosing) and abort them; set curve_secret_key_file, curve_allowed_keys "
+                "and curve_server_key_file in kv_connector_extra_config", self.address)
+        if early_to is not None:
+            try:
+                self._early = EarlyOutbox(self._context, *early_to, port)
+            except (OSError, zmq.ZMQError) as exc:
+                logger.warning("no socket for early WRITEs (%s): pushes are written at the "
+                               "step after their prompt's", exc)
+        # Prefills whose last step runs now: that step's number, for an early WRITE.
+        self._completing: dict[TransferId, int] = {}
+        # Transfers whose WRITE is to fail on purpose (fault injection), until it starts.
+        self._fail_on_purpose: set[TransferId] = set()
+        # Written by the channel thread, read by the engine thread (has_pending_work, the
+        # stats log).
+        self.live_transfers = 0
+        self.counters = registry.counters()
+        self.refused_handshakes = 0  # peers refused by CURVE (no key, or an unknown one)
+        self.unidentified = 0  # messages dropped: authenticated, yet no key on them
+        self._refusal_logged_at: float | None = None
+
+    # --- engine thread -----------------------------------------------------------------
+
+    def prefill_finished(self, transfer_id: TransferId, request_id: RequestId,
+                         block_ids: BlockIds, *, fail_on_purpose: bool = False) -> None:
+        self._post(PrefillFinished(transfer_id, request_id, block_ids, fail_on_purpose))
+
+    def prefill_completing(self, transfer_id: TransferId, request_id: RequestId,
+                           block_ids: BlockIds, step: int, *,
+                           fail_on_purpose: bool = False) -> None:
+        """Engine step `step`, being built, completes this push's prompt. If D has
+        registered, or registers before the prefill is finished, its StartWrite
+        (`early_step`) goes straight to P's worker, which WRITEs right after the step's
+        forward pass."""
+        self._post(PrefillCompleting(transfer_id, request_id, block_ids, step,
+                                     fail_on_purpose))
+
+    def prefill_aborted(self, transfer_id: TransferId) -> None:
+        self._post(PrefillAborted(transfer_id))
+
+    def write_ended(self, transfer_id: TransferId, error: str | None, *,
+                    pull_ttl: float | None = None) -> None:
+        """The WRITE is over on every rank. `pull_ttl`: it failed, and P's workers keep
+        the blocks that long for D to READ instead (offered to D, or freed at once when
+        D no longer wants them)."""
+        self._post(WriteEnded(transfer_id, error, pull_ttl))
+
+    def _close_sockets(self) -> None:
+        self._close_owned()  # each a no-op when the thread already closed it
+        if self._auth is not None:
+            self._auth.stop()  # its socket too must be closed before the context ends
+            self._auth = None
+
+    def _close_owned(self) -> None:
+        if self._monitor is not None and not self._monitor.closed:
+            if not self._socket.closed:
+                self._socket.disable_monitor()
+            self._monitor.close()
+        self._socket.close()
+        if self._early is not None:
+            self._early.close()
+
+    def take_actions(self) -> list[PrefillAction]:
+        return drain(self._actions)
+
+    def has_pending_work(self) -> bool:
+        """True while a transfer is alive or an event is unhandled: P's engine must keep
+        stepping, or it would sleep through the action that ends the transfer."""
+        return self._events_pending() or self.live_transfers > 0 or not self._actions.empty()
+
+    # --- channel thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wakeup.read_fd, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                ready = self._poll(poller, self.registry.next_deadline())
+                if self._monitor is not None and self._monitor in ready:
+                    self._read_monitor(self._monitor)
+                if self._socket in ready:
+                    self._read_socket()
+                events = self._drain_events()
+                for event in events:
+                    self._on_engine_event(event)
+                for release in self.registry.expire(time.monotonic()):
+                    self._released(release)
+                self.live_transfers = len(self.registry)
+                self.counters = self.registry.counters()  # a copy, for the stats log
+                self._mark_handled(len(events))  # after live_transfers: see has_pending_work
+        finally:
+            self._close_owned()
+
+    def _read_monitor(self, monitor: zmq.Socket[Any]) -> None:
+        """Count the peers CURVE refused (their messages never reach us), and say so in
+        the log: at once the first time, then at most every _REFUSAL_LOG_INTERVAL_S."""
+        while monitor.poll(0):
+            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            if not event["event"] & _HANDSHAKE_FAILED:
+                continue
+            self.refused_handshakes += 1
+            now = time.monotonic()
+            last = self._refusal_logged_at
+            if last is None or now - last >= _REFUSAL_LOG_INTERVAL_S:
+                self._refusal_logged_at = now
+                logger.warning("push side channel: refused a peer without an allowed CURVE "
+                               "key (%d refusals so far)", self.refused_handshakes)
+
+    def _read_socket(self) -> None:
+        while True:
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                continue  # not [identity, payload]: not one of ours
+            identity, payload = frames[0].bytes, frames[1]
+            peer = self._peer_of(identity, payload)
+            if peer is None:
+                continue
+            try:
+                message = decode(payload.bytes)
+            except ProtocolError as exc:
+                logger.warning("push side channel: refused a message from %r: %s",
+                               identity, exc)
+                continue
+            self._on_message(identity, message, peer)
+
+    def _peer_of(self, identity: bytes, payload: zmq.Frame) -> PeerId | None:
+        """Who sent `payload`: its CURVE public key (Z85, as the authenticator named the
+        user), else its routing identity. None: authenticated, but no key on it (drop)."""
+        if not self.authenticated:
+            return identity
+        try:
+            user = payload.get("User-Id")
+        except zmq.ZMQError:
+            user = None
+        if not isinstance(user, str) or not user:
+            self.unidentified += 1
+            return None
+        return user.encode()
+
+    def _on_message(self, identity: bytes, message: Message, peer: PeerId) -> None:
+        now = time.monotonic()
+        if isinstance(message, Ping):
+            self._send(identity, Pong())
+        elif isinstance(message, RegisterBlocks):
+            self._on_outcome(self.registry.register(message, now=now, peer=peer),
+                             registration=message)
+        elif isinstance(message, Abort):
+            tid = message.transfer_id
+            outcome = self.registry.abort(tid, now=now, peer=peer)
+            if isinstance(outcome, Ignored):
+                logger.debug("push %s: abort ignored: %s", tid, outcome.why)
+                return
+            if outcome is not None:
+                self._released(outcome)
+            elif self.registry.state_of(tid) is None:
+                # Nothing here (yet) for this transfer: nothing will be written into D's
+                # blocks, so D may free them now.
+                self._send(identity, PushFailed(transfer_id=tid, reason=FailReason.ABORTED))
+            logger.info("push %s: D aborted", tid)
+        elif isinstance(message, Abandon):
+            tid = message.transfer_id
+            outcome = self.registry.abandon(tid, now=now)
+            if isinstance(outcome, Ignored):
+                logger.debug("push %s: abandon ignored: %s", tid, outcome.why)
+                return
+            if outcome is not None:
+                self._released(outcome)
+            logger.info("push %s: abandoned by the router (its D leg failed)", tid)
+        else:
+            logger.warning("push side channel: unexpected %s from %r",
+                           type(message).__name__, identity)
+
+    def _on_engine_event(self, event: PrefillEvent) -> None:
+        now = time.monotonic()
+        match event:
+            case PrefillFinished(tid, request_id, block_ids, fail_on_purpose):
+                self._completing.pop(tid, None)
+                if fail_on_purpose:
+                    self._fail_on_purpose.add(tid)
+                outcome = self.registry.prefill_finished(
+                    tid, block_ids, request_id=request_id, now=now)
+                self._on_outcome(outcome, registration=None)
+            case PrefillCompleting(tid, request_id, block_ids, step, fail_on_purpose):
+                self._completing[tid] = step  # until the prefill is finished
+                if fail_on_purpose:
+                    self._fail_on_purpose.add(tid)
+                ready = self.registry.prefill_completing(tid, block_ids, request_id=request_id)
+                if ready is not None:
+                    self._on_outcome(ready, registration=None)
+            case PrefillAborted(tid):
+                self._completing.pop(tid, None)
+                self._fail_on_purpose.discard(tid)
+                release = self.registry.prefill_aborted(tid, now=now)
+                if release is not None:
+                    self._released(release)
+            case WriteEnded(tid, error, pull_ttl):
+                self._write_ended(tid, error, pull_ttl)
+
+    def _write_ended(self, tid: TransferId, error: str | None, pull_ttl: float | None) -> None:
+        if self.registry.state_of(tid) is not TransferState.WRITING:
+            return  # gone already (cannot happen: a WRITING transfer has no deadline)
+        if error is None:
+            self._released(self.registry.write_done(tid), freed_by_engine=True)
+            return
+        release = self.registry.write_failed(tid, FailReason.WRITE_ERROR)
+        if release is None:
+            return
+        offer = None
+        if pull_ttl is not None and release.state is TransferState.FAILED \
+                and release.request_id is not None and release.block_ids is not None:
+            offer = PullOffer(request_id=release.request_id, block_ids=release.block_ids,
+                              ttl_s=pull_ttl)
+        # Blocks kept for a READ that D will not do (it aborted) are freed at once.
+        self._released(release, freed_by_engine=pull_ttl is None or offer is not None,
+                       message=error, pull=offer)
+
+    def _on_outcome(self, outcome: Outcome, registration: RegisterBlocks | None) -> None:
+        """Act on what the registry said about a registration or a finished prefill."""
+        if registration is not None and isinstance(outcome, (Waiting, Ready)):
+            config = self.registry.config
+            self._send(registration.engine_id.encode(), Ack(
+                transfer_id=registration.transfer_id, engine_id=config.engine_id,
+                block_size=config.block_size, tp_size=config.tp_size))
+        if isinstance(outcome, Ready):
+            self.registry.write_started(outcome.transfer_id)
+            tid = outcome.transfer_id
+            write = StartWrite(tid, outcome.request_id, outcome.block_ids, outcome.registration,
+                               fail_on_purpose=tid in self._fail_on_purpose)
+            self._fail_on_purpose.discard(tid)
+            if outcome.early:
+                self._start_early(write)
+            else:
+                self._actions.put(write)
+            logger.debug("push %s: matched, WRITE requested%s", outcome.transfer_id,
+                         " right after the prompt's last forward pass" if outcome.early else "")
+        elif isinstance(outcome, Rejected):
+            # A peer over its limit may be flooding: the stats line counts those.
+            level = logging.DEBUG if outcome.reason is NackReason.OVER_LIMIT \
+                else logging.WARNING
+            logger.log(level, "push %s refused: %s", outcome.transfer_id, outcome.message)
+            if registration is not None:
+                self._send(registration.engine_id.encode(), Nack(
+                    transfer_id=outcome.transfer_id, reason=outcome.reason,
+                    message=outcome.message))
+            if outcome.request_id is not None:
+                self._actions.put(FreeBlocks(outcome.transfer_id, outcome.request_id,
+                                             outcome.reason.value))
+            if self.registry.state_of(outcome.transfer_id) is None:
+                self._fail_on_purpose.discard(outcome.transfer_id)
+        elif isinstance(outcome, Release):
+            self._released(outcome)
+
+    def _start_early(self, write: StartWrite) -> None:
+        """Send P's worker a WRITE to start right after the forward pass of the step that
+        completes the prompt. Should that fail, the engine starts it with a later step,
+        once that forward pass is done (`early_step` says which)."""
+        write = dataclasses.replace(write, early_step=self._completing.pop(write.transfer_id))
+        if self._early is None or not self._early.send(write):
+            logger.warning("push %s: could not hand the WRITE to P's worker at once; it "
+                           "starts with the next step", write.transfer_id)
+            self._actions.put(write)
+
+    def _released(self, release: Release, *, freed_by_engine: bool = False,
+                  message: str = "", pull: PullOffer | None = None) -> None:
+        """A transfer ended: free P's blocks (unless the engine's WRITE path did, or
+        keeps them for D's READ: `pull`) and tell D, if D registered."""
+        self._fail_on_purpose.discard(release.transfer_id)
+        if release.request_id is not None and release.block_ids is not None \
+                and not freed_by_engine:
+            self._actions.put(FreeBlocks(release.transfer_id, release.request_id,
+                                         release.state.value))
+        if release.notify is not None:
+            to = release.notify.engine_id.encode()
+            if release.state is TransferState.DONE:
+                self._send(to, PushDone(transfer_id=release.transfer_id))
+            else:
+                reason = release.reason or FailReason.WRITE_ERROR
+                delivered = self._send(to, PushFailed(
+                    transfer_id=release.transfer_id, reason=reason, message=message, pull=pull))
+                if pull is not None and not delivered:  # D is gone: nobody will READ
+                    self._actions.put(FreeBlocks(release.transfer_id, pull.request_id,
+                                                 "decode_gone"))
+        level = logging.DEBUG if release.state is TransferState.DONE else logging.INFO
+        logger.log(level, "push %s ended: %s%s", release.transfer_id, release.state.value,
+                   f" ({release.reason.value})" if release.reason else "")
+
+    def _send(self, identity: bytes, message: Message) -> bool:
+        """Send to D `identity`; False when it could not go (D not connected)."""
+        try:
+            self._socket.send_multipart([identity, encode(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.warning("push side channel: could not send %s to %r: %s",
+                           type(message).__name__, identity, exc)
+            return False
+        return True

@@ -1,0 +1,123 @@
+"""The contract between the router and vLLM's servers on the HTTP legs: the
+`kv_transfer_params` object of each leg and each answer, and the header names.
+
+One module for both sides, free of vLLM (and of ZMQ), so the router imports it as
+cheaply as the connector does: every key is named here once, and nowhere else in
+`proxy/` or `connector/`. Each side decodes the object it receives once, at its edge,
+into a typed `KVTransferParams` (`decode_params`), and builds what it sends with the key
+names below.
+
+Who sends what (vLLM 0.32's NIXL keys, plus ours):
+
+- P leg, both modes: `do_remote_decode` true, nulls for `remote_*`; in push, also
+  `transfer_id` and `transfer_mode` "push"; a probe adds `probe` true; a test may add
+  `fail_write` true (honoured only with the connector's `fault_injection`).
+- P's answer: `do_remote_prefill` true, `remote_engine_id`, `remote_block_ids`,
+  `remote_host`, `remote_port`, `tp_size`, ...; from our connector also
+  `transfer_modes`, `push_host`, `push_port`, and `transfer_mode` "push" for a push.
+- D leg, pull: P's answer, unchanged.
+- D leg, push: P's coordinates (`remote_engine_id`, `remote_host`, `remote_port`,
+  `tp_size`, `push_host`, `push_port`), `transfer_id`, `transfer_mode` "push",
+  `remote_request_id` (P's request id), `do_remote_prefill` true, no block ids.
+
+Decoding is lenient by design: the object also carries keys of vLLM's that we do not
+read (kept, never checked), and a key of ours whose value has the wrong type counts as
+absent, so a malformed optional key (a P's `push_port` given as a string) costs only
+what it names, not the whole answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import msgspec
+
+# The request body's key that holds them.
+KV_TRANSFER_PARAMS: Final = "kv_transfer_params"
+
+# vLLM's NIXL keys.
+DO_REMOTE_DECODE: Final = "do_remote_decode"
+DO_REMOTE_PREFILL: Final = "do_remote_prefill"
+REMOTE_ENGINE_ID: Final = "remote_engine_id"
+REMOTE_BLOCK_IDS: Final = "remote_block_ids"
+REMOTE_HOST: Final = "remote_host"
+REMOTE_PORT: Final = "remote_port"
+REMOTE_REQUEST_ID: Final = "remote_request_id"
+TP_SIZE: Final = "tp_size"
+# Ours (the router's and our connector's).
+TRANSFER_ID: Final = "transfer_id"
+TRANSFER_MODE: Final = "transfer_mode"
+TRANSFER_MODES: Final = "transfer_modes"
+PUSH_HOST: Final = "push_host"
+PUSH_PORT: Final = "push_port"
+PROBE: Final = "probe"
+FAIL_WRITE: Final = "fail_write"
+
+# The values of `transfer_mode` and the members of `transfer_modes`.
+PULL: Final = "pull"
+PUSH: Final = "push"
+TRANSFER_MODE_VALUES: Final = (PULL, PUSH)
+
+# Headers. vLLM names a leg's request after REQUEST_ID_HEADER (with a prefix per route);
+# the router reads a client's choice of mode from TRANSFER_MODE_HEADER and answers with
+# the mode used in it.
+REQUEST_ID_HEADER: Final = "X-Request-Id"
+TRANSFER_MODE_HEADER: Final = "X-KV-Transfer-Mode"
+
+
+class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
+    """A leg's or an answer's kv_transfer_params, as far as the router or the connector
+    reads them. A key that is absent, null or of the wrong type has its default."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: list[Any] | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    remote_request_id: str | None = None
+    tp_size: int | None = None
+    transfer_id: str | None = None
+    transfer_mode: str | None = None
+    transfer_modes: list[str] | None = None
+    push_host: str | None = None
+    push_port: int | None = None
+    probe: bool = False
+    fail_write: bool = False
+
+    @property
+    def is_push(self) -> bool:
+        return self.transfer_mode == PUSH
+
+
+_FIELDS = tuple((f.encode_name, f.name, f.type) for f in msgspec.structs.fields(KVTransferParams))
+
+
+def decode_params(raw: object) -> KVTransferParams | None:
+    """`raw`, a kv_transfer_params object, decoded; None when it is not an object (absent,
+    null, or something else). Never raises: a key of the wrong type counts as absent."""
+    if not isinstance(raw, dict):
+        return None
+    try:
+        return msgspec.convert(raw, KVTransferParams)  # the usual case: one pass, ~1 us
+    except msgspec.ValidationError:
+        pass
+    values: dict[str, Any] = {}  # a value of the wrong type: take the keys one by one
+    for key, name, kind in _FIELDS:
+        value = raw.get(key)
+        if value is None:
+            continue
+        try:
+            values[name] = msgspec.convert(value, kind)
+        except msgspec.ValidationError:
+            continue
+    return KVTransferParams(**values)
+
+
+def push_channel_address(params: KVTransferParams) -> str | None:
+    """The tcp:// address of the P push side channel that `params` name (`push_host`, else
+    `remote_host`, and `push_port`); None when they name none."""
+    host, port = params.push_host or params.remote_host, params.push_port
+    if host is None or port is None or not 0 < port < 65536:
+        return None
+    return f"tcp://{host}:{port}"
