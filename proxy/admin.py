@@ -11,12 +11,18 @@ Every call needs `Authorization: Bearer <admin_token>`; without a configured tok
 routes do not exist. A refused call is logged (method, path, client address) and counted
 in `pdproxy_admin_auth_failures_total`. With `admin_listen`, these routes are served on
 that address only, never on the public listener. Answers are JSON; errors are OpenAI-shaped like the rest.
+
+With `--workers N`, each call is applied by the worker that took it (`apply`) and then by
+every other worker (`proxy.control`): a change answers once all have applied it, with
+"workers" listing them, or 502 naming those that failed; a GET answers this worker's view
+plus every worker's under "workers".
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -25,12 +31,102 @@ from fastapi.responses import JSONResponse
 
 from proxy.config import EndpointConfig
 from proxy.endpoints import ClusterName
-from proxy.errors import InvalidRequest, Unauthorized
+from proxy.errors import InvalidRequest, NotFound, Unauthorized
 
 if TYPE_CHECKING:
+    from proxy.control import WorkerGroup
     from proxy.router import Router
 
 logger = logging.getLogger("pdproxy.admin")
+
+
+class AdminCall(msgspec.Struct, frozen=True, kw_only=True):
+    """One admin API call, as it is applied (and forwarded to the other workers)."""
+
+    method: str
+    path: str
+    query: dict[str, str] = {}
+    body: bytes = b""
+
+
+# What an operation answers: an HTTP status and a JSON object.
+Answer = tuple[int, dict[str, Any]]
+
+
+def apply(router: Router, call: AdminCall) -> Answer:
+    """Apply `call` to this process's router (already authorized)."""
+    operation = _OPERATIONS.get((call.method, call.path))
+    if operation is None:
+        raise NotFound(f"no route {call.method} {call.path}")
+    return operation(router, call)
+
+
+def _body_of(call: AdminCall) -> dict[str, Any]:
+    try:
+        body = msgspec.json.decode(call.body)
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(f"body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("body must be a JSON object")
+    return body
+
+
+def _cluster_of(value: object) -> ClusterName:
+    try:
+        return ClusterName(value)
+    except ValueError:
+        raise InvalidRequest("cluster must be 'prefill' or 'decode'", param="cluster") from None
+
+
+def _listing(router: Router, call: AdminCall) -> Answer:
+    return 200, {"endpoints": router.membership.describe()}
+
+
+def _add(router: Router, call: AdminCall) -> Answer:
+    body = _body_of(call)
+    cluster = _cluster_of(body.pop("cluster", None))
+    try:
+        config = msgspec.convert(body, EndpointConfig)
+    except (msgspec.ValidationError, ValueError) as exc:
+        raise InvalidRequest(f"bad endpoint: {exc}") from None
+    endpoint = router.membership.add(cluster, config)
+    return 201, {"added": endpoint.url, "cluster": cluster.value}
+
+
+def _remove(router: Router, call: AdminCall) -> Answer:
+    cluster = _cluster_of(call.query.get("cluster"))
+    endpoint = router.membership.remove(cluster, call.query.get("url", ""))
+    return 200, {"removed": endpoint.url, "in_flight": endpoint.in_flight}
+
+
+def _drain(router: Router, call: AdminCall) -> Answer:
+    body = _body_of(call)
+    draining = body.get("draining", True)
+    if not isinstance(draining, bool):
+        raise InvalidRequest("draining must be true or false", param="draining")
+    endpoint = router.membership.drain(_cluster_of(body.get("cluster")), str(body.get("url", "")),
+                                       draining)
+    return 200, {"url": endpoint.url, "draining": endpoint.draining,
+                 "in_flight": endpoint.in_flight}
+
+
+def _auto(router: Router, call: AdminCall) -> Answer:
+    learner = router.learner
+    budget = learner.local_budget if learner else None
+    return 200, {"learning": learner is not None,
+                 "buckets": learner.snapshot() if learner else [],
+                 # auto.local: each D's inter-token latency, which local's budget weighs
+                 "local_budget": None if budget is None else {
+                     "ratio": budget.ratio, "decode": budget.snapshot()}}
+
+
+_OPERATIONS: dict[tuple[str, str], Callable[[Router, AdminCall], Answer]] = {
+    ("GET", "/admin/endpoints"): _listing,
+    ("GET", "/admin/auto"): _auto,
+    ("POST", "/admin/endpoints"): _add,
+    ("DELETE", "/admin/endpoints"): _remove,
+    ("POST", "/admin/endpoints/drain"): _drain,
+}
 
 
 def install(app: FastAPI, token: str) -> None:
@@ -45,61 +141,15 @@ def install(app: FastAPI, token: str) -> None:
             raise Unauthorized("the admin API needs Authorization: Bearer <admin_token>")
         return router
 
-    async def body_of(request: Request) -> dict[str, Any]:
-        try:
-            body = msgspec.json.decode(await request.body())
-        except msgspec.DecodeError as exc:
-            raise InvalidRequest(f"body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise InvalidRequest("body must be a JSON object")
-        return body
-
-    def cluster_of(value: object) -> ClusterName:
-        try:
-            return ClusterName(value)
-        except ValueError:
-            raise InvalidRequest("cluster must be 'prefill' or 'decode'", param="cluster") from None
-
-    async def listing(request: Request) -> Response:
+    async def handle(request: Request) -> Response:
         router = authorized(request)
-        return JSONResponse({"endpoints": router.membership.describe()})
+        call = AdminCall(method=request.method, path=request.url.path,
+                         query=dict(request.query_params), body=await request.body())
+        status, answer = apply(router, call)
+        workers: WorkerGroup | None = getattr(request.app.state, "workers", None)
+        if workers is not None:
+            answer = await workers.spread(call, answer)
+        return JSONResponse(answer, status)
 
-    async def add(request: Request) -> Response:
-        router = authorized(request)
-        body = await body_of(request)
-        cluster = cluster_of(body.pop("cluster", None))
-        try:
-            config = msgspec.convert(body, EndpointConfig)
-        except (msgspec.ValidationError, ValueError) as exc:
-            raise InvalidRequest(f"bad endpoint: {exc}") from None
-        endpoint = router.membership.add(cluster, config)
-        return JSONResponse({"added": endpoint.url, "cluster": cluster.value}, 201)
-
-    async def remove(request: Request) -> Response:
-        router = authorized(request)
-        cluster = cluster_of(request.query_params.get("cluster"))
-        endpoint = router.membership.remove(cluster, request.query_params.get("url", ""))
-        return JSONResponse({"removed": endpoint.url, "in_flight": endpoint.in_flight})
-
-    async def drain(request: Request) -> Response:
-        router = authorized(request)
-        body = await body_of(request)
-        draining = body.get("draining", True)
-        if not isinstance(draining, bool):
-            raise InvalidRequest("draining must be true or false", param="draining")
-        endpoint = router.membership.drain(cluster_of(body.get("cluster")), str(body.get("url", "")),
-                                           draining)
-        return JSONResponse({"url": endpoint.url, "draining": endpoint.draining,
-                             "in_flight": endpoint.in_flight})
-
-    async def auto(request: Request) -> Response:
-        router = authorized(request)
-        learner = router.learner
-        return JSONResponse({"learning": learner is not None,
-                             "buckets": learner.snapshot() if learner else []})
-
-    app.router.add_route("/admin/endpoints", listing, methods=["GET"])
-    app.router.add_route("/admin/auto", auto, methods=["GET"])
-    app.router.add_route("/admin/endpoints", add, methods=["POST"])
-    app.router.add_route("/admin/endpoints", remove, methods=["DELETE"])
-    app.router.add_route("/admin/endpoints/drain", drain, methods=["POST"])
+    for method, path in _OPERATIONS:
+        app.router.add_route(path, handle, methods=[method])

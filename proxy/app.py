@@ -19,7 +19,7 @@ import hmac
 import logging
 import os
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -44,6 +44,9 @@ from proxy.errors import (
 from proxy.openapi import openapi_document
 from proxy.protocol import Route, body_too_large, parse_request
 from proxy.router import ConfigSource, Router
+
+if TYPE_CHECKING:
+    from proxy.control import WorkerGroup
 
 logger = logging.getLogger("pdproxy.app")
 
@@ -150,8 +153,13 @@ class RouterApp:
         await response(scope, receive, send)
 
 
-def create_app(config: RouterConfig, source: ConfigSource | None = None) -> RouterApp:
-    """The router's ASGI app; with `source`, the config file is watched (see membership)."""
+def create_app(
+    config: RouterConfig, source: ConfigSource | None = None, *,
+    workers: WorkerGroup | None = None,
+) -> RouterApp:
+    """The router's ASGI app; with `source`, the config file is watched (see membership).
+    With `workers` (one worker of `--workers N`), /metrics and the admin API cover every
+    worker (see proxy.control)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -162,7 +170,13 @@ def create_app(config: RouterConfig, source: ConfigSource | None = None) -> Rout
         router.metrics.watch_in_flight(lambda: router_app.in_flight)
         await router.start()
         try:
-            yield
+            if workers is not None:
+                await workers.start(router)
+            try:
+                yield
+            finally:
+                if workers is not None:
+                    await workers.aclose()
         finally:
             await router.aclose()
 
@@ -181,12 +195,18 @@ def create_app(config: RouterConfig, source: ConfigSource | None = None) -> Rout
     async def health(request: Request) -> Response:
         router: Router = request.app.state.router
         healthy = {c.name.value: sum(e.healthy for e in c.endpoints) for c in (router.prefill, router.decode)}
-        status = 200 if all(healthy.values()) else 503
+        # Serving needs a healthy D, and a healthy P unless requests can do without one
+        # (`mode: local`, or auto with `auto.local`: D computes the prompt).
+        needed = ["decode"] if router.serves_without_prefill else ["prefill", "decode"]
+        status = 200 if all(healthy[name] for name in needed) else 503
         return JSONResponse({"status": "ok" if status == 200 else "degraded", "healthy": healthy}, status)
 
     async def metrics(request: Request) -> Response:
         router: Router = request.app.state.router
-        return Response(router.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        text = router.metrics.render()
+        if workers is not None:  # every worker's, each sample labelled with its worker
+            text = await workers.metrics(text)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     app.router.add_route("/v1/models", models, methods=["GET"])
     app.router.add_route("/health", health, methods=["GET"])
@@ -197,6 +217,7 @@ def create_app(config: RouterConfig, source: ConfigSource | None = None) -> Rout
         # The admin API on its own listener (cli.serve runs it): the public one has no
         # /admin routes at all.
         admin_api = FastAPI(title="pd-proxy admin", docs_url=None, redoc_url=None)
+        admin_api.state.workers = workers
         admin.install(admin_api, admin_token)
         admin_document = openapi_document(admin=True)
         admin_api.openapi = lambda: admin_document  # type: ignore[method-assign]
@@ -206,6 +227,7 @@ def create_app(config: RouterConfig, source: ConfigSource | None = None) -> Rout
     document = openapi_document(admin=bool(admin_token) and admin_api is None)
     app.openapi = lambda: document  # type: ignore[method-assign]
     _install_error_handlers(app)
+    app.state.workers = workers
     router_app = RouterApp(app, config, admin_api)
     return router_app
 

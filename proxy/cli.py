@@ -10,10 +10,13 @@ import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proxy.config import Mode, Policy, RouterConfig, build_config, read_config_file
 from proxy.router import ConfigSource
+
+if TYPE_CHECKING:
+    from proxy.workers import Worker
 
 DESCRIPTION = """\
 An OpenAI-compatible router for vLLM prefill/decode disaggregation.
@@ -67,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default 5)")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"],
                        help="log level (default info)")
+    serve.add_argument("--workers", type=int, metavar="N",
+                       help="processes serving the one port, to use N cores (default 1). Each "
+                            "keeps its own health checks, ejections, retry budget and auto "
+                            "mode's learning; /metrics and the admin API cover them all "
+                            "(README: Workers)")
     policies = [p.value for p in Policy]
     serve.add_argument("--prefill-policy", choices=policies,
                        help="how a prefill server is picked (default least_outstanding; "
@@ -90,6 +98,7 @@ def load_config(args: argparse.Namespace) -> RouterConfig:
         "missing_kv_params": args.missing_kv_params,
         "health.interval": args.health_interval,
         "log_level": args.log_level,
+        "workers": args.workers,
         "balance.prefill": args.prefill_policy,
         "balance.decode": args.decode_policy,
     }
@@ -103,31 +112,56 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args)
     except (OSError, ValueError) as exc:
         parser.error(str(exc))
+    if config.workers > 1:
+        from proxy.workers import supervise
+
+        setup_logging(config)
+        return supervise(config, args)
     source = ConfigSource(args.config, lambda: load_config(args)) if args.config else None
     serve(config, source)
     return 0
 
 
+def setup_logging(config: RouterConfig, *, worker: int | None = None) -> None:
+    """Log lines to stderr; a worker's say which worker (`--workers N`)."""
+    where = "" if worker is None else f"worker {worker} "
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format=f"%(asctime)s %(levelname)s {where}%(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
 def serve(config: RouterConfig, source: ConfigSource | None = None) -> None:
     """Run the router (and its admin listener, with `admin_listen`) until SIGTERM/SIGINT."""
+    from uvicorn.config import STARTUP_FAILURE
+
+    setup_logging(config)
+    if not run(config, source):
+        sys.exit(STARTUP_FAILURE)
+
+
+def run(
+    config: RouterConfig,
+    source: ConfigSource | None = None,
+    *,
+    worker: Worker | None = None,
+) -> bool:
+    """Serve until SIGTERM/SIGINT; False when the start failed. Alone, it binds its own
+    addresses; as a worker of `--workers N` (`worker`), it serves the sockets the
+    supervisor bound and answers the other workers on its control socket."""
     import uvicorn
     from uvicorn._compat import asyncio_run
-    from uvicorn.config import STARTUP_FAILURE
 
     from proxy.app import create_app
     from proxy.listener import server_config
 
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
     logging.getLogger("pdproxy").info(
         "pd-proxy on http://%s:%d, mode %s, prefill %s, decode %s",
         config.host, config.port, config.mode.value,
         ", ".join(e.url for e in config.prefill), ", ".join(e.url for e in config.decode),
     )
-    app = create_app(config, source)
+    app = create_app(config, source, workers=worker.group if worker else None)
     # Fewer, later garbage collections: the request path makes many short-lived objects
     # and almost no cycles; with the default threshold (700) the collector ran every
     # few requests and showed in the p99.
@@ -135,7 +169,7 @@ def serve(config: RouterConfig, source: ConfigSource | None = None) -> None:
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
     # The listener cuts clients that stall or send their request too slowly (see there).
-    server = uvicorn.Server(server_config(app, config))
+    server = (worker.server_class if worker else uvicorn.Server)(server_config(app, config))
     class AdminServer(uvicorn.Server):
         """The admin listener: it leaves signals to the main server (two servers that
         both capture them would each see only their own), which stops it."""
@@ -150,14 +184,18 @@ def serve(config: RouterConfig, source: ConfigSource | None = None) -> None:
         admin = AdminServer(server_config(app.admin_api, config, host=host.strip("[]"),
                                             port=int(port), lifespan="off"))
         logging.getLogger("pdproxy").info("admin API on http://%s", config.admin_listen)
+    sockets = [worker.listener] if worker else None
+    admin_sockets = [worker.admin_listener] if worker and worker.admin_listener else None
 
-    async def run() -> None:
+    async def serve_all() -> None:
+        if worker is not None:
+            worker.watch_parent(server)
         if admin is None:
-            await server.serve()
+            await server.serve(sockets)
             return
-        admin_task = asyncio.create_task(admin.serve(), name="admin-listener")
+        admin_task = asyncio.create_task(admin.serve(admin_sockets), name="admin-listener")
         try:
-            await server.serve()  # until a signal, or a failed start
+            await server.serve(sockets)  # until a signal, or a failed start
         finally:
             admin.should_exit = True
             await admin_task
@@ -165,7 +203,6 @@ def serve(config: RouterConfig, source: ConfigSource | None = None) -> None:
             server.started = False  # the admin address could not be bound: a failed start
 
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn has already shut down
-        asyncio_run(run(), loop_factory=server.config.get_loop_factory())
-    if not server.started:
-        sys.exit(STARTUP_FAILURE)
+        asyncio_run(serve_all(), loop_factory=server.config.get_loop_factory())
+    return bool(server.started)
 

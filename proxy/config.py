@@ -8,8 +8,10 @@ every field.
 from __future__ import annotations
 
 import enum
+import importlib.util
 import itertools
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -293,9 +295,66 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         )
 
 
+# Where `pip install 'pd-proxy[kubernetes]'` puts the Kubernetes client discovery uses.
+KUBERNETES_CLIENT_MODULE = "kubernetes_asyncio"
+# A Kubernetes namespace is a DNS label (RFC 1123).
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+class KubernetesDiscoveryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """P and D servers found as pods by label selectors (see `proxy.discovery`): a pod
+    joins its cluster when it is Running and Ready with an IP, as http://{podIP}:{port}."""
+
+    namespace: str
+    prefill_selector: str  # a label selector, e.g. "app=vllm,pd-role=prefill"
+    decode_selector: str
+    port: int = 8000  # the pods' vLLM HTTP port
+    # A kubeconfig file; None: the pod's own service account (in-cluster).
+    kubeconfig: str | None = None
+    # The API server ends each watch after this many seconds (its timeoutSeconds); the
+    # router then lists the pods again.
+    watch_timeout: int = 300
+    # A list call's whole limit, and a watch's connect limit (its reads may be silent
+    # for watch_timeout plus this).
+    request_timeout: float = 10.0
+    # After a failed list or watch, a dropped watch or 410 Gone, the next list waits
+    # backoff_base seconds, doubled each time up to backoff_max.
+    backoff_base: float = 0.5
+    backoff_max: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not _NAMESPACE.fullmatch(self.namespace):
+            raise ValueError(f"discovery.kubernetes.namespace is not a namespace name: "
+                             f"{self.namespace!r}")
+        for name in ("prefill_selector", "decode_selector"):
+            if not getattr(self, name).strip():
+                raise ValueError(f"discovery.kubernetes.{name} must be a non-empty label selector")
+        if self.prefill_selector.strip() == self.decode_selector.strip():
+            raise ValueError("discovery.kubernetes.prefill_selector and decode_selector are the "
+                             "same: every pod would be both a P and a D")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"discovery.kubernetes.port out of range: {self.port!r}")
+        if self.watch_timeout < 1 or not self.request_timeout > 0:
+            raise ValueError("discovery.kubernetes needs watch_timeout >= 1 and request_timeout > 0")
+        if not 0 < self.backoff_base <= self.backoff_max:
+            raise ValueError("discovery.kubernetes needs 0 < backoff_base <= backoff_max")
+        if importlib.util.find_spec(KUBERNETES_CLIENT_MODULE) is None:
+            raise ValueError(f"discovery.kubernetes needs the {KUBERNETES_CLIENT_MODULE} package: "
+                             "install pd-proxy with its kubernetes extra "
+                             "(pip install 'pd-proxy[kubernetes]')")
+
+
+class Discovery(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Servers found by the router itself, besides the static `prefill` and `decode`."""
+
+    kubernetes: KubernetesDiscoveryConfig | None = None
+
+
 class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     prefill: list[EndpointConfig] = []
     decode: list[EndpointConfig] = []
+    # Servers found in Kubernetes, joining the static lists (which may then be empty).
+    discovery: Discovery = Discovery()
     host: str = "127.0.0.1"
     port: int = 8000
     mode: Mode = Mode.PULL
@@ -325,16 +384,21 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     shutdown_grace: int = 30  # seconds; on SIGTERM: stop accepting, let running requests finish this long
     log_level: str = "info"
     access_log: bool = False  # uvicorn's access log; the router logs one line per request
+    # Processes serving the one port (see proxy.workers); 1: the router is this process.
+    workers: int = 1
 
     def __post_init__(self) -> None:
-        if not self.prefill:
+        discovered = self.discovery.kubernetes is not None  # the lists may start empty
+        if not self.prefill and not discovered:
             raise ValueError("at least one prefill endpoint is needed (--prefill URL)")
-        if not self.decode:
+        if not self.decode and not discovered:
             raise ValueError("at least one decode endpoint is needed (--decode URL)")
         if not 0 < self.port < 65536:
             raise ValueError(f"port out of range: {self.port!r}")
         if self.shutdown_grace < 0:
             raise ValueError(f"shutdown_grace must be >= 0, got {self.shutdown_grace!r}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers!r}")
         if self.admin_listen is not None:
             host, _, port = self.admin_listen.rpartition(":")
             if not host or not port.isdigit() or not 0 < int(port) < 65536:

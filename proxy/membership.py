@@ -38,6 +38,9 @@ logger = logging.getLogger("pdproxy.membership")
 class Membership:
     def __init__(self, router: Router) -> None:
         self._router = router
+        # Servers that Kubernetes discovery added and owns (`proxy.discovery`): a watched
+        # config file's lists leave them alone.
+        self.discovered: set[Endpoint] = set()
 
     def cluster(self, name: ClusterName) -> Cluster:
         return self._router.prefill if name is ClusterName.PREFILL else self._router.decode
@@ -55,9 +58,11 @@ class Membership:
         logger.info("%s server %s added", name.value, endpoint.url)
         return endpoint
 
-    def remove(self, name: ClusterName, url: str) -> Endpoint:
+    def remove(self, name: ClusterName, url: str, *, allow_last: bool = False) -> Endpoint:
+        """Out of its cluster. The last server stays unless `allow_last` (discovery: a
+        cluster whose pods are all gone is empty, and /health says so)."""
         endpoint = self.endpoint(name, url)
-        if len(self.cluster(name).endpoints) == 1:
+        if len(self.cluster(name).endpoints) == 1 and not allow_last:
             raise Conflict(f"{url} is the last {name.value} server: add another first")
         self._drop(endpoint)
         logger.info("%s server %s removed (%d requests still on it finish)", name.value,
@@ -78,6 +83,8 @@ class Membership:
             cluster = self.cluster(name)
             wanted_by_url = {c.url.rstrip("/"): c for c in wanted}
             for endpoint in list(cluster.endpoints):
+                if endpoint in self.discovered:
+                    continue  # the pods decide these, not the file
                 config = wanted_by_url.get(endpoint.url)
                 if config is not None and config.drain != endpoint.config.drain and (
                     msgspec.structs.replace(config, drain=endpoint.config.drain) == endpoint.config

@@ -138,6 +138,13 @@ class RouterMetrics:
             "Admin API calls refused for a missing or wrong token",
             registry=r,
         )
+        self.discovery_events = Counter(
+            "pdproxy_discovery_events",
+            "Kubernetes discovery, by cluster and kind (list, list_error, watch_closed, "
+            "watch_error, gone: a 410 on the watch; joined, drained, undrained, left)",
+            ["cluster", "kind"],
+            registry=r,
+        )
 
     def watch_in_flight(self, in_flight: Callable[[], int]) -> None:
         """Report the inference requests in flight (read when scraped)."""

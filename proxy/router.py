@@ -15,6 +15,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from proxy.balance import Balancer
 from proxy.config import Mode, Policy, RouterConfig, resolve_secret
@@ -37,6 +38,9 @@ from proxy.relay import Downstream, FlowResponse
 from proxy.retry import RetryBudget
 from proxy.sidechannel import SideChannel
 from proxy.upstream import UpstreamClient
+
+if TYPE_CHECKING:
+    from proxy.discovery import KubernetesDiscovery
 
 logger = logging.getLogger("pdproxy.router")
 
@@ -61,6 +65,13 @@ def cluster_api_key(configured: str | None, cluster: str) -> str | None:
 
 class Router:
     """Create inside a running event loop (the app's lifespan); close with `aclose`."""
+
+    @property
+    def serves_without_prefill(self) -> bool:
+        """Requests are served with every P down: local mode, or auto that may go local."""
+        auto = self.config.auto
+        return self.config.mode is Mode.LOCAL or (
+            self.config.mode is Mode.AUTO and auto.local and auto.learn)
 
     def __init__(self, config: RouterConfig, source: ConfigSource | None = None) -> None:
         self.config = config
@@ -116,6 +127,11 @@ class Router:
         )
         self._warmup: asyncio.Task[None] | None = None
         self.membership = Membership(self)
+        self.discovery: KubernetesDiscovery | None = None
+        if config.discovery.kubernetes is not None:  # the client library only when asked for
+            from proxy.discovery import KubernetesDiscovery
+            self.discovery = KubernetesDiscovery(config.discovery.kubernetes, self.membership,
+                                                 self.metrics)
         self.watcher = None
         if source is not None and config.config_watch_interval > 0:
             self.watcher = ConfigWatcher(source.path, source.load, self.membership, config,
@@ -125,6 +141,8 @@ class Router:
         return self.prefill.endpoints + self.decode.endpoints
 
     async def start(self) -> None:
+        if self.discovery is not None:  # first: a bad kubeconfig fails the start, nothing to undo
+            await self.discovery.start()
         self.health.start()
         self.load.start()
         if self.watcher is not None:
@@ -134,6 +152,8 @@ class Router:
             self._warmup = asyncio.create_task(self._probe_all(), name="probe-prefills")
 
     async def aclose(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.aclose()
         if self.watcher is not None:
             await self.watcher.aclose()
         if self._warmup is not None:

@@ -67,14 +67,34 @@ def log(message: str) -> None:
 
 
 class ProcessGauge:
-    """CPU seconds and memory of one process (Linux /proc), for the router's costs."""
+    """CPU seconds and memory of one process (Linux /proc), for the router's costs. CPU
+    counts the whole process tree: a router with --workers N is N + 1 processes."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
 
     def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        """utime + stime of the process and its live descendants, plus the children it
+        has reaped (cutime + cstime)."""
+        ticks = 0
+        for pid in self._tree():
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except FileNotFoundError:  # exited meanwhile
+                continue
+            ticks += int(fields[11]) + int(fields[12])
+            ticks += int(fields[13]) + int(fields[14])
+        return ticks / os.sysconf("SC_CLK_TCK")
+
+    def _tree(self) -> list[int]:
+        pids, todo = [], [self.pid]
+        while todo:
+            pid = todo.pop()
+            pids.append(pid)
+            for task in Path(f"/proc/{pid}/task").glob("*/children"):
+                with contextlib.suppress(FileNotFoundError):
+                    todo += [int(child) for child in task.read_text().split()]
+        return pids
 
     def memory_mib(self) -> dict[str, float]:
         """Resident memory now (VmRSS) and its peak since the process started (VmHWM)."""
@@ -189,9 +209,14 @@ def emulated_backends(ports: tuple[int, int]) -> Iterator[tuple[str, str]]:
         yield p_url, d_url
 
 
-def router_command(p_url: str, d_url: str, port: int, *extra: str) -> list[str]:
+def router_command(p_url: str, d_url: str, port: int, *extra: str, workers: int = 1) -> list[str]:
     return [sys.executable, "-m", "proxy", "serve", "--prefill", p_url, "--decode", d_url,
-            "--port", str(port), "--log-level", "warning", *extra]
+            "--port", str(port), "--log-level", "warning", "--workers", str(workers), *extra]
+
+
+def ours_name(workers: int) -> str:
+    """Our router's target name: "ours" alone, "ours-w<N>" with --workers N > 1."""
+    return "ours" if workers == 1 else f"ours-w{workers}"
 
 
 def run_overhead(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
@@ -199,13 +224,16 @@ def run_overhead(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
         p_url, d_url = stack.enter_context(emulated_backends(args.backend_ports))
         targets = Targets()
         targets.add("direct", f"{d_url}/v1/completions")
-        port = free_port()
-        ours = stack.enter_context(process(router_command(p_url, d_url, port),
-                                           f"http://127.0.0.1:{port}", "our router"))
-        gauge = ProcessGauge(ours.pid)
-        for mode in ("pull", "push"):
-            targets.add(f"ours-{mode}", f"http://127.0.0.1:{port}/v1/completions",
-                        {"X-KV-Transfer-Mode": mode}, gauge)
+        for workers in args.workers:
+            port = free_port()
+            ours = stack.enter_context(process(
+                router_command(p_url, d_url, port, workers=workers),
+                f"http://127.0.0.1:{port}", f"our router ({workers} workers)"))
+            gauge = ProcessGauge(ours.pid)
+            for mode in args.modes:
+                targets.add(f"{ours_name(workers)}-{mode}",
+                            f"http://127.0.0.1:{port}/v1/completions",
+                            {"X-KV-Transfer-Mode": mode}, gauge)
         if args.compare_cmd:
             peer_port = free_port()
             p_port, d_port = args.backend_ports
@@ -220,11 +248,15 @@ def run_overhead(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
         rows = []
         for stream in args.stream_modes:
             for concurrency in args.concurrency:
-                for name, (url, headers, gauge_of) in targets.items.items():
-                    bar.set_description(f"overhead {name} c={concurrency}"
-                                        f"{' stream' if stream else ''}")
-                    rows.append(measure(args, name, url, headers, gauge_of, concurrency, stream))
-                    bar.update()
+                # Rounds interleave the targets (ours, peer, ours, peer...), so that drift in
+                # a shared machine's load hits each alike; every round is reported.
+                for round_ in range(args.rounds):
+                    for name, (url, headers, gauge_of) in targets.items.items():
+                        bar.set_description(f"overhead {name} c={concurrency}"
+                                            f"{' stream' if stream else ''} round {round_ + 1}")
+                        row = measure(args, name, url, headers, gauge_of, concurrency, stream)
+                        rows.append({**row, "round": round_ + 1})
+                        bar.update()
     return {"backends": {"prefill": p_url, "decode": d_url}, "rows": rows}
 
 
@@ -242,29 +274,49 @@ def measure(args: argparse.Namespace, name: str, url: str, headers: dict[str, st
     result = load(args.seconds)
     row = {"target": name, "concurrency": concurrency, "stream": stream, **result}
     if gauge and cpu_before is not None and result["requests"]:
-        row["cpu_s_per_1000"] = round((gauge.cpu_seconds() - cpu_before) / result["requests"] * 1000, 3)
+        cpu = gauge.cpu_seconds() - cpu_before
+        row["cpu_s_per_1000"] = round(cpu / result["requests"] * 1000, 3)
+        # per core: requests per CPU-second of the router's process tree
+        row["req_per_cpu_s"] = round(result["requests"] / cpu, 1) if cpu > 0 else None
     p = result["latency_ms"]
-    log(f"{name:<10} c={concurrency:<4}{' stream' if stream else '       '} "
+    log(f"{name:<13} c={concurrency:<4}{' stream' if stream else '       '} "
         f"{result['req_per_s']:>9.1f} req/s  p50 {p.get('p50', 0):>7.2f} ms  "
         f"p99 {p.get('p99', 0):>7.2f} ms  errors {result['errors']}"
         + (f" {result['error_kinds']}" if result.get("error_kinds") else "")
-        + (f"  cpu {row['cpu_s_per_1000']:.2f} s/1000" if "cpu_s_per_1000" in row else ""))
+        + (f"  cpu {row['cpu_s_per_1000']:.2f} s/1000" if "cpu_s_per_1000" in row else "")
+        + (f"  per core {row['req_per_cpu_s']:.0f} req/cpu-s" if row.get("req_per_cpu_s") else ""))
     return row
 
 
+def _medians(rows: list[dict[str, Any]], key: str) -> dict[tuple[str, int, bool], float]:
+    """The median of `key` over the rounds, per (target, concurrency, stream)."""
+    values: dict[tuple[str, int, bool], list[float]] = {}
+    for r in rows:
+        if r.get(key) is not None:
+            values.setdefault((r["target"], r["concurrency"], r["stream"]), []).append(r[key])
+    return {point: statistics.median(v) for point, v in values.items()}
+
+
 def overhead_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Throughput of each target over direct's, and ours over the peer's, per point."""
-    by_key = {(r["target"], r["concurrency"], r["stream"]): r for r in rows}
+    """Throughput of each target over direct's, and our pulls over the peer's, per point
+    (medians over the rounds)."""
+    by_key = _medians(rows, "req_per_s")
     ratios = {}
-    for (target, concurrency, stream), row in by_key.items():
+    for (target, concurrency, stream), req_per_s in by_key.items():
         direct = by_key.get(("direct", concurrency, stream))
         point = f"c{concurrency}{'-stream' if stream else ''}"
-        if target != "direct" and direct and direct["req_per_s"]:
-            ratios[f"{target}/direct {point}"] = round(row["req_per_s"] / direct["req_per_s"], 3)
+        if target != "direct" and direct:
+            ratios[f"{target}/direct {point}"] = round(req_per_s / direct, 3)
         peer = by_key.get(("peer", concurrency, stream))
-        if target == "ours-pull" and peer and peer["req_per_s"]:
-            ratios[f"ours-pull/peer {point}"] = round(row["req_per_s"] / peer["req_per_s"], 3)
+        if target.startswith("ours") and target.endswith("-pull") and peer:
+            ratios[f"{target}/peer {point}"] = round(req_per_s / peer, 3)
     return ratios
+
+
+def per_core(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Requests per CPU-second of each router's process tree, per point (medians)."""
+    return {f"{target} c{concurrency}{'-stream' if stream else ''}": round(value, 1)
+            for (target, concurrency, stream), value in _medians(rows, "req_per_cpu_s").items()}
 
 
 # --- streams -----------------------------------------------------------------------
@@ -559,6 +611,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seconds", type=float, help="overhead: measured seconds per point "
                         "(default 3; --quick 1)")
     parser.add_argument("--no-stream", action="store_true", help="overhead: skip streamed runs")
+    parser.add_argument("--workers", type=ints, default=(1,), metavar="N[,N...]",
+                        help="overhead: run our router with --workers N (comma-separated: one "
+                             "router per value, targets ours-w<N>-...; default 1)")
+    parser.add_argument("--modes", default="pull,push",
+                        help="overhead: our router's modes, comma-separated (default pull,push)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="overhead: measure every point this many times, the targets "
+                             "interleaved (ours, peer, ours, peer...); ratios use the medians")
     parser.add_argument("--loader", choices=["wrk", "python"],
                         default="wrk" if shutil.which("wrk") else "python",
                         help="load generator (default wrk when installed)")
@@ -592,6 +652,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unknown scenario(s) {', '.join(sorted(unknown))}")
     if args.compare and args.compare_cmd:
         parser.error("give --compare or --compare-cmd, not both")
+    args.modes = [m for m in args.modes.split(",") if m]
+    if set(args.modes) - {"pull", "push"} or not args.modes:
+        parser.error("--modes takes pull and/or push")
+    if args.rounds < 1 or min(args.workers) < 1:
+        parser.error("--rounds and --workers must be >= 1")
     quick = args.quick
     args.concurrency = args.concurrency or ((1, 16, 64) if quick else (1, 16, 64, 256, 512))
     args.seconds = args.seconds or (1.0 if quick else 3.0)
@@ -607,10 +672,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def steps(args: argparse.Namespace) -> int:
     """How many progress steps the chosen scenarios take."""
-    targets = 3 + bool(args.compare or args.compare_cmd)
+    targets = 1 + len(args.workers) * len(args.modes) + bool(args.compare or args.compare_cmd)
     count = 0
     if "overhead" in args.scenarios:
-        count += len(args.stream_modes) * len(args.concurrency) * targets
+        count += len(args.stream_modes) * len(args.concurrency) * targets * args.rounds
     if "streams" in args.scenarios:
         count += STREAM_STEPS
     if "real" in args.scenarios:
@@ -623,6 +688,7 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
     if "overhead" in result:
         rows = result["overhead"]["rows"]
         summary["ratios"] = overhead_ratios(rows)
+        summary["req_per_cpu_s"] = per_core(rows)
         cpu = [r["cpu_s_per_1000"] for r in rows if r["target"] == "ours-pull" and not r["stream"]
                and "cpu_s_per_1000" in r]
         if cpu:

@@ -22,9 +22,15 @@ Per case and mode it reports the median and p90 TTFT and the floor the emulated 
 allows (see `floor_s`): P's prefill of the prompt (with the case's concurrency, in
 chunks of the servers' token budget), its KV over a link of `--link-gbps` (default
 400 Gb/s, one 400G NIC), and one D step at D's load; each mode's overhead over it, and
-the ratios push/pull and local/pull. Cases whose emulated steps ran long (the tiny
-model's own compute past the profile's time, known from about 3,000 prompt tokens on)
-are flagged, from the servers' step logs. Results go to JSON and a PNG plot.
+the ratios push/pull and local/pull. Local's overhead over its own floor (D's prefill)
+is the host path every mode pays (client, router, API server, scheduling, streaming
+back); what pull and push pay beyond it is their hand-off, reported apart. Busy cases
+also report the inter-token latency of D's background streams while each mode's
+requests ran (what local prefills cost D's other streams). Cases whose emulated steps
+ran long (the model's own compute past the profile's time) are flagged, from the
+servers' step logs. vLLM's own connectors (`NixlConnector` in pull, `NixlPushConnector`
+in push) run the same cases on pairs of their own afterwards (`--no-stock` skips them).
+Results go to JSON and a PNG plot.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -64,6 +71,8 @@ from testbed.clock import StepRecord, read_step_log
 from testbed.profiles import Profile, StepShape, get_profile
 
 MODES = ("pull", "push", "local")
+# vLLM's own connectors, measured in the same run for comparison, each in its one mode.
+STOCK_MODES = {"NixlConnector": "pull", "NixlPushConnector": "push"}
 LOADS = ("idle", "busy")
 DEFAULT_PROMPTS = (256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_CONCURRENCY = (1, 8)
@@ -77,9 +86,9 @@ LEFT_OUT = (
     "the host's own speed: vLLM's scheduler, the API servers, the router and this client "
     "run at this machine's CPU speed on 2 shared cores",
     "tensor-parallel communication (only lower efficiency factors in TP profiles)",
-    "long prompts: the tiny model's own prefill compute is about half the emulated time "
-    "at 1,024 tokens and exceeds it from about 3,000 tokens (attention on one core), "
-    "where steps run long (flagged per case below)",
+    "the model's own compute: the tiny model cut to one layer (testbed.model_dir) computes "
+    "a 1,024-token prefill in about 13% of llama8b-h100's time and an 8,192-token one in "
+    "about 46%, on one core; steps that still run long are flagged per case below",
     "the network: P, D and the router share 127.0.0.1; KV moves by NIXL in host memory, "
     "not over the stated link (the floor charges the link's time instead)",
 )
@@ -159,11 +168,30 @@ def floor_s(profile: Profile, case: Case, args: argparse.Namespace) -> dict[str,
 # D busy ------------------------------------------------------------------------------
 
 
+class Ticks:
+    """When each background stream's chunks arrived (one chunk per D step that gave it a
+    token, as vLLM streams): the inter-token latency D's other streams see."""
+
+    def __init__(self, streams: int) -> None:
+        self.times: list[list[float]] = [[] for _ in range(streams)]
+
+    def gaps(self, windows: Sequence[tuple[float, float]]) -> list[float]:
+        """The gaps between two chunks of one stream whose later chunk came inside one
+        of `windows` (wall-clock [start, end) pairs), in seconds."""
+        gaps = []
+        for times in self.times:
+            for before, after in itertools.pairwise(times):
+                if any(start <= after < end for start, end in windows):
+                    gaps.append(after - before)
+        return gaps
+
+
 async def background_stream(client: httpx.AsyncClient, decode_url: str, rng: random.Random,
                             max_tokens: int, started: asyncio.Event,
-                            stop: asyncio.Event) -> int:
+                            stop: asyncio.Event, ticks: list[float]) -> int:
     """Keep one stream decoding on D until `stop`: a short prompt with a long answer,
-    sent again when it ends. Returns how many answers it finished."""
+    sent again when it ends; each chunk's arrival goes to `ticks`. Returns how many
+    answers it finished."""
     finished = 0
     while not stop.is_set():
         body = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -174,6 +202,7 @@ async def background_stream(client: httpx.AsyncClient, decode_url: str, rng: ran
                 raise RuntimeError(f"background stream: HTTP {resp.status_code}: "
                                    f"{(await resp.aread())[:300]!r}")
             async for _ in resp.aiter_raw():  # the bytes only: keep this client cheap
+                ticks.append(time.time())
                 started.set()
                 if stop.is_set():
                     break
@@ -183,15 +212,18 @@ async def background_stream(client: httpx.AsyncClient, decode_url: str, rng: ran
 
 @contextlib.asynccontextmanager
 async def busy_decode(decode_url: str, streams: int, max_tokens: int, rng: random.Random,
-                      start_timeout_s: float = 60.0) -> AsyncIterator[None]:
+                      start_timeout_s: float = 60.0) -> AsyncIterator[Ticks]:
     """`streams` background streams on D for the body of the `async with`; all of them
-    decoding before it runs, all of them cancelled and closed after it, on every path."""
+    decoding before it runs, all of them cancelled and closed after it, on every path.
+    Yields their chunks' arrival times."""
     stop = asyncio.Event()
     started = [asyncio.Event() for _ in range(streams)]
+    ticks = Ticks(streams)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0),
                                  limits=httpx.Limits(max_connections=streams + 2)) as client:
         tasks = [asyncio.create_task(background_stream(client, decode_url, rng, max_tokens,
-                                                       event, stop)) for event in started]
+                                                       event, stop, times))
+                 for event, times in zip(started, ticks.times, strict=True)]
         event_tasks = [asyncio.create_task(event.wait()) for event in started]
         waiting: asyncio.Task[Any] = asyncio.create_task(asyncio.wait(event_tasks))
         try:
@@ -204,7 +236,7 @@ async def busy_decode(decode_url: str, streams: int, max_tokens: int, rng: rando
             if not all(event.is_set() for event in started):
                 raise RuntimeError(f"D's {streams} background streams did not all start "
                                    f"within {start_timeout_s:.0f} s")
-            yield
+            yield ticks
         finally:
             stop.set()
             helpers: list[asyncio.Task[Any]] = [*tasks, *event_tasks, waiting]
@@ -263,45 +295,67 @@ def step_summary(records: Sequence[StepRecord], since: float, until: float) -> d
     }
 
 
-async def run_case(client: httpx.AsyncClient, url: str, case: Case, args: argparse.Namespace,
-                   rng: random.Random) -> dict[str, list[float]]:
-    """Rounds of `case.concurrency` requests per mode, the modes' order rotating."""
-    ttfts: dict[str, list[float]] = {mode: [] for mode in MODES}
+async def run_case(client: httpx.AsyncClient, url: str, case: Case, modes: Sequence[str],
+                   args: argparse.Namespace, rng: random.Random,
+                   ) -> tuple[dict[str, list[float]], dict[str, list[tuple[float, float]]]]:
+    """Rounds of `case.concurrency` requests per mode, the modes' order rotating. Returns
+    the TTFTs per mode, and when each mode's rounds ran (wall clock)."""
+    ttfts: dict[str, list[float]] = {mode: [] for mode in modes}
+    windows: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
     rounds = max(1, -(-int(args.requests) // case.concurrency))
     for index in range(rounds):
-        order = MODES[index % len(MODES):] + MODES[:index % len(MODES)]
+        order = [*modes[index % len(modes):], *modes[:index % len(modes)]]
         for mode in order:
+            start = time.time()
             ttfts[mode] += await batch(client, url, mode, case.prompt_tokens, case.concurrency,
                                        rng)
-    return ttfts
+            windows[mode].append((start, time.time()))
+    return ttfts, windows
 
 
-async def run_all(p: Pair, url: str, cases: Sequence[Case], args: argparse.Namespace,
-                  rng: random.Random) -> list[dict[str, Any]]:
+def itl_summary(ticks: Ticks | None, windows: dict[str, list[tuple[float, float]]],
+                ) -> dict[str, dict[str, float | int]] | None:
+    """Per mode, the inter-token latency of D's background streams while that mode's
+    requests ran: median and p90 in ms, and how many gaps were seen."""
+    if ticks is None:
+        return None
+    summary: dict[str, dict[str, float | int]] = {}
+    for mode, spans in windows.items():
+        gaps = ticks.gaps(spans)
+        if gaps:
+            summary[mode] = {"median_ms": statistics.median(gaps) * 1e3,
+                             "p90_ms": p90(gaps) * 1e3, "n": len(gaps)}
+    return summary
+
+
+async def run_all(p: Pair, url: str, cases: Sequence[Case], modes: Sequence[str],
+                  args: argparse.Namespace, rng: random.Random) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0),
                                  limits=httpx.Limits(max_connections=64)) as client:
         say("warming every mode (handshakes, first allocations) ...")
-        for mode in MODES:
+        for mode in modes:
             await batch(client, url, mode, 256, 2, rng)
         for load in LOADS:
             load_cases = [c for c in cases if c.load == load]
             if not load_cases:
                 continue
-            busy = (busy_decode(p.decode_url, int(args.busy_streams), int(args.busy_max_tokens),
-                                rng) if load == "busy" else contextlib.nullcontext())
+            busy: contextlib.AbstractAsyncContextManager[Ticks | None] = (
+                busy_decode(p.decode_url, int(args.busy_streams), int(args.busy_max_tokens),
+                            rng) if load == "busy" else contextlib.nullcontext())
             if load == "busy":
                 say(f"D busy: starting {args.busy_streams} background streams on D ...")
-            async with busy:
+            async with busy as ticks:
                 for case in load_cases:
                     since = time.time()
-                    ttfts = await run_case(client, url, case, args, rng)
+                    ttfts, windows = await run_case(client, url, case, modes, args, rng)
                     until = time.time()
                     steps = {role: step_summary(read_step_log(server.spec.step_log_path),
                                                 since, until)
                              for role, server in (("P", p.prefill), ("D", p.decode))}
                     results.append({"case": msgspec.to_builtins(case), "key": case.key,
-                                    "ttft_s": ttfts, "steps": steps})
+                                    "ttft_s": ttfts, "steps": steps,
+                                    "d_itl": itl_summary(ticks, windows)})
                     medians = ", ".join(f"{m} {statistics.median(v) * 1e3:.1f} ms"
                                         for m, v in ttfts.items())
                     say(f"  [{len(results)}/{len(cases)}] {case.key}: median TTFT {medians}")
@@ -327,17 +381,34 @@ def long_steps_note(steps: dict[str, Any]) -> str | None:
     return "; ".join(notes) or None
 
 
+def mode_summary(values: Sequence[float], floor: float) -> dict[str, float | int]:
+    median = statistics.median(values)
+    return {"median_ms": median * 1e3, "p90_ms": p90(values) * 1e3,
+            "overhead_ms": (median - floor) * 1e3, "n": len(values)}
+
+
 def summarize(profile: Profile, results: Sequence[dict[str, Any]],
-              args: argparse.Namespace) -> list[dict[str, Any]]:
+              stock: dict[str, list[dict[str, Any]]], args: argparse.Namespace,
+              ) -> list[dict[str, Any]]:
+    """One row per case. Each mode's overhead is its median TTFT over its floor (local's
+    own: D's prefill, no transfer, no extra step). Local's overhead is the host path
+    every mode pays (client, router, API server, tokenizing, scheduling, streaming
+    back); what pull and push pay beyond it is their hand-off (`handoff_ms`)."""
     rows = []
+    stock_by_key = {f"{name} {result_mode}": {r["key"]: r["ttft_s"][result_mode]
+                                              for r in stock_results}
+                    for name, stock_results in stock.items()
+                    for result_mode in (STOCK_MODES[name],)}
     for result in results:
         case = msgspec.convert(result["case"], Case)
         floor = floor_s(profile, case, args)
-        modes = {}
-        for mode, values in result["ttft_s"].items():
-            median = statistics.median(values)
-            modes[mode] = {"median_ms": median * 1e3, "p90_ms": p90(values) * 1e3,
-                           "overhead_ms": (median - floor["floor_s"]) * 1e3, "n": len(values)}
+        modes = {mode: mode_summary(values, floor["local_floor_s" if mode == "local"
+                                                   else "floor_s"])
+                 for mode, values in result["ttft_s"].items()}
+        host = modes["local"]["overhead_ms"]
+        handoff = {mode: modes[mode]["overhead_ms"] - host for mode in ("pull", "push")}
+        stock_modes = {label: mode_summary(by_key[result["key"]], floor["floor_s"])
+                       for label, by_key in stock_by_key.items() if result["key"] in by_key}
         pull = modes["pull"]["median_ms"]
         rows.append({
             "load": case.load, "prompt_tokens": case.prompt_tokens,
@@ -349,6 +420,12 @@ def summarize(profile: Profile, results: Sequence[dict[str, Any]],
             "push_overhead_over_pull_overhead": (
                 modes["push"]["overhead_ms"] / modes["pull"]["overhead_ms"]
                 if modes["pull"]["overhead_ms"] > 0 else None),
+            "host_path_ms": host,
+            "handoff_ms": handoff,
+            "push_handoff_over_pull_handoff": (handoff["push"] / handoff["pull"]
+                                               if handoff["pull"] > 0 else None),
+            "stock": stock_modes,
+            "d_itl": result.get("d_itl"),
             "steps": result["steps"],
             "flag": long_steps_note(result["steps"]),
         })
@@ -360,7 +437,8 @@ def print_table(rows: Sequence[dict[str, Any]], profile: Profile,
     print(f"\nEMULATED GPU regime, profile {profile.name} (no GPU: vLLM on CPU, each "
           f"forward pass sleeping to the profile's time); floor = prefill + KV over "
           f"{args.link_gbps:g} Gb/s + one D step (concurrency > 1: the prompts reaching P "
-          "together); TTFT in ms, median (p90) [median - floor]; ! = steps ran long")
+          "together); TTFT in ms, median (p90) [median - floor; local's: over its own floor, "
+          "D's prefill]; ! = steps ran long")
     print(f"{'load':>4} {'prompt':>6} {'conc':>4} {'floor':>7} "
           + " ".join(f"{m + ' med (p90) [over]':>27}" for m in MODES)
           + f" {'push/pull':>9} {'local/pull':>10}")
@@ -383,6 +461,49 @@ def print_table(rows: Sequence[dict[str, Any]], profile: Profile,
         print(f"  {row['load']} {row['prompt_tokens']}x{row['concurrency']}: "
               f"{f['prefill_s']:.1f} + {f['transfer_s']:.2f} + {f['d_step_s']:.2f}; local's "
               f"own (D's prefill, no transfer) {f['local_floor_s']:.1f}{busy}")
+
+
+def print_breakdown(rows: Sequence[dict[str, Any]]) -> None:
+    """The overheads split: the host path every mode pays (local's overhead over its own
+    floor), and each transfer mode's hand-off beyond it; then vLLM's own connectors, and
+    D's other streams' inter-token latency per mode."""
+    print("\noverhead over the floor, split (ms): host path = local's overhead over its own "
+          "floor (client, router, API server, scheduling, streaming back: every mode pays "
+          "it); hand-off = a mode's overhead beyond the host path")
+    print(f"{'load':>4} {'prompt':>6} {'conc':>4} {'host path':>9} {'pull hand-off':>13} "
+          f"{'push hand-off':>13} {'push/pull hand-off':>18} {'push/pull overhead':>18}")
+    for row in rows:
+        ratio = row["push_handoff_over_pull_handoff"]
+        raw = row["push_overhead_over_pull_overhead"]
+        print(f"{row['load']:>4} {row['prompt_tokens']:>6} {row['concurrency']:>4} "
+              f"{row['host_path_ms']:>9.1f} {row['handoff_ms']['pull']:>13.1f} "
+              f"{row['handoff_ms']['push']:>13.1f} "
+              f"{'-' if ratio is None else f'{ratio:.2f}':>18} "
+              f"{'-' if raw is None else f'{raw:.2f}':>18}")
+    labels = sorted({label for row in rows for label in row["stock"]})
+    if labels:
+        print("\nvLLM's own connectors, same profile and cases, on their own pair (median TTFT "
+              "ms [overhead]; ratio = ours in the same mode / theirs)")
+        for row in rows:
+            cells = []
+            for label in labels:
+                theirs = row["stock"].get(label)
+                if theirs is None:
+                    continue
+                ours = row["modes"][label.rsplit(" ", 1)[1]]["median_ms"]
+                cells.append(f"{label}: {theirs['median_ms']:.1f} [{theirs['overhead_ms']:.1f}]"
+                             f", ours/theirs {ours / theirs['median_ms']:.2f}")
+            print(f"  {row['load']} {row['prompt_tokens']}x{row['concurrency']}: "
+                  + "; ".join(cells))
+    busy = [row for row in rows if row.get("d_itl")]
+    if busy:
+        print("\nD's other streams while each mode's requests ran: inter-token latency, "
+              "median (p90) ms")
+        for row in busy:
+            itl = row["d_itl"]
+            line = ", ".join(f"{mode} {itl[mode]['median_ms']:.1f} ({itl[mode]['p90_ms']:.1f})"
+                             for mode in MODES if mode in itl)
+            print(f"  {row['load']} {row['prompt_tokens']}x{row['concurrency']}: {line}")
 
 
 def left_out() -> list[str]:
@@ -415,6 +536,11 @@ def plot(rows: Sequence[dict[str, Any]], profile: Profile, path: Path) -> bool:
             for mode, marker in zip(MODES, "os^", strict=True):
                 ax.plot(x, [r["modes"][mode]["median_ms"] for r in chosen], f"{marker}-",
                         label=mode)
+            for label, marker in zip(sorted({k for r in chosen for k in r["stock"]}), "vx",
+                                     strict=False):
+                if all(label in r["stock"] for r in chosen):
+                    ax.plot(x, [r["stock"][label]["median_ms"] for r in chosen],
+                            f"{marker}--", label=f"vLLM {label}")
             ax.plot(x, [r["floor_ms"]["floor_s"] for r in chosen], "k:", label="floor")
             ax.set_title(f"EMULATED {profile.name}: D {load}, concurrency {concurrency}")
             ax.set_xlabel("prompt tokens")
@@ -454,6 +580,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--start-timeout", type=float, default=240.0,
                         help="seconds the pair may take to start")
     parser.add_argument("--seed", type=int, default=0, help="prompt generator seed")
+    parser.add_argument("--no-stock", action="store_true",
+                        help="skip vLLM's own connectors (NixlConnector in pull, "
+                             "NixlPushConnector in push, each on a pair of its own)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "bench-results" / "regime.json")
     parser.add_argument("--plot", type=Path, default=None,
                         help="PNG plot (default: --out with .png)")
@@ -485,23 +614,34 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     cases = [Case(load, n, c) for load in LOADS if load in args.loads
              for n in args.prompts for c in args.concurrency]
     model_dir = gpu_model_dir(profile.name)
-    say(f"starting a P/D pair with {DUAL_CONNECTOR}, profile {profile.name} ... (30-90 s)")
-    started = time.monotonic()
     rng = random.Random(args.seed)
-    with pair(DUAL_CONNECTOR, model_dir=model_dir, extra_args=GPU_REGIME_ARGS,
-              max_model_len=GPU_MAX_MODEL_LEN, start_timeout_s=args.start_timeout) as p, \
-            quiet_router(p.prefill_url, p.decode_url,
-                         DEFAULT_LOG_DIR / f"router-{p.decode.spec.port}.log") as url:
-        say(f"pair healthy after {time.monotonic() - started:.0f} s; step logs "
-            f"{p.prefill.spec.step_log_path}, {p.decode.spec.step_log_path}")
-        results = await run_all(p, url, cases, args, rng)
-    rows = summarize(profile, results, args)
+    results = await run_pair(DUAL_CONNECTOR, MODES, model_dir, cases, args, rng)
+    stock = {}
+    for connector, mode in ({} if args.no_stock else STOCK_MODES).items():
+        stock[connector] = await run_pair(connector, (mode,), model_dir, cases, args,
+                                          random.Random(args.seed))
+    rows = summarize(profile, results, stock, args)
     return {"emulated": True, "profile": profile.name, "profile_description": profile.describe(),
             "left_out": left_out(),
             "floor": f"P's prefill (profile, chunks of {GPU_MAX_BATCHED_TOKENS} tokens) + KV "
                      f"bytes over {args.link_gbps:g} Gb/s + one D step at D's load",
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "results": results, "rows": rows}
+            "results": results, "stock_results": stock, "rows": rows}
+
+
+async def run_pair(connector: str, modes: Sequence[str], model_dir: Path,
+                   cases: Sequence[Case], args: argparse.Namespace,
+                   rng: random.Random) -> list[dict[str, Any]]:
+    """Every case in `modes` on a fresh P/D pair with `connector` and the router in front."""
+    say(f"starting a P/D pair with {connector}, profile {args.profile} ... (30-90 s)")
+    started = time.monotonic()
+    with pair(connector, model_dir=model_dir, extra_args=GPU_REGIME_ARGS,
+              max_model_len=GPU_MAX_MODEL_LEN, start_timeout_s=args.start_timeout) as p, \
+            quiet_router(p.prefill_url, p.decode_url,
+                         DEFAULT_LOG_DIR / f"router-{p.decode.spec.port}.log") as url:
+        say(f"pair healthy after {time.monotonic() - started:.0f} s; step logs "
+            f"{p.prefill.spec.step_log_path}, {p.decode.spec.step_log_path}")
+        return await run_all(p, url, cases, modes, args, rng)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -509,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     result = asyncio.run(bench(args))
     profile = get_profile(args.profile)
     print_table(result["rows"], profile, args)
+    print_breakdown(result["rows"])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     say(f"wrote {args.out}")

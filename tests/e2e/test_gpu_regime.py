@@ -6,12 +6,9 @@ model (`testbed`, profile llama8b-h100), alone on the machine.
   within 10% of the profile's difference; every such step within 10% of its target.
 - Decode: the gaps between streamed tokens, and the period of the server's decode
   steps, within 10% of the profile's step time for that batch and context.
-- The tiny model's own compute: under 20% of the emulated time in decode steps. In
-  prefill it is not, on this host: one CPU core computes the tiny model's 1,024-token
-  prefill in about half the time an H100 takes for Llama 3 8B's (and its quadratic
-  attention passes the profile from about 4,000 tokens on, where steps run long), so
-  the test only requires the prefill's compute to end within its step, which the step
-  lasting its target already shows.
+- The model's own compute (the tiny model cut to one layer, see `testbed.model_dir`):
+  under 20% of the emulated time, in the 1,024-token prefill steps (median; every one
+  within its step) and in decode steps.
 
 The step records come from the server's step log (`testbed.clock`). Like every e2e
 test, a server that does not start fails the test; nothing here skips.
@@ -120,9 +117,12 @@ def test_prefill_lasts_as_long_as_the_profile_says(gpu_server: VllmServer) -> No
     for step in steps:
         _within(step.step_s, step.target_s, f"a {LONG}-token prefill step")
         assert step.target_s == pytest.approx(PROFILE.prefill_s(LONG), rel=1e-6)
-    share = max(step.compute_s / step.target_s for step in steps)
-    print(f"{LONG}-token prefill: compute at most {share:.0%} of its step")
-    assert share < 1, f"the tiny model's {LONG}-token prefill took {share:.0%} of the target"
+    shares = [step.compute_s / step.target_s for step in steps]
+    print(f"{LONG}-token prefill: compute {statistics.median(shares):.0%} of its step "
+          f"(median), at most {max(shares):.0%}")
+    assert statistics.median(shares) < COMPUTE_SHARE, (
+        f"the model's {LONG}-token prefill took {statistics.median(shares):.0%} of the target")
+    assert max(shares) < 1, f"a {LONG}-token prefill's compute took {max(shares):.0%}"
 
 
 def test_decode_steps_last_as_long_as_the_profile_says(gpu_server: VllmServer) -> None:

@@ -114,6 +114,10 @@ async def test_local_is_served_while_every_p_is_down_and_is_the_configured_defau
         again = await client.post(f"{url}/v1/completions", json=body(False),
                                   headers={"X-KV-Transfer-Mode": "pull"})
         assert again.status_code == 503 and "no healthy prefill server" in again.text
+        # with no P, local still serves: the router reports itself healthy
+        health = await client.get(f"{url}/health")
+        assert health.status_code == 200, health.text
+        assert health.json()["healthy"] == {"prefill": 0, "decode": 1}
         for stream in (False, True):
             r = await client.post(f"{url}/v1/completions", json=body(stream))  # no header
             assert r.status_code == 200, r.text
@@ -168,6 +172,8 @@ async def test_auto_learns_local_where_it_is_fastest_and_keeps_within_the_itl_bu
         assert rows["local"]["samples"] == 6 and rows["local"]["avg_ms"] < rows["pull"]["avg_ms"]
         # one request at a time: every stream was clean, so recent and clean ITL agree
         (itl,) = app.state.router.learner.local_budget.snapshot()
+        assert snapshot["local_budget"]["decode"] == [itl]  # what the admin API shows
+        assert snapshot["local_budget"]["ratio"] == AUTO_LOCAL["auto"]["local_itl_budget"]
         assert itl["decode"] == servers.url(d) and itl["within_budget"] is True
         assert itl["recent_itl_ms"] == itl["clean_itl_ms"] > 0, itl
         assert itl["local_prefills"] == 0

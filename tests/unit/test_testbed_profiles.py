@@ -8,7 +8,9 @@ import json
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
+from safetensors.numpy import load_file, save_file
 
 from testbed import model_dir
 from testbed.clock import STEP_LOG_ENV, StepClock, StepLog, StepRecord, read_step_log
@@ -155,12 +157,37 @@ def test_step_records_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert read_step_log(path) == [record]
 
 
+def _tiny_weights(seed: int) -> dict[str, np.ndarray]:
+    """The tiny model's tensor names and shapes (2 layers, 4 heads of 32, 2 KV heads,
+    hidden 128, MLP 256, vocabulary 4,096 cut to 16 rows), random values."""
+    rng = np.random.default_rng(seed)
+    shapes = {"lm_head.weight": (16, 128), "model.embed_tokens.weight": (16, 128),
+              "model.norm.weight": (128,)}
+    for layer in range(2):
+        prefix = f"model.layers.{layer}."
+        shapes.update({
+            prefix + "input_layernorm.weight": (128,),
+            prefix + "post_attention_layernorm.weight": (128,),
+            prefix + "self_attn.q_proj.weight": (128, 128),
+            prefix + "self_attn.k_proj.weight": (64, 128),
+            prefix + "self_attn.v_proj.weight": (64, 128),
+            prefix + "self_attn.o_proj.weight": (128, 128),
+            prefix + "mlp.gate_proj.weight": (256, 128),
+            prefix + "mlp.up_proj.weight": (256, 128),
+            prefix + "mlp.down_proj.weight": (128, 256),
+        })
+    return {name: rng.standard_normal(shape).astype(np.float32)
+            for name, shape in shapes.items()}
+
+
 def _fake_tiny(tmp_path: Path) -> Path:
     tiny = tmp_path / "tiny-model"
     tiny.mkdir()
     (tiny / "config.json").write_text(json.dumps(
-        {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 1024}))
-    (tiny / "model.safetensors").write_bytes(b"weights")
+        {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 1024,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 32, "hidden_size": 128, "intermediate_size": 256}))
+    save_file(_tiny_weights(0), str(tiny / "model.safetensors"))
     (tiny / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1024}))
     (tiny / ".tiny-model-complete").write_text("{}")
     return tiny
@@ -176,15 +203,35 @@ def test_the_model_directory_names_the_architecture_and_profile(tmp_path: Path) 
     assert config["max_position_embeddings"] == model_dir.MAX_POSITIONS >= 9216
     assert json.loads((built / "tokenizer_config.json").read_text())[
         "model_max_length"] == model_dir.MAX_POSITIONS
-    assert (built / "model.safetensors").read_bytes() == b"weights"
     assert not (built / ".tiny-model-complete").exists()
+    # The weights: the tiny model's, cut to one layer, 2 heads, 1 KV head, 64 MLP units.
+    assert {key: config[key] for key in model_dir.SLICE} == model_dir.SLICE
+    tiny_weights, cut = load_file(str(tiny / "model.safetensors")), load_file(
+        str(built / "model.safetensors"))
+    assert not any(name.startswith("model.layers.1.") for name in cut)
+    layer = "model.layers.0."
+    expected = {
+        "self_attn.q_proj.weight": tiny_weights[layer + "self_attn.q_proj.weight"][:64],
+        "self_attn.k_proj.weight": tiny_weights[layer + "self_attn.k_proj.weight"][:32],
+        "self_attn.v_proj.weight": tiny_weights[layer + "self_attn.v_proj.weight"][:32],
+        "self_attn.o_proj.weight": tiny_weights[layer + "self_attn.o_proj.weight"][:, :64],
+        "mlp.gate_proj.weight": tiny_weights[layer + "mlp.gate_proj.weight"][:64],
+        "mlp.up_proj.weight": tiny_weights[layer + "mlp.up_proj.weight"][:64],
+        "mlp.down_proj.weight": tiny_weights[layer + "mlp.down_proj.weight"][:, :64],
+        "input_layernorm.weight": tiny_weights[layer + "input_layernorm.weight"],
+    }
+    for name, tensor in expected.items():
+        np.testing.assert_array_equal(cut[layer + name], tensor, err_msg=name)
+    for name in ("lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"):
+        np.testing.assert_array_equal(cut[name], tiny_weights[name], err_msg=name)
     # Built once: a second build leaves it alone; a changed tiny model rebuilds it.
     stamp = (built / "config.json").stat().st_mtime_ns
     assert model_dir.build(tiny, "llama8b-h100") == built
     assert (built / "config.json").stat().st_mtime_ns == stamp
-    (tiny / "model.safetensors").write_bytes(b"other weights")
+    save_file(_tiny_weights(1), str(tiny / "model.safetensors"))
     model_dir.build(tiny, "llama8b-h100")
-    assert (built / "model.safetensors").read_bytes() == b"other weights"
+    np.testing.assert_array_equal(load_file(str(built / "model.safetensors"))["lm_head.weight"],
+                                  _tiny_weights(1)["lm_head.weight"])
     with pytest.raises(ValueError, match="unknown GPU profile"):
         model_dir.build(tiny, "nope")
 
