@@ -506,6 +506,38 @@ def print_breakdown(rows: Sequence[dict[str, Any]]) -> None:
             print(f"  {row['load']} {row['prompt_tokens']}x{row['concurrency']}: {line}")
 
 
+def target_check(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The push targets (issue: profile llama8b-h100, D busy): push's median TTFT at most
+    0.85x pull's from 512 to 2,048 tokens, never above pull's, and its overhead at most
+    half of pull's; each with the value measured. For the first, the best push could do
+    here: its floor, plus the host path every mode pays (local's overhead), plus half a
+    D step (a push that lands while D's step runs waits for the next, half a step on
+    average), over pull's median."""
+    lines = []
+    busy = [r for r in rows if r["load"] == "busy"]
+    for row in busy:
+        if not 512 <= row["prompt_tokens"] <= 2048:
+            continue
+        ratio = row["push_over_pull"]
+        best = (row["floor_ms"]["floor_s"] + max(row["host_path_ms"], 0.0)
+                + row["floor_ms"]["d_step_s"] / 2) / row["modes"]["pull"]["median_ms"]
+        lines.append(f"push <= 0.85x pull, busy {row['prompt_tokens']}x{row['concurrency']}: "
+                     f"{ratio:.2f} {'met' if ratio <= 0.85 else 'MISSED'} (best possible "
+                     f"here {best:.2f})")
+    above = [f"{r['load']} {r['prompt_tokens']}x{r['concurrency']}" for r in rows
+             if r["push_over_pull"] > 1.0]
+    lines.append("push never above pull: " + ("met" if not above else
+                                              "MISSED at " + ", ".join(above)))
+    for row in busy:
+        raw, handoff = row["push_overhead_over_pull_overhead"], row["push_handoff_over_pull_handoff"]
+        if raw is None:
+            continue
+        lines.append(f"push overhead <= 0.5x pull's, busy {row['prompt_tokens']}x"
+                     f"{row['concurrency']}: {raw:.2f} {'met' if raw <= 0.5 else 'MISSED'}"
+                     + ("" if handoff is None else f"; hand-off alone {handoff:.2f}"))
+    return lines
+
+
 def left_out() -> list[str]:
     """What the emulation leaves out: the profiles module's own paragraph, and ours."""
     doc = profiles.__doc__ or ""
@@ -650,6 +682,10 @@ def main(argv: list[str] | None = None) -> int:
     profile = get_profile(args.profile)
     print_table(result["rows"], profile, args)
     print_breakdown(result["rows"])
+    if args.profile == "llama8b-h100":
+        print("\ntargets (profile llama8b-h100, D busy):")
+        for line in target_check(result["rows"]):
+            print(f"  {line}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     say(f"wrote {args.out}")
