@@ -1,0 +1,312 @@
+"""One keep-alive HTTP/1.1 connection to a server, as an asyncio protocol, and the answer
+it reads (`Response`), parsed by httptools; the errors a call can end with. The rules
+they follow are in the package's docstring (`proxy.http11`)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import Protocol
+
+import httptools
+
+# A streamed body pauses reading from the server above this many buffered bytes.
+HIGH_WATER = 256 * 1024
+
+
+class ConnectionLost(Exception):
+    """The server closed the connection before its answer was complete."""
+
+
+class ConnectFailed(Exception):
+    """No connection could be opened (refused, unreachable, or timed out)."""
+
+
+class MalformedAnswer(Exception):
+    """The server's answer breaks our rules: headers too large, an unasked-for upgrade."""
+
+
+class PoolTimeout(Exception):
+    """No room for a connection under the client's cap within its pool timeout."""
+
+
+class Response:
+    """An answer being received: status and headers first, then body chunks."""
+
+    def __init__(self, connection: Connection) -> None:
+        self._connection = connection
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.head = asyncio.get_running_loop().create_future()  # set when headers are in
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self.complete = False
+        self.error: BaseException | None = None
+        # Monotonic time by which the next byte must arrive, enforced by the client's
+        # `Deadlines` sweep while someone waits (`awaited`). `idle`, once set, pushes it
+        # that far ahead whenever a chunk arrives and whenever a wait for one begins.
+        self.deadline = float("inf")
+        self.idle: float | None = None
+
+    def expect_within(self, seconds: float, *, per_chunk: bool = False) -> None:
+        """Time out unless the next part comes within `seconds` (with `per_chunk`, each
+        chunk of the body restarts the clock)."""
+        self.deadline = time.monotonic() + seconds
+        self.idle = seconds if per_chunk else None
+
+    async def read_chunk(self) -> bytes:
+        """The next body chunk; b"" at the end. Raises the connection's error, if any."""
+        while not self._chunks:
+            if self.error is not None:
+                raise self.error
+            if self.complete:
+                return b""
+            if self.idle is not None:  # the server is late only while we wait for it
+                self.deadline = time.monotonic() + self.idle
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._take()
+
+    def _take(self) -> bytes:
+        """Hand out the oldest buffered chunk (reading resumes below the high water)."""
+        chunk = self._chunks.popleft()
+        self._buffered -= len(chunk)
+        if self._buffered < HIGH_WATER:
+            self._connection.resume_reading()
+        if self.complete and not self._chunks:
+            self._connection.handed_out(self)
+        return chunk
+
+    @property
+    def awaited(self) -> bool:
+        """Someone waits on the server: for the head, or for a chunk. A streamed body's
+        reader that is busy elsewhere (writing to a slow client) does not make the
+        server late."""
+        return self._waiter is not None or not self.head.done()
+
+    @property
+    def at_end(self) -> bool:
+        """Every byte of the body has been handed out."""
+        return self.complete and not self._chunks
+
+    async def read(self) -> bytes:
+        """The rest of the body (at once when it is all in: the usual whole answer)."""
+        parts = []
+        while chunk := await self.read_chunk():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    # Called by the connection (the protocol's callbacks):
+
+    def _feed(self, chunk: bytes) -> None:
+        if self.idle is not None:
+            self.deadline = time.monotonic() + self.idle
+        self._chunks.append(chunk)
+        self._buffered += len(chunk)
+        if self._buffered >= HIGH_WATER:
+            self._connection.pause_reading()
+        self._wake()
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        if self.complete or self.error is not None:
+            return
+        if error is None:
+            self.complete = True
+            if not self._chunks:
+                self._connection.handed_out(self)
+        else:
+            self.error = error
+            if not self.head.done():
+                self.head.set_exception(error)
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class Owner(Protocol):
+    """What a connection needs of the pool that owns it (`proxy.http11.pool.Pool`)."""
+
+    max_header_bytes: int
+
+    def release(self, connection: Connection, response: Response) -> None:
+        """The answer ended and every byte was handed over: idle, or closed."""
+
+    def forget(self, connection: Connection) -> None:
+        """The connection closed."""
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection to a server, carrying one request at a time."""
+
+    def __init__(self, pool: Owner) -> None:
+        self._pool = pool
+        self._max_header_bytes = pool.max_header_bytes
+        self._transport: asyncio.Transport | None = None
+        self._parser = httptools.HttpResponseParser(self)
+        self._response: Response | None = None  # the answer being parsed
+        self.leased: Response | None = None  # the answer its caller has not released yet
+        self.reusable = False  # the last answer ended and the server keeps the connection
+        self.requests = 0  # requests sent on it (one sent when this is not 0 reuses it)
+        # Bytes received for the current request while its final head was not in yet
+        # (0: no byte of an answer arrived), and the head's size as parsed.
+        self.head_bytes = 0
+        self._head_size = 0
+        self._interim = False  # the message being parsed is a 1xx interim answer
+        self._reading_paused = False
+        self.closed = False
+        self.dropped = False  # closed by the server (or the network), not by us
+        self.idle_since = time.monotonic()
+
+    # asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
+
+    def data_received(self, data: bytes) -> None:
+        response = self._response
+        if response is None:
+            # Nobody asked for these bytes (the connection is idle, or its answer has
+            # ended): the server is out of step with us, so the connection is done.
+            self.close()
+            return
+        heading = not response.head.done()
+        if heading:
+            self.head_bytes += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserCallbackError as exc:
+            cause = exc.__context__  # what our callback raised
+            self._fail(cause if isinstance(cause, MalformedAnswer) else exc)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._fail(exc)
+        else:
+            # A head still incomplete past the cap (arriving in pieces) is not waited out.
+            if heading and self.head_bytes > self._max_header_bytes and not response.head.done():
+                self._fail(self._too_large())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.dropped = not self.closed
+        self.closed = True
+        self._pool.forget(self)
+        response, self._response = self._response, None
+        if response is None:
+            return
+        if exc is None and response.head.done() and _ends_at_close(response):
+            response._finish()  # its body was delimited by the end of the connection
+        else:
+            response._finish(ConnectionLost(f"connection closed: {exc or 'by the server'}"))
+
+    # httptools callbacks
+
+    def on_message_begin(self) -> None:
+        if self._response is None:
+            raise MalformedAnswer("bytes after the end of the answer")
+
+    def on_status(self, status: bytes) -> None:
+        self._head_size += len(status) + 15  # "HTTP/1.1 200 " and CRLF around the reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._response is not None:
+            self._head_size += len(name) + len(value) + 4
+            self._response.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        response = self._response
+        if response is None or response.head.done():
+            return
+        if self._head_size > self._max_header_bytes:
+            raise self._too_large()
+        status = self._parser.get_status_code()
+        if status < 200:
+            if status == 101:
+                raise MalformedAnswer("101 Switching Protocols to a request that asked for none")
+            # An interim answer: the final one follows on the same connection.
+            self._interim = True
+            response.headers = {}
+            return
+        response.status = status
+        response.head.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        if self._response is not None:
+            self._response._feed(body)
+
+    def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        response, self._response = self._response, None
+        if response is not None:
+            # Reused once every chunk is handed out, or its caller releases it (see
+            # `handed_out`), not before: chunks may still wait, with reading paused.
+            self.reusable = self._parser.should_keep_alive()
+            response._finish()
+
+    # used by Response and Pool
+
+    def handed_out(self, response: Response) -> None:
+        """The answer ended and its reader has every byte: nothing more is read from
+        the connection for it, so it is free at once, while the caller may still be
+        passing the last chunk on (its release then does nothing)."""
+        self._pool.release(self, response)
+
+    def send(self, head: bytes, body: bytes) -> Response:
+        assert self._transport is not None and self.leased is None  # one at a time
+        response = self._response = self.leased = Response(self)
+        self.requests += 1
+        self.reusable = False
+        self.head_bytes = self._head_size = 0
+        self._transport.write(head + body)
+        return response
+
+    def pause_reading(self) -> None:
+        if not self._reading_paused and self._transport is not None:
+            self._reading_paused = True
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._reading_paused and self._transport is not None and not self.closed:
+            self._reading_paused = False
+            self._transport.resume_reading()
+
+    def close(self) -> None:
+        """Close at once: a server sees its client gone and aborts the request. An answer
+        still being received fails with ConnectionLost."""
+        if not self.closed:
+            self.closed = True
+            self._pool.forget(self)
+            response, self._response = self._response, None
+            if response is not None:
+                response._finish(ConnectionLost("connection closed by the router"))
+            if self._transport is not None:
+                self._transport.close()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._response is not None:
+            self._response._finish(exc)
+            self._response = None
+        self.close()
+
+    def _too_large(self) -> MalformedAnswer:
+        return MalformedAnswer(
+            f"status line and headers over {self._max_header_bytes} bytes "
+            "(limits.max_upstream_header_bytes)"
+        )
+
+
+def _ends_at_close(response: Response) -> bool:
+    """Whether the answer's body is delimited by the end of the connection: neither
+    Content-Length nor chunked, and a status that has a body."""
+    headers = response.headers
+    return (
+        response.status not in (204, 304)
+        and "content-length" not in headers
+        and "chunked" not in headers.get("transfer-encoding", "").lower()
+    )
