@@ -339,7 +339,7 @@ async def test_paused_answer_is_not_reused_before_it_is_read(
     """The whole answer arrives in one read, which also pauses reading (buffered over
     the high water): the parser has seen its end, but its reader has not. Its
     connection must not carry another request until the reader is done with it."""
-    monkeypatch.setattr(http11, "HIGH_WATER", 16)
+    monkeypatch.setattr(http11.connection, "HIGH_WATER", 16)
 
     async def script(peer: Peer) -> None:
         while (request := await peer.read_request()) is not None:
@@ -366,7 +366,7 @@ async def test_released_unread_answer_resumes_its_connection(
 ) -> None:
     """An answer received whole but not handed out, released: its connection goes back
     with its reading resumed, and carries the next request."""
-    monkeypatch.setattr(http11, "HIGH_WATER", 16)
+    monkeypatch.setattr(http11.connection, "HIGH_WATER", 16)
 
     async def script(peer: Peer) -> None:
         while (request := await peer.read_request()) is not None:
