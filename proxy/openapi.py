@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from connector.wire import REQUEST_ID_HEADER, TRANSFER_MODE_HEADER
+
 ERROR = {"$ref": "#/components/schemas/Error"}
 
 
@@ -36,22 +38,22 @@ def _errors(*statuses: int) -> dict[str, Any]:
 
 
 _MODE_HEADER = {
-    "name": "X-KV-Transfer-Mode", "in": "header", "required": False,
+    "name": TRANSFER_MODE_HEADER, "in": "header", "required": False,
     "schema": {"type": "string", "enum": ["pull", "push", "local", "auto"]},
     "description": "KV hand-over for this request; overrides the configured mode "
                    "(local: no prefill server, the decode server computes the prompt).",
 }
 _REQUEST_ID_HEADER = {
-    "name": "X-Request-Id", "in": "header", "required": False,
+    "name": REQUEST_ID_HEADER, "in": "header", "required": False,
     "schema": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$"},
     "description": "Your id for the request; both legs get it (else one is generated).",
 }
 _ANSWER_HEADERS = {
-    "X-KV-Transfer-Mode": {"schema": {"type": "string", "enum": ["pull", "push", "local"]},
+    TRANSFER_MODE_HEADER: {"schema": {"type": "string", "enum": ["pull", "push", "local"]},
                            "description": "The mode used."},
     "X-KV-Transfer-Mode-Reason": {"schema": {"type": "string"},
                                   "description": "Why the asked mode was not used (only then)."},
-    "X-Request-Id": {"schema": {"type": "string"}, "description": "The request's id."},
+    REQUEST_ID_HEADER: {"schema": {"type": "string"}, "description": "The request's id."},
     "X-KV-Transfer-Recovery": {
         "schema": {"type": "string", "enum": ["pull", "recompute"]},
         "description": "A push whose prefill failed was answered this way (only then)."},
