@@ -156,10 +156,14 @@ def run(
     from proxy.app import create_app
     from proxy.listener import server_config
 
+    kubernetes = config.discovery.kubernetes
+    found = (f" + pods in namespace {kubernetes.namespace} ({kubernetes.prefill_selector} / "
+             f"{kubernetes.decode_selector})" if kubernetes is not None else "")
     logging.getLogger("pdproxy").info(
-        "pd-proxy on http://%s:%d, mode %s, prefill %s, decode %s",
+        "pd-proxy on http://%s:%d, mode %s, prefill %s, decode %s%s",
         config.host, config.port, config.mode.value,
-        ", ".join(e.url for e in config.prefill), ", ".join(e.url for e in config.decode),
+        ", ".join(e.url for e in config.prefill) or "-",
+        ", ".join(e.url for e in config.decode) or "-", found,
     )
     app = create_app(config, source, workers=worker.group if worker else None)
     # Fewer, later garbage collections: the request path makes many short-lived objects
