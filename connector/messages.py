@@ -42,7 +42,10 @@ import msgspec
 #   1: RegisterBlocks, Ack, Nack, Abort, PushDone, PushFailed, Ping, Pong.
 #   2: PushFailed.pull, P's offer to be read instead after a failed WRITE.
 #   3: Abandon (router -> P); Nack reasons over_limit and too_many_blocks.
-PROTOCOL_VERSION = 3
+#   4: RegisterBlocks.tp_size may differ from P's: P accepts a D whose tp is a multiple
+#      or a divisor of its own and its ranks WRITE D's ranks as `connector.tp_plan` maps
+#      them (version 3's P refused any other tp than its own).
+PROTOCOL_VERSION = 4
 
 TransferId = NewType("TransferId", str)
 EngineId = NewType("EngineId", str)
@@ -59,7 +62,7 @@ class NackReason(str, enum.Enum):
 
     DUPLICATE = "duplicate"  # this transfer_id is already registered
     BLOCK_SIZE_MISMATCH = "block_size_mismatch"
-    TP_MISMATCH = "tp_mismatch"  # tp sizes differ, or the rank is not P's rank
+    TP_MISMATCH = "tp_mismatch"  # a tp pair push cannot map (tp_plan), or tp_rank not 0
     PREFILL_ABORTED = "prefill_aborted"  # P's request for it already ended without KV
     SHUTTING_DOWN = "shutting_down"
     OVER_LIMIT = "over_limit"  # this peer holds too many pending registrations already
@@ -101,8 +104,9 @@ class _TransferMessage(_Message, frozen=True, kw_only=True):
 class RegisterBlocks(_TransferMessage, frozen=True, kw_only=True, tag="register_blocks"):
     """D -> P: D's blocks for this transfer, one list per KV-cache group.
 
-    D's scheduler speaks for all of D's ranks (`tp_rank` 0 of `tp_size`); P's rank r
-    writes D's rank r. `request_id` is D's engine request id: the WRITE's NIXL
+    D's scheduler speaks for all of D's ranks (`tp_rank` 0 of `tp_size`); each of P's
+    ranks writes the D ranks `connector.tp_plan` maps it to (P's rank r to D's rank r
+    when the sizes are equal). `request_id` is D's engine request id: the WRITE's NIXL
     notification names it. `host`/`port` are D's NIXL side channel (vLLM's handshake
     listener), where P's workers fetch D's agent metadata before they WRITE. Replies go
     back over the same ZMQ connection, addressed by D's `engine_id`."""

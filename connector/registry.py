@@ -9,10 +9,11 @@ must do (answer D, start a WRITE, free P's blocks), so the caller's error paths 
 visible.
 
 Matching is exact on `transfer_id` and works in either order: D may register before P's
-prefill finishes, or after. One registry serves one P engine; D's scheduler registers
-for all of D's ranks at once (`tp_rank` 0). Push needs equal tensor-parallel sizes for
-now (P's rank r writes D's rank r); any other registration is refused (TP_MISMATCH), so
-heterogeneous TP stays on pull.
+prefill finishes, or after. One registry serves one P engine (all its ranks); D's
+scheduler registers for all of D's ranks at once (`tp_rank` 0), and every P rank WRITEs
+its share (see `connector.tp_plan`). P and D may run different tensor-parallel sizes when
+one is a multiple of the other; any other pair, and a D whose tp would replicate the
+model's KV heads beyond P's tp, is refused (TP_MISMATCH, with the reason).
 
 An end that comes before its transfer is known leaves a tombstone for `unclaimed_ttl`:
 D's abort before P's prefill finished (the prefill's blocks are then freed the moment it
@@ -70,6 +71,7 @@ from typing import TypeAlias
 
 import msgspec
 
+from connector import tp_plan
 from connector.messages import EngineId, FailReason, NackReason, RegisterBlocks, TransferId
 
 RequestId: TypeAlias = str  # P's engine request id, which holds P's blocks
@@ -111,7 +113,10 @@ class RegistryConfig(msgspec.Struct, frozen=True, kw_only=True):
     engine_id: EngineId
     block_size: int
     tp_size: int = 1
-    tp_rank: int = 0
+    # The model's KV heads (None: unknown, not checked) and whether its KV is MLA's
+    # latent: what decides whether D's tp can be pushed to (`tp_plan.refusal`).
+    kv_heads: int | None = None
+    mla: bool = False
     registration_ttl: float = DEFAULT_REGISTRATION_TTL_S
     unclaimed_ttl: float = DEFAULT_UNCLAIMED_TTL_S
     # P's KV cache blocks in all: no registration may name more block ids (None: unknown).
@@ -125,10 +130,11 @@ class RegistryConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"max_pending_per_peer must be >= 1, got {self.max_pending_per_peer}")
         if not self.engine_id:
             raise ValueError("engine_id must be a non-empty string")
-        if self.block_size < 1 or self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+        if self.block_size < 1 or self.tp_size < 1 or (
+                self.kv_heads is not None and self.kv_heads < 1):
             raise ValueError(
-                f"need block_size >= 1, tp_size >= 1, 0 <= tp_rank < tp_size; got "
-                f"block_size={self.block_size}, tp_size={self.tp_size}, tp_rank={self.tp_rank}"
+                f"need block_size >= 1, tp_size >= 1, kv_heads >= 1 or None; got "
+                f"block_size={self.block_size}, tp_size={self.tp_size}, kv_heads={self.kv_heads}"
             )
         for name, ttl in (("registration_ttl", self.registration_ttl),
                           ("unclaimed_ttl", self.unclaimed_ttl)):
@@ -208,7 +214,7 @@ class RegistryCounters:
     expired_registrations: int = 0  # D registered, P never finished in time
     expired_unclaimed: int = 0  # P finished, D never registered in time
     duplicates: int = 0
-    rejected: int = 0  # registrations refused: block size or TP mismatch
+    rejected: int = 0  # registrations refused: block size or an unsupported TP pair
     over_limit: int = 0  # registrations refused: the peer's pending limit
     too_many_blocks: int = 0  # registrations refused: more block ids than P's blocks
     foreign_aborts: int = 0  # aborts of a registered transfer from another peer: ignored
@@ -520,12 +526,15 @@ class PushRegistry:
                 f"block size mismatch: decode {reg.block_size}, prefill {local.block_size}; "
                 "start P and D with the same --block-size"
             )
-        if reg.tp_size != local.tp_size or reg.tp_rank != local.tp_rank:
+        if reg.tp_rank != 0:
             return NackReason.TP_MISMATCH, (
-                f"tensor-parallel mismatch: decode tp {reg.tp_size} rank {reg.tp_rank}, "
-                f"prefill tp {local.tp_size} rank {local.tp_rank}; push needs equal tp sizes "
-                "and rank r to rank r (use pull for heterogeneous TP)"
-            )
+                f"tensor-parallel mismatch: a registration speaks for all of D's ranks "
+                f"(tp_rank 0), this one for rank {reg.tp_rank} of decode tp {reg.tp_size}")
+        why = tp_plan.refusal(local.tp_size, reg.tp_size, kv_heads=local.kv_heads,
+                              mla=local.mla)
+        if why is not None:
+            return NackReason.TP_MISMATCH, (
+                f"tensor-parallel mismatch: {why} (pull serves any tp pair vLLM reads)")
         return None
 
     def _match(self, record: _Transfer, *, early: bool = False) -> Ready | Release:

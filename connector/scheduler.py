@@ -88,6 +88,17 @@ class PushStats:
     aborted: int = 0  # D: pushes ended by D's own abort (client gone)
 
 
+def _dp_size(vllm_config: VllmConfig, engine_id: str) -> int | None:
+    """How many data-parallel ranks this server has, as far as its engine knows: an MoE
+    model's engines see the real size; a dense model's run as independent engines whose
+    size vLLM resets to 1, known as data-parallel only by the `_dp{rank}` suffix vLLM puts
+    on their engine id (then None: the size is unknown here)."""
+    parallel = vllm_config.parallel_config
+    if parallel.data_parallel_size > 1:
+        return int(parallel.data_parallel_size)
+    return None if engine_id.endswith(f"_dp{parallel.data_parallel_index}") else 1
+
+
 def transfer_id_of(params: wire.KVTransferParams) -> TransferId | None:
     """The router's `transfer_id`, naming this push on P and D; None when absent."""
     return TransferId(params.transfer_id) if params.transfer_id else None
@@ -104,6 +115,9 @@ class DualScheduler(NixlPullConnectorScheduler):
         self.push_host = config.push_host or self.side_channel_host
         dp_index = vllm_config.parallel_config.data_parallel_index
         self.push_port = config.push_port + dp_index
+        # Told in every answer, so the router can pin a push to this engine (the
+        # X-data-parallel-rank header) and give D this rank's coordinates.
+        self.dp_rank, self.dp_size = dp_index, _dp_size(vllm_config, engine_id)
         self.registration_ttl = config.registration_ttl
         self.stats_interval = config.stats_interval
         self.pull_fallback_ttl = config.pull_fallback_ttl
@@ -118,7 +132,9 @@ class DualScheduler(NixlPullConnectorScheduler):
             engine_id=EngineId(engine_id), block_size=self.block_size,
             tp_size=self.transfer_tp_size, registration_ttl=config.registration_ttl,
             unclaimed_ttl=config.unclaimed_ttl, num_blocks=kv_cache_config.num_blocks or None,
-            max_pending_per_peer=config.max_pending_per_peer))
+            max_pending_per_peer=config.max_pending_per_peer,
+            kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
+            mla=vllm_config.model_config.use_mla))
         self.prefill_channel = PrefillChannel(
             registry, self.push_host, self.push_port,
             early_to=(engine_id, dp_index) if self.early_write else None,
@@ -227,6 +243,9 @@ class DualScheduler(NixlPullConnectorScheduler):
             answer[wire.TRANSFER_MODES] = list(wire.TRANSFER_MODE_VALUES)
             answer[wire.PUSH_HOST] = self.push_host
             answer[wire.PUSH_PORT] = self.push_port
+            answer[wire.DP_RANK] = self.dp_rank
+            if self.dp_size is not None:
+                answer[wire.DP_SIZE] = self.dp_size
         return delay_free, answer
 
     def _prefill_push_finished(

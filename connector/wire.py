@@ -14,7 +14,10 @@ Who sends what (vLLM 0.32's NIXL keys, plus ours):
   `fail_write` true (honoured only with the connector's `fault_injection`).
 - P's answer: `do_remote_prefill` true, `remote_engine_id`, `remote_block_ids`,
   `remote_host`, `remote_port`, `tp_size`, ...; from our connector also
-  `transfer_modes`, `push_host`, `push_port`, and `transfer_mode` "push" for a push.
+  `transfer_modes`, `push_host`, `push_port`, `dp_rank` (the data-parallel rank of the
+  engine that answered) and `dp_size` (how many ranks P has; absent when the engine does
+  not know: vLLM runs a dense model's ranks as independent engines of size 1), and
+  `transfer_mode` "push" for a push.
 - D leg, pull: P's answer, unchanged.
 - D leg, push: P's coordinates (`remote_engine_id`, `remote_host`, `remote_port`,
   `tp_size`, `push_host`, `push_port`), `transfer_id`, `transfer_mode` "push",
@@ -52,6 +55,8 @@ PUSH_HOST: Final = "push_host"
 PUSH_PORT: Final = "push_port"
 PROBE: Final = "probe"
 FAIL_WRITE: Final = "fail_write"
+DP_RANK: Final = "dp_rank"
+DP_SIZE: Final = "dp_size"
 
 # The values of `transfer_mode` and the members of `transfer_modes`.
 PULL: Final = "pull"
@@ -63,6 +68,9 @@ TRANSFER_MODE_VALUES: Final = (PULL, PUSH)
 # the mode used in it.
 REQUEST_ID_HEADER: Final = "X-Request-Id"
 TRANSFER_MODE_HEADER: Final = "X-KV-Transfer-Mode"
+# vLLM's: a server started with --data-parallel-size runs the request on this rank's
+# engine (0-based; out of range: 400). The router pins a push's P leg with it.
+DATA_PARALLEL_RANK_HEADER: Final = "X-data-parallel-rank"
 
 
 class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,6 +92,8 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     push_port: int | None = None
     probe: bool = False
     fail_write: bool = False
+    dp_rank: int | None = None
+    dp_size: int | None = None
 
     @property
     def is_push(self) -> bool:

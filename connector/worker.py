@@ -47,6 +47,7 @@ from connector.metadata import PushEnd, PushJob, PushReport, PushStep
 from connector.pages import small_pages
 from connector.progress import agent_progress
 from connector.push_requests import IncomingPushes
+from connector.tp_plan import writers_per_decode_rank
 from connector.vllm_compat import (
     NixlConnectorMetadata,
     NixlPullConnectorWorker,
@@ -376,9 +377,11 @@ class DualWorker(NixlPullConnectorWorker):
         return read_by_d
 
     def _push_arrived(self, req_id: str, producer_world_size: int) -> None:
-        """D: one of P's ranks finished its WRITE. With P's tp > D's, several do."""
+        """D: one of P's ranks finished its WRITE into this rank. With P's tp k times D's,
+        k of them do (`tp_plan`); with D's tp a multiple of P's, one P rank writes several
+        D ranks, each notified once."""
         meta = self._recving_metadata[req_id]
-        expected = meta.pp_size * max(1, producer_world_size // self.world_size)
+        expected = meta.pp_size * writers_per_decode_rank(producer_world_size, self.world_size)
         if self._incoming.notified(req_id, expected):
             self._finish_landed()
 

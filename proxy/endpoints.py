@@ -2,7 +2,8 @@
 
 An `Endpoint` record holds all the live state of one vLLM server: requests in flight,
 health, its last error and recent latency, the models it serves, the load its /metrics
-reported, and for a P its KV coordinates (configured, or learned by a probe). A
+reported, and for a P its KV coordinates (configured, or learned by a probe; for a
+data-parallel P, each rank's, in `DataParallelRanks`). A
 `Cluster` picks the endpoint for a leg: it filters (healthy, serves the model, not
 ejected, can do the mode), then its `Balancer` picks. `lease()` counts a request in
 flight and always gives it back.
@@ -58,6 +59,9 @@ class Endpoint:
         self.learned_models: frozenset[str] | None = None
         # For a P: coordinates learned from a probe or a P answer; None until known.
         self.learned_coordinates: PrefillCoordinates | None = None
+        # For a data-parallel P (its answers say so): every rank's coordinates, learned by
+        # probes pinned to each rank and by its answers; None for a P of one engine.
+        self.learned_ranks: DataParallelRanks | None = None
 
     def __repr__(self) -> str:
         return f"Endpoint({self.cluster.value} {self.url}, in_flight={self.in_flight})"
@@ -88,6 +92,30 @@ class Endpoint:
             push_port=c.push_port or base.push_port,
             push_host=base.push_host or (c.side_channel_host if c.push_port else None),
             transfer_modes=frozenset(c.transfer_modes) if c.transfer_modes else base.transfer_modes,
+        )
+
+    @property
+    def data_parallel_ranks(self) -> DataParallelRanks | None:
+        """The ranks a push to this P is pinned among; None when a push goes unpinned (a P
+        of one engine, or configured coordinates, which name one engine)."""
+        return None if self.config.has_coordinates else self.learned_ranks
+
+    def rank_coordinates(self, rank: int) -> PrefillCoordinates | None:
+        """Rank `rank`'s coordinates (None while unknown), with this server's configured
+        `tp_size`, `transfer_modes` and `push_port` (rank 0's: rank r's is r above it, as
+        the connector offsets it)."""
+        ranks = self.learned_ranks
+        learned = ranks.get(rank) if ranks is not None else None
+        if learned is None:
+            return None
+        c = self.config
+        return msgspec.structs.replace(
+            learned,
+            tp_size=c.tp_size or learned.tp_size,
+            push_port=c.push_port + rank if c.push_port else learned.push_port,
+            push_host=learned.push_host or (c.side_channel_host if c.push_port else None),
+            transfer_modes=frozenset(c.transfer_modes) if c.transfer_modes
+            else learned.transfer_modes,
         )
 
     def can(self, mode: Mode) -> bool:
@@ -161,6 +189,91 @@ class Lease:
 
     def __exit__(self, *exc_info: object) -> None:
         self._endpoint.in_flight -= 1
+
+
+class DataParallelRanks:
+    """The engines of a data-parallel P (vLLM's `--data-parallel-size`), one URL for all:
+    each rank's coordinates and the pushes in flight on each. A push is pinned to the rank
+    `pick` chooses among those whose coordinates are known: fewest pushes in flight, equals
+    in turn (a simple choice: it counts this router's pushes only, not P's pulls or other
+    routers' requests, which vLLM balances among the ranks itself)."""
+
+    __slots__ = ("size", "_known", "_in_flight", "_turn")
+
+    def __init__(self, size: int | None) -> None:
+        self.size = size  # how many ranks P has; None until the probes found out
+        self._known: dict[int, PrefillCoordinates] = {}  # rank -> its coordinates
+        self._in_flight: dict[int, int] = {}  # rank -> pushes pinned to it now
+        self._turn = 0  # where the next tie starts
+
+    def __repr__(self) -> str:
+        return f"DataParallelRanks(size={self.size}, known={sorted(self._known)})"
+
+    def get(self, rank: int) -> PrefillCoordinates | None:
+        return self._known.get(rank)
+
+    def learn(self, coordinates: PrefillCoordinates) -> PrefillCoordinates | None:
+        """Record a rank's coordinates (its `dp_rank`); returns what was known before."""
+        rank = coordinates.dp_rank
+        if rank is None or rank < 0 or (self.size is not None and rank >= self.size):
+            raise ValueError(f"rank {rank!r} is not one of {self.size} data-parallel ranks")
+        previous = self._known.get(rank)
+        self._known[rank] = coordinates
+        return previous
+
+    def missing(self) -> list[int] | None:
+        """The ranks not known yet; None while the number of ranks is unknown."""
+        if self.size is None:
+            return None
+        return [r for r in range(self.size) if r not in self._known]
+
+    def pick(self) -> int | None:
+        """The rank for the next push: among known ranks, fewest in flight, ties in turn;
+        None when no rank is known."""
+        known = sorted(self._known)
+        if not known:
+            return None
+        start = self._turn % len(known)
+        self._turn += 1
+        turn = known[start:] + known[:start]
+        return min(turn, key=lambda r: self._in_flight.get(r, 0))
+
+    def lease(self, rank: int) -> RankLease:
+        """`with ranks.lease(rank):` counts one push in flight on `rank` for the block."""
+        return RankLease(self._in_flight, rank)
+
+    def rows(self) -> list[tuple[int, PrefillCoordinates, int]]:
+        """Each known rank, its coordinates and the pushes in flight on it, by rank."""
+        return [(r, c, self._in_flight.get(r, 0)) for r, c in sorted(self._known.items())]
+
+    def snapshot(self) -> dict[str, object]:
+        """For `/admin/endpoints` and logs: the size and each known rank's coordinates."""
+        return {
+            "size": self.size,
+            "ranks": [
+                {"rank": r, "engine_id": c.engine_id, "side_channel": f"{c.host}:{c.port}",
+                 "push_port": c.push_port, "pushes_in_flight": in_flight}
+                for r, c, in_flight in self.rows()
+            ],
+            "missing": self.missing(),
+        }
+
+
+class RankLease:
+    """A push in flight on one rank of a data-parallel P, always given back."""
+
+    __slots__ = ("_counts", "_rank")
+
+    def __init__(self, counts: dict[int, int], rank: int) -> None:
+        self._counts = counts
+        self._rank = rank
+
+    def __enter__(self) -> int:
+        self._counts[self._rank] = self._counts.get(self._rank, 0) + 1
+        return self._rank
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._counts[self._rank] -= 1
 
 
 class Cluster:

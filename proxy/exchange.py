@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 
+from connector import wire
 from proxy.config import Mode
 from proxy.endpoints import ClusterName, Endpoint
 from proxy.errors import (
@@ -57,7 +58,7 @@ class Exchange:
         self.bucket = bucket  # the prompt-length bucket auto mode learns in (streamed requests)
         self.prefix = prefix  # the prompt's prefix key (prefix affinity), for a retry's pick
         self.mode = decision.used.value
-        self.upstream_headers = {"X-Request-Id": request.request_id}
+        self.upstream_headers = {wire.REQUEST_ID_HEADER: request.request_id}
         self.started_at = time.perf_counter()
         self.prefill_seconds: float | None = None
         self.decode_first_byte_seconds: float | None = None
@@ -111,8 +112,11 @@ class Exchange:
         assert self.prefill_endpoint is not None, "a local exchange has no prefill server"
         return self.prefill_endpoint
 
-    async def prefill(self, body: dict[str, Any]) -> dict[str, Any]:
-        """P's leg: one token, not streamed. Returns P's JSON answer."""
+    async def prefill(
+        self, body: dict[str, Any], *, headers: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """P's leg: one token, not streamed. Returns P's JSON answer. `headers`: more
+        headers for P's leg alone (a push's data-parallel rank)."""
         p = self.prefill_server
         started = time.perf_counter()
         with p.lease():
@@ -120,7 +124,8 @@ class Exchange:
                 answer = await self.router.client.post_json(
                     f"{p.url}{self.request.route.value}",
                     body,
-                    headers=self.upstream_headers,
+                    headers=self.upstream_headers if headers is None
+                    else {**self.upstream_headers, **headers},
                     endpoint=p.url,
                     cluster=p.cluster.value,
                     timeout=self.router.config.timeouts.prefill,
@@ -135,7 +140,7 @@ class Exchange:
         metrics.child(metrics.prefill_latency, self.mode).observe(self.prefill_seconds)
         if not isinstance(answer, dict):
             raise RouterError(f"prefill server {p.url} answered with non-object JSON")
-        self.router.prober.observe(p, answer.get("kv_transfer_params"))
+        self.router.prober.observe(p, answer.get(wire.KV_TRANSFER_PARAMS))
         return answer
 
     async def relay_decode(self, body: dict[str, Any], down: Downstream) -> None:

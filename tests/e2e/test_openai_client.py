@@ -31,21 +31,29 @@ async def ask_with_openai(router_url: str, *, chat: bool, stream: bool, mode: st
     """Send `body` with the openai client; return (text, X-KV-Transfer-Mode of the answer)."""
     client = openai.AsyncOpenAI(base_url=router_url + "/v1", api_key="unused", timeout=60)
     headers = {"X-KV-Transfer-Mode": mode}
-    common = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "extra_headers": headers}
     async with client:
         if chat:
             messages = body["messages"]
             if stream:
-                events = await client.chat.completions.create(messages=messages, stream=True, **common)
-                text = "".join([c.choices[0].delta.content or "" async for c in events if c.choices])
-                return text, events.response.headers["x-kv-transfer-mode"]
-            raw = await client.chat.completions.with_raw_response.create(messages=messages, **common)
-            return raw.parse().choices[0].message.content or "", raw.headers["x-kv-transfer-mode"]
+                chunks = await client.chat.completions.create(
+                    messages=messages, stream=True, model="tiny", max_tokens=MAX_TOKENS,
+                    temperature=0, extra_headers=headers)
+                text = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+                return text, chunks.response.headers["x-kv-transfer-mode"]
+            raw_chat = await client.chat.completions.with_raw_response.create(
+                messages=messages, model="tiny", max_tokens=MAX_TOKENS, temperature=0,
+                extra_headers=headers)
+            answer = raw_chat.parse().choices[0].message.content or ""
+            return answer, raw_chat.headers["x-kv-transfer-mode"]
         if stream:
-            events = await client.completions.create(prompt=body["prompt"], stream=True, **common)
+            events = await client.completions.create(
+                prompt=body["prompt"], stream=True, model="tiny", max_tokens=MAX_TOKENS,
+                temperature=0, extra_headers=headers)
             text = "".join([c.choices[0].text async for c in events if c.choices])
             return text, events.response.headers["x-kv-transfer-mode"]
-        raw = await client.completions.with_raw_response.create(prompt=body["prompt"], **common)
+        raw = await client.completions.with_raw_response.create(
+            prompt=body["prompt"], model="tiny", max_tokens=MAX_TOKENS, temperature=0,
+            extra_headers=headers)
         return raw.parse().choices[0].text, raw.headers["x-kv-transfer-mode"]
 
 

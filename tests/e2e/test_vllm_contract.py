@@ -1,6 +1,7 @@
 """vLLM's side of the P/D contract, checked against real vLLM 0.32 servers (no router).
 
-What the router relies on (DESIGN.md section 3), hand-verified once and kept true here:
+What the router relies on (docs/ARCHITECTURE.md, section 6), hand-verified once and
+kept true here:
 - pull: P's 1-token answer carries kv_transfer_params; D given them gets its prompt's
   KV over NIXL (not recomputed) and generates the same greedy tokens as one server.
 - push: with both legs sent at once under one X-Request-Id, P WRITEs the KV into D's
@@ -146,9 +147,10 @@ async def test_pull_frees_kv_blocks_on_both_sides(pull_pair: Pair) -> None:
             stream=False,
         )  # fmt: skip
         for url in urls:
-            samples = await wait_for_metric(
-                client, url, lambda s, url=url: metric(s, KV_USAGE) <= before[url], timeout_s=15
-            )
+            def freed(s: dict[Any, float], url: str = url) -> bool:
+                return metric(s, KV_USAGE) <= before[url]
+
+            samples = await wait_for_metric(client, url, freed, timeout_s=15)
             assert metric(samples, KV_USAGE) <= before[url], f"{url} still holds KV blocks"
 
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
 
 from tests.conftest import serve_router
 from tests.integration.conftest import Pair
 
-GOOD = {"model": "fake-model", "prompt": "hi", "max_tokens": 2}
-CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
+GOOD: dict[str, Any] = {"model": "fake-model", "prompt": "hi", "max_tokens": 2}
+CHAT: dict[str, Any] = {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}]}
 
-CASES = [
+Case = tuple[str, str, bytes | dict[str, Any], dict[str, str], int, str | None]
+CASES: list[Case] = [
     # (name, route, raw body or json, headers, status, param)
     ("invalid json", "/v1/completions", b"{not json", {}, 400, None),
     ("array body", "/v1/completions", b"[1, 2]", {}, 400, None),
@@ -38,7 +41,7 @@ CASES = [
 
 @pytest.mark.parametrize("name,route,body,headers,status,param", CASES, ids=[c[0] for c in CASES])
 async def test_bad_request_is_refused(
-    pair: Pair, name: str, route: str, body: object, headers: dict, status: int, param: str | None
+    pair: Pair, name: str, route: str, body: object, headers: dict[str, str], status: int, param: str | None
 ) -> None:
     async with serve_router(prefill=[pair.p_url], decode=[pair.d_url]) as (url, _):
         async with httpx.AsyncClient(base_url=url) as client:

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from scripts.fake_vllm import FakeVLLM, start
-from tests.conftest import serve_router
+from tests.conftest import serve_router, until
 from tests.integration.conftest import Pair
 
 BODY = {"model": "fake-model", "prompt": "hello", "max_tokens": 3}
@@ -27,7 +27,7 @@ def push_config(pair: Pair, **extra: Any) -> dict[str, Any]:
 
 def assert_openai_error(r: httpx.Response, status: int) -> dict[str, Any]:
     assert r.status_code == status, r.text
-    error = r.json()["error"]
+    error: dict[str, Any] = r.json()["error"]
     assert isinstance(error["message"], str) and error["message"]
     return error
 
@@ -45,7 +45,7 @@ async def test_push_prefill_error_cancels_decode_at_once(pair: Pair) -> None:
             started = time.perf_counter()
             r = await client.post("/v1/completions", json=BODY)
             elapsed = time.perf_counter() - started
-        await pair.decode.until(lambda seen: seen and seen[0].outcome == "cancelled")
+        await pair.decode.until(lambda seen: bool(seen) and seen[0].outcome == "cancelled")
         assert_nothing_in_flight(app)
     assert r.status_code == 500  # P's own status and body are relayed
     assert r.json()["error"]["message"] == "injected failure"
@@ -57,7 +57,7 @@ async def test_push_prefill_connection_drop_gives_502_and_cancels_decode(pair: P
     async with serve_router(**push_config(pair)) as (url, app):
         async with httpx.AsyncClient(base_url=url) as client:
             r = await client.post("/v1/completions", json={**BODY, "stream": True})
-        await pair.decode.until(lambda seen: seen and seen[0].outcome == "cancelled")
+        await pair.decode.until(lambda seen: bool(seen) and seen[0].outcome == "cancelled")
         assert_nothing_in_flight(app)
     assert_openai_error(r, 502)
 
@@ -68,7 +68,7 @@ async def test_push_decode_error_cancels_prefill(pair: Pair) -> None:
     async with serve_router(**push_config(pair)) as (url, app):
         async with httpx.AsyncClient(base_url=url) as client:
             r = await client.post("/v1/completions", json=BODY)
-        await pair.prefill.until(lambda seen: seen and seen[0].outcome == "cancelled")
+        await pair.prefill.until(lambda seen: bool(seen) and seen[0].outcome == "cancelled")
         assert_nothing_in_flight(app)
     assert r.status_code == 503
 
@@ -163,7 +163,9 @@ async def test_client_leaving_during_prefill_cancels_the_legs(pair: Pair, mode: 
             await pair.decode.until(lambda seen: seen[0].outcome == "cancelled")
         else:
             assert pair.decode.seen == []
-        await asyncio.sleep(0)  # let the router's response task account for the exchange
+        # the router's response task accounts for the exchange once it has run
+        await until(lambda: not (app.state.router.prefill.in_flight()
+                                 or app.state.router.decode.in_flight()), "nothing in flight")
         assert_nothing_in_flight(app)
 
 
@@ -250,7 +252,7 @@ async def test_a_prefill_refusing_the_request_is_not_worked_around(pair: Pair) -
     async with serve_router(**push_config(pair, push_recovery="recompute")) as (url, app):
         async with httpx.AsyncClient(base_url=url) as client:
             r = await client.post("/v1/completions", json=BODY)
-        await pair.decode.until(lambda seen: seen and seen[0].outcome == "cancelled")
+        await pair.decode.until(lambda seen: bool(seen) and seen[0].outcome == "cancelled")
     assert r.status_code == 400
     assert "x-kv-transfer-recovery" not in r.headers
     assert len(pair.decode.seen) == 1

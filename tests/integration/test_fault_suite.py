@@ -88,7 +88,7 @@ async def routed(ups: Upstreams, decode: FakeVLLM | ScriptedDecode | None = None
     config = router_config(ups.url(ups.prefill), ups.url(decode or ups.decode))
     config["timeouts"].update(timeouts)
     async with serve_router(**config) as (url, app):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # one turn of the loop: tasks the start has ended are gone
         yield url, app, len(live_tasks())
 
 

@@ -22,7 +22,9 @@ def sse_texts(raw: str) -> list[str]:
 
 @pytest.mark.parametrize("route,body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
 @pytest.mark.parametrize("stream", [False, True])
-async def test_pull_calls_p_then_d_with_p_params(pair: Pair, route: str, body: dict, stream: bool) -> None:
+async def test_pull_calls_p_then_d_with_p_params(
+    pair: Pair, route: str, body: dict[str, object], stream: bool
+) -> None:
     async with serve_router(prefill=[pair.p_url], decode=[pair.d_url]) as (url, _):
         async with httpx.AsyncClient(base_url=url) as client:
             r = await client.post(route, json={**body, "stream": stream}, headers={"X-Request-Id": "req-1"})
@@ -36,7 +38,7 @@ async def test_pull_calls_p_then_d_with_p_params(pair: Pair, route: str, body: d
     assert p_seen.body["kv_transfer_params"]["do_remote_decode"] is True
     assert "transfer_id" not in p_seen.body["kv_transfer_params"]
     # D: only after P answered, with P's params unchanged and the client's own settings.
-    assert d_seen.arrived >= p_seen.finished
+    assert p_seen.finished is not None and d_seen.arrived >= p_seen.finished
     assert d_seen.body["kv_transfer_params"]["remote_engine_id"] == "engine-p0"
     assert d_seen.body["kv_transfer_params"]["remote_block_ids"] == [[1, 2, 3]]
     assert d_seen.body["max_tokens"] == 3 and d_seen.body.get("stream", False) is stream
@@ -59,6 +61,7 @@ async def test_push_sends_both_legs_at_once(pair: Pair, route: str, prefix: str)
     probe, p_seen = pair.prefill.seen  # the router probed P's coordinates first
     assert probe.body["kv_transfer_params"]["do_remote_decode"] is True
     (d_seen,) = pair.decode.seen
+    assert p_seen.finished is not None
     assert d_seen.arrived < p_seen.finished, "D must get its request while P still computes"
     p_params = p_seen.body["kv_transfer_params"]
     d_params = d_seen.body["kv_transfer_params"]

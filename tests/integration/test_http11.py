@@ -11,6 +11,7 @@ import pytest
 from aiohttp import web
 
 from proxy.http11 import Client, ConnectFailed, ConnectionLost
+from tests.conftest import until
 
 BIG_CHUNK = b"x" * 65536
 
@@ -120,7 +121,15 @@ async def test_slow_reader_pauses_the_server(server: tuple[Server, str]) -> None
     pool, path = client.pool(f"{url}/stream?n=400&big=1")  # 25 MiB if nobody pushed back
     connection, response = await pool.request("GET", path, b"", {}, connect_timeout=5, timeout=30)
     await response.head
-    await asyncio.sleep(0.5)  # read nothing for a while
+
+    def server_paused() -> bool:
+        """The server's transport holds more than its high-water mark: the kernel's
+        buffers are full and the server's writes wait for the reader."""
+        (transport,) = state.peers
+        assert isinstance(transport, asyncio.WriteTransport)
+        return transport.get_write_buffer_size() >= transport.get_write_buffer_limits()[1]
+
+    await until(server_paused, "the server's writes wait for the reader")  # reading nothing
     assert state.chunks_written < 200, "the server kept writing into an unread connection"
     total = 0
     while chunk := await response.read_chunk():

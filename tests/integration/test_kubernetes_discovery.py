@@ -291,8 +291,10 @@ async def test_an_api_server_down_at_start_is_retried_with_backoff(
                               backoff_base=0.1, backoff_max=0.8)
     async with serve_router(**config) as (url, app), httpx.AsyncClient(timeout=10) as client:
         for cluster in ("prefill", "decode"):
-            await until(lambda c=cluster: _gt(events(client, url, c, "list_error"), 1),
-                        f"{cluster} lists refused and retried")
+            async def retried(c: str = cluster) -> bool:
+                return await events(client, url, c, "list_error") > 1
+
+            await until(retried, f"{cluster} lists refused and retried")
         assert members(app, "decode") == {}
         # Up, but answering 500 to three lists: the waits between them double.
         emulator.fail_lists = 3
@@ -313,10 +315,6 @@ async def test_an_api_server_down_at_start_is_retried_with_backoff(
         assert all(gap >= 0.4 for gap in gaps), gaps
         all_gaps += gaps
     assert len(all_gaps) >= 3 and max(all_gaps) >= 0.8, all_gaps  # it doubled
-
-
-async def _gt(value: Any, than: float) -> bool:
-    return bool(await value > than)
 
 
 async def test_a_watched_config_file_leaves_discovered_servers_alone(

@@ -143,7 +143,7 @@ async def test_a_local_request_whose_d_refuses_is_retried_on_another_d(servers: 
     assert len(d.seen) == 3 and p.seen == []
 
 
-AUTO_LOCAL = {"mode": "auto", "admin_token": TOKEN,
+AUTO_LOCAL: dict[str, Any] = {"mode": "auto", "admin_token": TOKEN,
               "auto": {"local": True, "min_samples": 2, "explore": 0.0, "smoothing": 0.5,
                        "local_itl_budget": 1.25, "bucket_edges": []}}
 
@@ -202,7 +202,7 @@ async def test_auto_learns_local_where_it_is_fastest_and_keeps_within_the_itl_bu
         assert len(after) >= 3, f"local resumed too soon for a 10x slower stream: {after}"
         metrics = await metrics_of(client, url)
     decisions = samples(metrics, "pdproxy_auto_mode_decisions_total")
-    by_reason: dict[str, float] = collections.Counter()
+    by_reason: dict[str, float] = collections.defaultdict(float)
     for labels, value in decisions.items():
         by_reason[dict(labels)["reason"]] += value
     assert by_reason["auto_learning"] == 6

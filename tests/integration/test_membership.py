@@ -9,6 +9,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -16,7 +17,7 @@ import pytest
 from proxy.config import build_config, read_config_file
 from proxy.router import ConfigSource
 from scripts.fake_vllm import Fabric, FakeVLLM, start
-from tests.conftest import serve_router
+from tests.conftest import serve_router, until
 
 TOKEN = "s3cret-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -93,14 +94,15 @@ async def test_add_drain_and_remove_a_server(fakes: Fakes) -> None:
     ("POST", "/admin/endpoints/drain", {"json": {"cluster": "decode", "url": "DUP", "draining": "yes"}}, 400),
 ])
 async def test_admin_errors_are_openai_shaped(fakes: Fakes, method: str, path: str,
-                                              kwargs: dict[str, object], status: int) -> None:
+                                              kwargs: dict[str, Any], status: int) -> None:
     d0 = fakes.d_urls[0]
     for key in ("json", "params"):
-        if isinstance(kwargs.get(key), dict):
-            kwargs[key] = {k: (d0 if v == "DUP" else v) for k, v in kwargs[key].items()}  # type: ignore[union-attr]
+        value = kwargs.get(key)
+        if isinstance(value, dict):
+            kwargs[key] = {k: (d0 if v == "DUP" else v) for k, v in value.items()}
     async with serve_router(prefill=[fakes.p_url], decode=[d0], admin_token=TOKEN) as (url, _), \
             httpx.AsyncClient(timeout=10) as client:
-        r = await client.request(method, url + path, headers=AUTH, **kwargs)  # type: ignore[arg-type]
+        r = await client.request(method, url + path, headers=AUTH, **kwargs)
         assert r.status_code == status, r.text
         assert isinstance(r.json()["error"]["message"], str)
 
@@ -115,9 +117,10 @@ async def test_membership_changes_under_load_lose_no_request(fakes: Fakes) -> No
             return await complete(client, url, 25)
 
         running = [asyncio.create_task(load()) for _ in range(4)]
-        await asyncio.sleep(0.1)
+        await until(lambda: len(fakes.decode[0].seen) + len(fakes.decode[1].seen) >= 8,
+                    "the load is running")
         await client.post(f"{url}/admin/endpoints", headers=AUTH, json={"cluster": "decode", "url": d2})
-        await asyncio.sleep(0.1)
+        await until(lambda: fakes.decode[2].seen, "the added D takes part of the load")
         await client.delete(f"{url}/admin/endpoints", headers=AUTH, params={"cluster": "decode", "url": d0})
         statuses = [s for task in running for s in await task]
     assert statuses == [200] * 100
@@ -136,7 +139,7 @@ async def test_the_watched_config_file_is_applied_and_a_bad_one_refused(
 
     write([d0])
     source = ConfigSource(path, lambda: build_config(read_config_file(path), {}))
-    async with serve_router(source=source) as (url, _), httpx.AsyncClient(timeout=10) as client:
+    async with serve_router(source) as (url, _), httpx.AsyncClient(timeout=10) as client:
         write([d0, d1])
         deadline = time.monotonic() + 5
         while not fakes.decode[1].seen and time.monotonic() < deadline:
@@ -144,8 +147,8 @@ async def test_the_watched_config_file_is_applied_and_a_bad_one_refused(
         assert fakes.decode[1].seen, "the D added to the file never got a request"
 
         path.write_text("decode: [not a url]\n")  # invalid: the running config stays
-        await asyncio.sleep(0.3)
-        assert "refused, the running config stays" in caplog.text
+        await until(lambda: "refused, the running config stays" in caplog.text,
+                    "the bad file refused")
         before = [len(f.seen) for f in fakes.decode[:2]]
         assert await complete(client, url, 4) == [200] * 4
         assert all(len(f.seen) > b for f, b in zip(fakes.decode[:2], before, strict=True))
@@ -166,7 +169,7 @@ async def test_drain_in_the_config_file_keeps_running_requests_and_takes_no_new_
     write(False)
     source = ConfigSource(path, lambda: build_config(read_config_file(path), {}))
     fakes.decode[0].behavior.delay = 0.5  # a request that is running on d0 while it drains
-    async with serve_router(source=source) as (url, _), httpx.AsyncClient(timeout=10) as client:
+    async with serve_router(source) as (url, _), httpx.AsyncClient(timeout=10) as client:
         assert await complete(client, url, 2) == [200, 200]  # one on each D, in turn
         running = asyncio.create_task(complete(client, url, 1))
         await fakes.decode[0].until(lambda seen: any(s.outcome == "running" for s in seen))
@@ -176,19 +179,16 @@ async def test_drain_in_the_config_file_keeps_running_requests_and_takes_no_new_
             listing = (await client.get(f"{url}/admin/endpoints", headers=AUTH)).json()
             return any(e["url"] == d0 and e["draining"] for e in listing["endpoints"])
 
-        deadline = time.monotonic() + 5
-        while not await drained():
-            assert time.monotonic() < deadline, "drain: true in the file was not applied"
-            await asyncio.sleep(0.05)
+        await until(drained, "drain: true in the file applied")
         on_d0 = len(fakes.decode[0].seen)
         assert await complete(client, url, 4) == [200] * 4
         assert len(fakes.decode[0].seen) == on_d0, "a draining D got a new request"
         assert await running == [200], "the request running on the drained D was lost"
 
         write(False)  # and back: d0 takes requests again, its state kept
-        deadline = time.monotonic() + 5
-        while await drained():
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.05)
+        async def taking() -> bool:
+            return not await drained()
+
+        await until(taking, "drain: false in the file applied")
         await complete(client, url, 4)
         assert len(fakes.decode[0].seen) > on_d0

@@ -6,7 +6,11 @@ The target agent is built in a child process exactly as vLLM's NIXL worker build
 this process WRITEs into it. On CPU a WRITE completes only once the target's agent has
 answered its flush: with the event-driven thread it does at once, without any thread
 (`"off"`) it waits for the target's next poll. Needs NIXL and vLLM installed: without them
-these tests fail."""
+these tests fail.
+
+What an idle agent costs in CPU (nothing, in "event" mode; a core, spinning) is measured
+by `scripts.bench_idle`, not here: on a shared machine a bound on it fails for reasons
+of its own."""
 
 from __future__ import annotations
 
@@ -24,7 +28,6 @@ PARAMS = bench_nixl.Params(device="cpu", block_bytes=4096, blocks=8, iterations=
                            noncontiguous=False, one_block_rounds=0, progress_thread=False,
                            timeout=30.0)
 NOTIF = b"progress-test"
-IDLE_S = 1.0
 
 
 def target(mode: str, conn: multiprocessing.connection.Connection) -> None:
@@ -35,20 +38,19 @@ def target(mode: str, conn: multiprocessing.connection.Connection) -> None:
 
     from connector.progress import agent_progress
 
-    factory, binding_config = base_worker.nixl_agent_config, api.nixlBind.nixlAgentConfig
-    with agent_progress(mode):  # type: ignore[arg-type]
-        agent = base_worker.NixlWrapper(f"target-{mode}", base_worker.nixl_agent_config(
-            num_threads=4, capture_telemetry=True))
-    restored = (base_worker.nixl_agent_config is factory
+    # vLLM's module exports neither name explicitly
+    factory = base_worker.nixl_agent_config  # type: ignore[attr-defined]
+    binding_config = api.nixlBind.nixlAgentConfig
+    with agent_progress(mode):  # type: ignore[arg-type]  # a ProgressMode
+        agent = base_worker.NixlWrapper(  # type: ignore[attr-defined]
+            f"target-{mode}", base_worker.nixl_agent_config(  # type: ignore[attr-defined]
+                num_threads=4, capture_telemetry=True))
+    restored = (base_worker.nixl_agent_config is factory  # type: ignore[attr-defined]
                 and api.nixlBind.nixlAgentConfig is binding_config)
     buffer = bench_nixl.allocate(PARAMS)
     registration = bench_nixl.register(agent, buffer, PARAMS)
-    started, cpu = time.monotonic(), time.process_time()
-    time.sleep(IDLE_S)
-    idle_cores = (time.process_time() - cpu) / (time.monotonic() - started)
     conn.send({"metadata": agent.get_agent_metadata(),
-               "descs": bench_nixl.block_descs(buffer, PARAMS), "restored": restored,
-               "idle_cores": idle_cores})
+               "descs": bench_nixl.block_descs(buffer, PARAMS), "restored": restored})
     conn.recv()  # the writer's WRITE is over (or not): only now poll the agent
     deadline, notified = time.monotonic() + 5.0, False
     while not notified and time.monotonic() < deadline:
@@ -81,6 +83,8 @@ def write_into(mode: str) -> dict[str, Any]:
         slots = np.arange(PARAMS.blocks, dtype=np.int32)
         xfer = agent.make_prepped_xfer("WRITE", local, slots, remote, slots, NOTIF)
         state = agent.transfer(xfer)
+        # Nothing in the target shows that it had its chance to answer (it is not to be
+        # polled): "off" is judged after a bounded second, far longer than "event" takes.
         deadline = time.monotonic() + 1.0
         while state == "PROC" and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -112,7 +116,6 @@ def write_into(mode: str) -> dict[str, Any]:
 def test_a_write_into_an_unpolled_agent_completes_only_with_the_event_thread(mode: str) -> None:
     seen = write_into(mode)
     assert seen["restored"], "vLLM's and NIXL's names were not put back after the build"
-    assert seen["idle_cores"] < 0.3, f"the idle target used {seen['idle_cores']:.2f} cores"
     if mode == "event":
         assert seen["unpolled_state"] == "DONE", seen["unpolled_state"]
     else:

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import msgspec
@@ -42,6 +43,7 @@ from connector.messages import (
     encode,
 )
 from connector.registry import PushRegistry, RegistryConfig
+from tests.conftest import until_sync
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -63,15 +65,26 @@ def free_port() -> int:
 
 
 def wait_for(predicate: Callable[[], T], timeout: float, what: str) -> T:
-    """Poll every 10 ms until `predicate()` is truthy; fail after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.01)
+    """Poll until `predicate()` is truthy (`tests.conftest.until_sync`); fail after
+    `timeout` seconds."""
+    return until_sync(predicate, what, timeout)
+
+
+def port_of(channel: PrefillChannel) -> int:
+    return int(channel.address.rsplit(":", 1)[1])
+
+
+def tcp_connections_at(port: int) -> int:
+    """This host's TCP connections whose local end is `port` and still open (neither
+    listening nor in TIME_WAIT), from the kernel's table."""
+    listen, time_wait = "0A", "06"
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] not in (listen,
+                                                                                time_wait):
+            count += 1
+    return count
 
 
 def wait_actions(p: PrefillChannel, timeout: float = 2.0, count: int = 1) -> list[PrefillAction]:
@@ -126,7 +139,10 @@ class Channels:
         self._count += 1
         values = {"ack_timeout": 2.0, "ping_interval": 0.2, "peer_timeout": 3.0,
                   "registration_ttl": 30.0, **timeouts}
-        channel = DecodeChannel(EngineId(f"engine-d{self._count}"), **values)
+        channel = DecodeChannel(
+            EngineId(f"engine-d{self._count}"), ack_timeout=values["ack_timeout"],
+            ping_interval=values["ping_interval"], peer_timeout=values["peer_timeout"],
+            registration_ttl=values["registration_ttl"])
         channel.start()
         self._running.append(channel)
         return channel
@@ -176,12 +192,55 @@ def receive(sock: zmq.Socket[Any], timeout: float = 2.0) -> Any:
     return decode(sock.recv(zmq.NOBLOCK))
 
 
+def failures_until_d_passed(d: DecodeChannel, moment: float) -> list[PushFailure]:
+    """D's failures once D's own thread has checked its deadlines at `moment` or later.
+
+    The proof is a canary: a push registered now with a port where nothing listens,
+    which D fails (no Ack, or a silent P) no sooner than min(ack_timeout, peer_timeout)
+    from now, in the same pass over its deadlines that would fail any push of the test
+    whose deadline was earlier. Canaries follow until one was registered late enough;
+    theirs are left out of the failures returned."""
+    got: list[PushFailure] = []
+    canaries = 0
+    while True:
+        canaries += 1
+        canary = registration(d, f"canary-{canaries}", request_id=f"canary-{canaries}")
+        registered_at = time.monotonic()
+        d.register(f"tcp://{HOST}:{free_port()}", canary)
+
+        def canary_failed(tid: TransferId = canary.transfer_id) -> bool:
+            got.extend(d.take_failures())
+            return any(f.transfer_id == tid for f in got)
+
+        wait_for(canary_failed, min(d.ack_timeout, d.peer_timeout) + 2.0,
+                 f"D failed the canary push to a closed port (got {got})")
+        if registered_at + min(d.ack_timeout, d.peer_timeout) >= moment:
+            return [f for f in got if not f.request_id.startswith("canary-")]
+
+
 def assert_acked(d: DecodeChannel, registered_at: float) -> None:
     """D holds no failure past its ack_timeout: P's Ack arrived (else D would have failed
     the push with "P did not acknowledge")."""
-    time.sleep(max(0.0, registered_at + d.ack_timeout + 0.3 - time.monotonic()))
-    assert d.take_failures() == []
+    assert failures_until_d_passed(d, registered_at + d.ack_timeout) == []
     assert d.has_pending_work(), "D still waits for the WRITE"
+
+
+def failures_until_p_answered(p: PrefillChannel, d: DecodeChannel) -> list[PushFailure]:
+    """D's failures once P has handled everything posted to it and everything D sent it
+    so far, and D has read everything P sent back: a probe registration that P refuses
+    (a wrong block size) goes after them on D's one connection, and P's refusal comes
+    back after any earlier answer on it. The probe's own failure is left out."""
+    p.wait_caught_up(SOON)
+    probe = registration(d, "probe", request_id="probe", block_size=BLOCK_SIZE + 1)
+    d.register(p.address, probe)
+    got: list[PushFailure] = []
+
+    def refused() -> bool:
+        got.extend(d.take_failures())
+        return any(f.transfer_id == probe.transfer_id for f in got)
+
+    wait_for(refused, 2.0, f"P refused the probe registration (got {got})")
+    return [f for f in got if f.transfer_id != probe.transfer_id]
 
 
 # --- matching, in either order -----------------------------------------------------------
@@ -225,9 +284,12 @@ def early_inbox() -> Iterator[Callable[[PrefillChannel], EarlyInbox]]:
     made: list[EarlyInbox] = []
 
     def connect(p: PrefillChannel) -> EarlyInbox:
-        push_port = int(p.address.rsplit(":", 1)[1])
-        made.append(EarlyInbox(StartWrite, *EARLY_TO, push_port))
-        time.sleep(0.2)  # the IPC connection is made in the background
+        made.append(EarlyInbox(StartWrite, *EARLY_TO, port_of(p)))
+        # ZMQ's I/O thread connects the inbox in the background, and neither end shows
+        # when it is done (a socket monitor attached after the connect could miss the
+        # event): a bounded wait, far longer than a local IPC connect takes. Without
+        # it the early WRITE would go to P's engine instead, and the test would fail.
+        time.sleep(0.2)
         return made[-1]
 
     try:
@@ -386,7 +448,8 @@ def test_a_failed_write_after_ds_abort_frees_the_kept_blocks_at_once(
 ) -> None:
     p, d, reg = start_write(channels, ack_timeout=3.0)
     d.abort(reg.transfer_id)
-    time.sleep(0.3)  # P has D's abort: nobody will read the blocks
+    # P has D's abort (nobody will read the blocks), and has not answered it yet
+    assert failures_until_p_answered(p, d) == []
     p.write_ended(reg.transfer_id, "boom", pull_ttl=12.5)
     (failure,) = wait_failures(d)
     assert "aborted" in failure.why and failure.pull is None, failure
@@ -398,7 +461,8 @@ def test_a_failed_write_after_ds_abort_frees_the_kept_blocks_at_once(
 def test_blocks_kept_for_a_d_that_is_gone_are_freed_at_once(channels: Channels) -> None:
     p, d, reg = start_write(channels)
     channels.stop(d)  # D's process ends: its connection to P closes
-    time.sleep(0.5)
+    wait_for(lambda: not tcp_connections_at(port_of(p)), 2.0,
+             "P's end of D's connection closed")
     p.write_ended(reg.transfer_id, "boom", pull_ttl=12.5)
     (action,) = wait_actions(p)
     assert action == FreeBlocks(reg.transfer_id, P_REQ, "decode_gone"), action
@@ -412,8 +476,7 @@ def test_a_successful_write_fails_nothing_and_empties_p(channels: Channels) -> N
     assert len(p.registry) == 0 and p.registry.snapshot().live == 0
     assert p.registry.snapshot().counters.done == 1
     assert p.take_actions() == [], "the engine's WRITE path frees P's blocks itself"
-    time.sleep(0.3)  # time for a (wrong) PushFailed to reach D
-    assert d.take_failures() == []
+    assert failures_until_p_answered(p, d) == [], "a (wrong) PushFailed reached D"
     assert d.has_pending_work(), "D waits for the WRITE's own notification, not PushDone"
     d.forget(reg.transfer_id)
     wait_for(lambda: not d.has_pending_work(), 5.0, "D stops waiting once it forgets")
@@ -424,8 +487,8 @@ def test_an_abort_during_the_write_is_answered_only_when_the_write_ends(
 ) -> None:
     p, d, reg = start_write(channels, ack_timeout=3.0)
     d.abort(reg.transfer_id)
-    time.sleep(0.3)
-    assert d.take_failures() == [], "P still reads into D's blocks: D must keep them"
+    assert failures_until_p_answered(p, d) == [], (
+        "P still reads into D's blocks: D must keep them")
     assert d.has_pending_work()
     p.write_ended(reg.transfer_id, None)
     (failure,) = wait_failures(d)
@@ -496,7 +559,7 @@ channel.start()
 print("ready", flush=True)
 while True:
     channel.take_actions()
-    time.sleep(0.05)
+    time.sleep(0.05)  # P's engine steps this often
 """
 
 
@@ -531,8 +594,8 @@ def test_p_killed_after_d_registered_ends_d_wait_within_peer_timeout(
     registered_at = time.monotonic()
     d.register(address, reg)
     assert_acked(d, registered_at)
-    time.sleep(max(0.0, registered_at + d.peer_timeout + 0.3 - time.monotonic()))
-    assert d.take_failures() == [], "a P that answers pings is alive past peer_timeout"
+    assert failures_until_d_passed(d, registered_at + d.peer_timeout) == [], (
+        "a P that answers pings is alive past peer_timeout")
 
     killed_at = time.monotonic()
     process.send_signal(signal.SIGKILL)
@@ -553,7 +616,7 @@ def test_an_unclaimed_prefill_expires_and_p_frees_its_blocks(channels: Channels)
     started = time.monotonic()
     p.prefill_finished(tid, P_REQ, P_BLOCKS)
     assert p.has_pending_work()
-    time.sleep(0.1)
+    p.wait_caught_up(SOON)  # P has handled the finished prefill
     assert p.take_actions() == [] and p.has_pending_work(), "P holds it, for unclaimed_ttl"
     (action,) = wait_actions(p, timeout=1.0)
     elapsed = time.monotonic() - started

@@ -14,9 +14,11 @@ import zmq.auth
 
 from connector.channel import FreeBlocks, PrefillChannel, StartWrite
 from connector.keys import KeyPair, ServerKeys, load_key_pair
+from connector.messages import TransferId
 from connector.registry import PushRegistry, RegistryConfig
 from proxy.protocol import new_transfer_id
 from proxy.sidechannel import SEND_QUEUE, SideChannel
+from tests.conftest import until
 from tests.integration.test_push_channel import (
     BLOCK_SIZE,
     HOST,
@@ -50,22 +52,28 @@ def port_of(p: PrefillChannel) -> int:
     return int(p.address.rsplit(":", 1)[1])
 
 
+def transfer_id() -> TransferId:
+    return TransferId(new_transfer_id())
+
+
 async def actions(p: PrefillChannel, timeout: float = 2.0) -> list[object]:
-    """The engine's next actions, polled every 10 ms up to `timeout` (the loop stays free
-    for the sender)."""
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        got: list[object] = list(p.take_actions())
-        if got or asyncio.get_running_loop().time() >= deadline:
-            return got
-        await asyncio.sleep(0.01)
+    """The engine's next actions, once there are some, within `timeout` (waited for
+    with `until`: the loop stays free for the sender)."""
+    got: list[object] = []
+
+    def some() -> bool:
+        got.extend(p.take_actions())
+        return bool(got)
+
+    await until(some, "an action from P's channel", timeout)
+    return got
 
 
 async def test_an_abandon_frees_a_finished_prefill_no_d_claimed(
     channels: Channels, router: SideChannel,
 ) -> None:
     p = channels.prefill()  # unclaimed_ttl stays at 120 s: only the abandon frees it
-    tid = new_transfer_id()
+    tid = transfer_id()
     p.prefill_finished(tid, P_REQ, P_BLOCKS)
     assert router.abandon(HOST, port_of(p), tid) is True
     assert await actions(p, timeout=SOON) == [FreeBlocks(tid, P_REQ, "aborted")]
@@ -77,7 +85,7 @@ async def test_an_abandon_before_the_prefill_finished_frees_it_when_it_does(
     channels: Channels, router: SideChannel,
 ) -> None:
     p = channels.prefill()
-    tid = new_transfer_id()
+    tid = transfer_id()
     router.abandon(HOST, port_of(p), tid)
     await asyncio.to_thread(wait_for, lambda: p.registry.counters().abandoned == 1, 2.0,
                             "P took the abandon")
@@ -90,7 +98,7 @@ async def test_an_abandon_of_a_transfer_a_d_registered_is_ignored(
 ) -> None:
     p = channels.prefill()
     d = channels.decode()
-    reg = registration(d, new_transfer_id())
+    reg = registration(d, transfer_id())
     d.register(p.address, reg)
     await asyncio.to_thread(wait_for, lambda: len(p.registry) == 1, 2.0, "P holds it")
     router.abandon(HOST, port_of(p), reg.transfer_id)
@@ -117,7 +125,7 @@ async def test_with_keys_only_a_router_with_an_allowed_key_abandons(
         free_port(), curve=ServerKeys(p_pair, frozenset({router_pair.public})))
     p.start()
     try:
-        tid, other = new_transfer_id(), new_transfer_id()
+        tid, other = transfer_id(), transfer_id()
         p.prefill_finished(tid, P_REQ, P_BLOCKS)
         p.prefill_finished(other, "p-req-2", P_BLOCKS)
         async with SideChannel(secret_key_file=stranger_secret,
@@ -139,7 +147,7 @@ async def test_abandons_to_an_unreachable_p_never_wait_and_are_bounded(
 ) -> None:
     port = free_port()  # nothing listens there
     for _ in range(3 * SEND_QUEUE):
-        router.abandon(HOST, port, new_transfer_id())
+        router.abandon(HOST, port, transfer_id())
     assert router.sent + router.dropped == 3 * SEND_QUEUE
     assert SEND_QUEUE <= router.sent < 2 * SEND_QUEUE and router.dropped > 0
 

@@ -206,6 +206,15 @@ def test_each_invalid_field_is_refused_when_built_here_too(
         RegisterBlocks(**values)
 
 
+PULL_OFFERS_BAD: list[tuple[str, dict[str, object]]] = [
+    ("empty-request-id", {"request_id": ""}),
+    ("no-groups", {"block_ids": []}),
+    ("negative-block", {"block_ids": [[1, -1]]}),
+    ("ttl-0", {"ttl_s": 0}),
+    ("no-ttl", {"ttl_s": None}),
+]
+
+
 @pytest.mark.parametrize("data", [
     pytest.param(raw(port="5601"), id="port-is-a-string"),
     pytest.param(raw(block_ids=[["a"]]), id="block-id-is-a-string"),
@@ -233,11 +242,7 @@ def test_each_invalid_field_is_refused_when_built_here_too(
         "type": "push_failed", "version": PROTOCOL_VERSION, "transfer_id": "t",
         "reason": "write_error", "pull": {"request_id": "p", "block_ids": [[1]], "ttl_s": 5.0,
                                           **bad}}), id=f"pull-offer-{name}")
-      for name, bad in [("empty-request-id", {"request_id": ""}),
-                        ("no-groups", {"block_ids": []}),
-                        ("negative-block", {"block_ids": [[1, -1]]}),
-                        ("ttl-0", {"ttl_s": 0}),
-                        ("no-ttl", {"ttl_s": None})]],
+      for name, bad in PULL_OFFERS_BAD],
 ])
 def test_mistyped_missing_or_invalid_fields_are_a_protocol_error(data: bytes) -> None:
     with pytest.raises(ProtocolError, match="invalid '"):

@@ -32,14 +32,14 @@ S = TransferState
 
 
 def registry(**overrides: Any) -> PushRegistry:
-    config = {"engine_id": EngineId("p"), "block_size": 16, "tp_size": 2, "tp_rank": 1,
+    config = {"engine_id": EngineId("p"), "block_size": 16, "tp_size": 2, "kv_heads": 8,
               "registration_ttl": REG_TTL, "unclaimed_ttl": UNCLAIMED_TTL, **overrides}
     return PushRegistry(RegistryConfig(**config))
 
 
 def reg(transfer_id: str = T1, **overrides: Any) -> RegisterBlocks:
     fields = {"transfer_id": transfer_id, "engine_id": "d", "request_id": "d-req",
-              "tp_size": 2, "tp_rank": 1,
+              "tp_size": 2, "tp_rank": 0,
               "block_ids": D_BLOCKS, "block_size": 16, "host": "10.0.0.2", "port": 5601,
               "ttl_s": 300.0, **overrides}
     return RegisterBlocks(**fields)
@@ -280,9 +280,12 @@ def test_a_second_finished_prefill_is_a_duplicate_whose_blocks_come_back(
 @pytest.mark.parametrize(("overrides", "reason", "named"), [
     pytest.param({"block_size": 32}, NackReason.BLOCK_SIZE_MISMATCH, "decode 32, prefill 16",
                  id="block-size"),
-    pytest.param({"tp_size": 4, "tp_rank": 1}, NackReason.TP_MISMATCH, "decode tp 4 rank 1",
+    pytest.param({"tp_size": 3}, NackReason.TP_MISMATCH, "decode tp 3, prefill tp 2",
                  id="tp-size"),
-    pytest.param({"tp_rank": 0}, NackReason.TP_MISMATCH, "prefill tp 2 rank 1", id="tp-rank"),
+    pytest.param({"tp_size": 16}, NackReason.TP_MISMATCH, "exceeds the model's 8 KV heads",
+                 id="tp-replicating-heads"),
+    pytest.param({"tp_size": 4, "tp_rank": 1}, NackReason.TP_MISMATCH, "rank 1 of decode tp 4",
+                 id="tp-rank"),
 ])
 @pytest.mark.parametrize("p_finished", [False, True], ids=["p-running", "p-finished"])
 def test_an_incompatible_registration_is_refused_with_both_values(
@@ -586,7 +589,7 @@ def test_many_transfers_on_every_path_leave_nothing_behind() -> None:
     pytest.param({"engine_id": ""}, "engine_id", id="empty-engine-id"),
     pytest.param({"block_size": 0}, "block_size=0", id="block-size-0"),
     pytest.param({"tp_size": 0}, "tp_size=0", id="tp-size-0"),
-    pytest.param({"tp_rank": 2}, "tp_rank=2", id="rank-out-of-range"),
+    pytest.param({"kv_heads": 0}, "kv_heads=0", id="kv-heads-0"),
     pytest.param({"registration_ttl": 0.0}, "registration_ttl", id="registration-ttl-0"),
     pytest.param({"unclaimed_ttl": float("inf")}, "unclaimed_ttl", id="unclaimed-ttl-inf"),
 ])

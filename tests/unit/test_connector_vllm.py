@@ -13,7 +13,7 @@ import logging
 import re
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import vllm
@@ -114,7 +114,8 @@ def test_the_metadata_we_build_has_our_fields() -> None:
             "remote"} <= req_meta
     remote = {f.name for f in dataclasses.fields(compat.RemoteMeta)}
     assert {"block_ids", "host", "port", "engine_id", "request_id"} <= remote
-    assert "reqs_to_recv" in vars(compat.NixlConnectorMetadata())
+    metadata = compat.NixlConnectorMetadata()  # type: ignore[no-untyped-call]  # vLLM's
+    assert "reqs_to_recv" in vars(metadata)
 
 
 def test_scheduled_blocks_names_vllms_values() -> None:
@@ -123,7 +124,8 @@ def test_scheduled_blocks_names_vllms_values() -> None:
         scheduled_cached_reqs=SimpleNamespace(
             req_ids=["more", "back"], new_block_ids=[([3],), None],
             resumed_req_ids={"back"}))
-    assert list(compat.scheduled_blocks(output)) == [
+    # only the fields vLLM's `yield_req_data` reads, standing in for its SchedulerOutput
+    assert list(compat.scheduled_blocks(cast("compat.SchedulerOutput", output))) == [
         compat.ScheduledBlocks("new", ([1, 2],), resumed=False),
         compat.ScheduledBlocks("more", ([3],), resumed=False),
         compat.ScheduledBlocks("back", None, resumed=True),

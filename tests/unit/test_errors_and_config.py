@@ -89,7 +89,7 @@ def test_toml_config(tmp_path: Path) -> None:
     ({"prefill": ["http://p:1"], "decode": ["http://d:1"], "push_recovery": "pray"},
      "push_recovery"),
 ])
-def test_bad_config_is_refused_with_the_reason(values: dict, words: str) -> None:
+def test_bad_config_is_refused_with_the_reason(values: dict[str, object], words: str) -> None:
     with pytest.raises(ValueError, match=words):
         build_config(values, {})
 

@@ -50,6 +50,7 @@ def router_config() -> RouterConfig:
 
 
 def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    found: dict[str, Any]
     [found] = deployment["spec"]["template"]["spec"]["containers"]
     return found
 

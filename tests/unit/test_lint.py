@@ -1,5 +1,6 @@
 """The code passes the project's linters: ruff on the whole tree, and mypy (strict, as
-configured in pyproject.toml) on the shipped packages and the scripts.
+configured in pyproject.toml) on the shipped packages, the scripts, the testbed and the
+tests.
 
 The versions are pinned in the `lint` extra, which scripts/setup.sh installs, so a new
 release of either tool cannot fail this test on its own. A missing tool fails it too."""
@@ -15,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 LINTERS = {
     "ruff": ["ruff", "check", "."],
-    "mypy": ["mypy", "proxy", "connector", "scripts", "testbed"],
+    "mypy": ["mypy", "proxy", "connector", "scripts", "testbed", "tests"],
 }
 
 

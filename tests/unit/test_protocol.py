@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from proxy.config import Mode
 from proxy.errors import InvalidRequest, PayloadTooLarge
 from proxy.protocol import (
+    ClientRequest,
     PrefillCoordinates,
     Route,
     coordinates_from_answer,
@@ -21,10 +23,10 @@ P_ANSWER_PARAMS = {
 }
 
 
-def request(route: Route = Route.COMPLETIONS, **body: object):
-    base = {"model": "m", "prompt": "hi"} if route is Route.COMPLETIONS else {
+def request(route: Route = Route.COMPLETIONS, **body: object) -> ClientRequest:
+    base: dict[str, object] = {"model": "m", "prompt": "hi"} if route is Route.COMPLETIONS else {
         "model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    return parse_request(route, __import__("msgspec").json.encode({**base, **body}),
+    return parse_request(route, msgspec.json.encode({**base, **body}),
                          {"x-request-id": "r1"}, max_body_bytes=10_000)
 
 
@@ -84,7 +86,7 @@ def test_push_decode_leg_validates_what_it_sends() -> None:
     ({**P_ANSWER_PARAMS, "transfer_modes": ["pull", "push"]}, {Mode.PULL, Mode.PUSH}),
     ({k: v for k, v in P_ANSWER_PARAMS.items() if k != "transfer_mode"}, {Mode.PULL}),
 ])
-def test_capabilities_from_p_answer(params: dict, modes: set) -> None:
+def test_capabilities_from_p_answer(params: dict[str, object], modes: set[Mode]) -> None:
     found = coordinates_from_answer(params)
     assert found is not None
     assert (found.engine_id, found.host, found.port, found.tp_size) == ("eng", "10.0.0.1", 5600, 2)
@@ -98,7 +100,7 @@ def test_capabilities_from_p_answer(params: dict, modes: set) -> None:
     pytest.param({"push_host": "10.0.0.7", "push_port": "5700"}, None, None, id="port-not-int"),
 ])
 def test_our_ps_push_side_channel_is_read_from_its_answer(
-    extra: dict, push_host: str | None, push_port: int | None
+    extra: dict[str, object], push_host: str | None, push_port: int | None
 ) -> None:
     found = coordinates_from_answer({**P_ANSWER_PARAMS, **extra})
     assert found is not None

@@ -1,0 +1,97 @@
+"""Pushes between tensor-parallel sizes on real vLLM CPU servers, through the router: a
+P and a D with our `NixlDualConnector` and different `--tensor-parallel-size`. The push
+is not refused (the router did not fall back), D got the whole prompt's KV by transfer,
+and the greedy tokens equal one server's computed from scratch; afterwards neither
+server holds a KV block.
+
+A TP-2 server runs two workers, each bound to one of the machine's two cores
+(`VLLM_CPU_OMP_THREADS_BIND=0|1`). The tests stop the session's shared pair first, since
+only one pair may run at a time (see conftest)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from scripts.pd_protocol import KV_USAGE, answer_token_ids, metric
+from scripts.vllm_cpu import Pair, Role, ServerStartError, run_servers, server_spec
+from tests.e2e.conftest import (
+    DUAL,
+    DUAL_EXTRA_CONFIG,
+    LOG_DIR,
+    PAIR_START_TIMEOUT_S,
+    PairManager,
+    ProxyFactory,
+)
+from tests.e2e.vllm_client import (
+    COMPLETIONS,
+    TIMEOUT,
+    external_kv_tokens,
+    get_metrics,
+    make_body,
+    reference_tokens,
+    wait_for_metric,
+)
+
+pytestmark = pytest.mark.e2e
+
+# (P's tp, D's tp) and the cores each server's workers are bound to (rank r on the r-th).
+PAIRS = {"p2-d1": (2, 1), "p1-d2": (1, 2)}
+BIND = {1: {"prefill": "0", "decode": "1"}, 2: {"prefill": "0|1", "decode": "0|1"}}
+PREFILL: Role = "prefill"
+DECODE: Role = "decode"
+
+
+@pytest.fixture(params=list(PAIRS), scope="module")
+def tp_pair(request: pytest.FixtureRequest, pair_manager: PairManager,
+            tiny_model: Path) -> Iterator[Pair]:
+    """A P and a D with our connector, of the tensor-parallel sizes PAIRS names."""
+    prefill_tp, decode_tp = PAIRS[request.param]
+    pair_manager.close()  # one pair at a time: stop the session's own first
+    specs = [
+        server_spec(role, connector=DUAL, model_dir=tiny_model, log_dir=LOG_DIR,
+                    name=f"{role}-tp{tp}", kv_extra_config=DUAL_EXTRA_CONFIG,
+                    extra_args=("--tensor-parallel-size", str(tp)),
+                    extra_env={"VLLM_CPU_OMP_THREADS_BIND": BIND[tp][role]})
+        for role, tp in ((PREFILL, prefill_tp), (DECODE, decode_tp))
+    ]
+    try:
+        with run_servers(specs, start_timeout_s=PAIR_START_TIMEOUT_S) as (prefill, decode_):
+            yield Pair(connector=DUAL, prefill=prefill, decode=decode_)
+    except ServerStartError as exc:
+        pytest.fail(f"starting the {request.param} pair failed: {exc}", pytrace=False)
+
+
+def transferred(before: dict[Any, float], tokens: int, samples: dict[Any, float]) -> bool:
+    """D's metrics `samples` count `tokens` more prompt tokens got by KV transfer."""
+    return external_kv_tokens(samples) - external_kv_tokens(before) >= tokens
+
+
+async def test_a_push_between_tp_sizes_gives_one_servers_tokens(
+    tp_pair: Pair, proxy_for: ProxyFactory
+) -> None:
+    router_url = proxy_for(tp_pair, "push")
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        for _ in range(2):  # the second push reuses both NIXL handshakes
+            body = make_body(COMPLETIONS)
+            before = await get_metrics(client, tp_pair.decode_url)
+            resp = await client.post(router_url + COMPLETIONS, json=body,
+                                     headers={"X-KV-Transfer-Mode": "push"})
+            assert resp.status_code == 200, resp.text
+            assert resp.headers["x-kv-transfer-mode"] == "push", "the router fell back"
+            answer = resp.json()
+            prompt_tokens = int(answer["usage"]["prompt_tokens"])
+            after = await wait_for_metric(client, tp_pair.decode_url,
+                                          partial(transferred, before, prompt_tokens))
+            assert external_kv_tokens(after) - external_kv_tokens(before) == prompt_tokens, (
+                "D did not get the whole prompt's KV by transfer (it recomputed)")
+            assert answer_token_ids(answer) == await reference_tokens(
+                client, tp_pair.decode_url, COMPLETIONS, body), "tokens differ from one server's"
+        for name, url in (("P", tp_pair.prefill_url), ("D", tp_pair.decode_url)):
+            samples = await wait_for_metric(client, url, lambda s: metric(s, KV_USAGE) == 0.0)
+            assert metric(samples, KV_USAGE) == 0.0, f"{name} still holds KV blocks"

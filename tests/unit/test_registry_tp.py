@@ -1,0 +1,215 @@
+"""Pushes between tensor-parallel sizes: the mapping rule P's registry applies
+(`connector.tp_plan`), held to vLLM's own push mapping, and the registry's answers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from connector import tp_plan
+from connector.messages import EngineId, NackReason, RegisterBlocks, TransferId
+from connector.registry import (
+    PushRegistry,
+    Ready,
+    RegistryConfig,
+    Rejected,
+    TransferState,
+    Waiting,
+)
+from connector.tp_plan import HeadWrite
+
+T1 = TransferId("t-1")
+
+
+def registry(prefill_tp: int, **overrides: Any) -> PushRegistry:
+    return PushRegistry(RegistryConfig(engine_id=EngineId("p"), block_size=16,
+                                       tp_size=prefill_tp, **overrides))
+
+
+def registration(decode_tp: int, tp_rank: int = 0) -> RegisterBlocks:
+    return RegisterBlocks(transfer_id=T1, engine_id=EngineId("d"), request_id="d-req",
+                          tp_size=decode_tp, tp_rank=tp_rank, block_ids=[[0, 1]],
+                          block_size=16, host="127.0.0.1", port=5601, ttl_s=60.0)
+
+
+# --- the rule ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "kv_heads", "mla"), [
+    pytest.param(1, 1, 2, False, id="equal-1"),
+    pytest.param(4, 4, 8, False, id="equal-4"),
+    pytest.param(2, 1, 2, False, id="p2-d1"),
+    pytest.param(8, 2, 8, False, id="p8-d2"),
+    pytest.param(4, 1, 2, False, id="p4-d1-p-replicates"),
+    pytest.param(1, 2, 2, False, id="p1-d2"),
+    pytest.param(2, 8, 8, False, id="p2-d8"),
+    pytest.param(1, 4, 1, True, id="p1-d4-mla"),
+    pytest.param(1, 4, None, False, id="p1-d4-heads-unknown"),
+])
+def test_supported_pairs(prefill_tp: int, decode_tp: int, kv_heads: int | None,
+                         mla: bool) -> None:
+    assert tp_plan.refusal(prefill_tp, decode_tp, kv_heads=kv_heads, mla=mla) is None
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "kv_heads", "named"), [
+    pytest.param(2, 3, 8, "one tp size is a multiple of the other", id="p2-d3"),
+    pytest.param(4, 6, 8, "decode tp 6, prefill tp 4", id="p4-d6"),
+    pytest.param(3, 2, 8, "one tp size is a multiple of the other", id="p3-d2"),
+    pytest.param(1, 4, 2, "exceeds the model's 2 KV heads", id="p1-d4-d-replicates"),
+    pytest.param(2, 4, 2, "run D with tp <= max(prefill tp, KV heads)", id="p2-d4-d-replicates"),
+])
+def test_unsupported_pairs_say_why(prefill_tp: int, decode_tp: int, kv_heads: int,
+                                   named: str) -> None:
+    why = tp_plan.refusal(prefill_tp, decode_tp, kv_heads=kv_heads)
+    assert why is not None and named in why
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "rank", "targets"), [
+    pytest.param(2, 2, 1, (1,), id="equal"),
+    pytest.param(2, 1, 1, (0,), id="p2-d1"),
+    pytest.param(4, 2, 3, (1,), id="p4-d2"),
+    pytest.param(1, 2, 0, (0, 1), id="p1-d2"),
+    pytest.param(2, 8, 1, (4, 5, 6, 7), id="p2-d8"),
+])
+def test_decode_targets(prefill_tp: int, decode_tp: int, rank: int,
+                        targets: tuple[int, ...]) -> None:
+    assert tp_plan.decode_targets(prefill_tp, decode_tp, rank) == targets
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "kv_heads", "rank", "writes"), [
+    pytest.param(1, 1, 4, 0, (HeadWrite(0, 0, 0, 4),), id="equal"),
+    pytest.param(2, 1, 4, 1, (HeadWrite(0, 0, 2, 2),), id="p2-d1-second-half"),
+    pytest.param(4, 1, 2, 3, (HeadWrite(0, 0, 1, 1),), id="p4-d1-replicated-p"),
+    pytest.param(1, 2, 4, 0, (HeadWrite(0, 0, 0, 2), HeadWrite(1, 2, 0, 2)), id="p1-d2"),
+    pytest.param(1, 2, 1, 0, (HeadWrite(0, 0, 0, 1), HeadWrite(1, 0, 0, 1)), id="p1-d2-mla"),
+])
+def test_head_writes(prefill_tp: int, decode_tp: int, kv_heads: int, rank: int,
+                     writes: tuple[HeadWrite, ...]) -> None:
+    assert tp_plan.head_writes(prefill_tp, decode_tp, rank, kv_heads=kv_heads) == writes
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(3, 2), (0, 1)])
+def test_the_plan_refuses_an_unsupported_pair(prefill_tp: int, decode_tp: int) -> None:
+    with pytest.raises(ValueError, match="tp"):
+        tp_plan.decode_targets(prefill_tp, decode_tp, 0)
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "expected"),
+                         [(1, 1, 1), (2, 1, 2), (4, 2, 2), (1, 2, 1), (2, 8, 1)])
+def test_every_write_into_a_decode_rank_is_awaited(prefill_tp: int, decode_tp: int,
+                                                    expected: int) -> None:
+    """D's count is the number of P ranks that target each D rank."""
+    assert tp_plan.writers_per_decode_rank(prefill_tp, decode_tp) == expected
+    for decode_rank in range(decode_tp):
+        writers = [r for r in range(prefill_tp)
+                   if decode_rank in tp_plan.decode_targets(prefill_tp, decode_tp, r)]
+        assert len(writers) == expected
+
+
+# --- held to vLLM's push mapping -------------------------------------------------------------
+
+PAIRS = [(1, 1, 2), (2, 2, 2), (2, 1, 2), (4, 1, 2), (4, 2, 8), (8, 2, 8), (1, 2, 2),
+         (2, 8, 8), (1, 4, 4)]
+
+
+def _vllm_mapping(prefill_tp: int, decode_tp: int, kv_heads: int, rank: int) -> Any:
+    """vLLM's mapping seen from P's rank `rank`, as its push worker computes it at the
+    handshake with D (P local, D remote)."""
+    from vllm.distributed.kv_transfer.kv_connector.utils import TransferTopology
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.tp_mapping import (
+        compute_tp_mapping,
+    )
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    topology = TransferTopology(tp_rank=rank, tp_size=prefill_tp, block_size=16,
+                                engine_id="p", is_mla=False, is_mamba=False,
+                                total_num_kv_heads=kv_heads, attn_backends=[])
+    return topology, compute_tp_mapping(topology, decode_tp, (FullAttentionSpec,))
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "kv_heads"), PAIRS)
+def test_the_plan_writes_the_ranks_and_head_slots_vllm_does(
+    prefill_tp: int, decode_tp: int, kv_heads: int
+) -> None:
+    for rank in range(prefill_tp):
+        topology, mapping = _vllm_mapping(prefill_tp, decode_tp, kv_heads, rank)
+        targets = tp_plan.decode_targets(prefill_tp, decode_tp, rank)
+        assert mapping.all_source_ranks == targets
+        assert tuple(topology.handshake_target_ranks(decode_tp)) == targets
+        writes = tp_plan.head_writes(prefill_tp, decode_tp, rank, kv_heads=kv_heads)
+        if prefill_tp > decode_tp:  # vLLM's head slot in D's block, in P ranks' heads
+            (write,) = writes
+            assert write.decode_offset == mapping.rank_offset_factor * tp_plan.heads_per_rank(
+                prefill_tp, kv_heads)
+        elif prefill_tp < decode_tp:  # vLLM splits P's block in equal chunks, in order
+            share = tp_plan.heads_per_rank(decode_tp, kv_heads)
+            assert [w.prefill_offset for w in writes] == [i * share for i in range(len(writes))]
+
+
+def test_the_refused_replicating_decode_is_one_vllm_writes_partly() -> None:
+    """Why D tp > KV heads (and > P's tp) is refused: vLLM writes some of D's ranks only."""
+    _, mapping = _vllm_mapping(1, 4, 2, 0)
+    assert mapping.all_source_ranks != (0, 1, 2, 3)
+    assert tp_plan.refusal(1, 4, kv_heads=2) is not None
+
+
+# --- the registry's answers ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(1, 1), (2, 1), (1, 2), (4, 2), (2, 4)])
+def test_a_registration_of_a_mappable_tp_is_matched(prefill_tp: int, decode_tp: int) -> None:
+    r = registry(prefill_tp, kv_heads=8)
+    assert r.register(registration(decode_tp), now=0.0) == Waiting(
+        T1, TransferState.AWAITING_PREFILL)
+    ready = r.prefill_finished(T1, [[7, 8]], request_id="p-req", now=1.0)
+    assert isinstance(ready, Ready) and ready.registration.tp_size == decode_tp
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "tp_rank", "named"), [
+    pytest.param(2, 3, 0, "decode tp 3, prefill tp 2", id="p2-d3"),
+    pytest.param(1, 16, 0, "exceeds the model's 8 KV heads", id="d-replicates"),
+    pytest.param(2, 2, 1, "rank 1 of decode tp 2", id="not-rank-0"),
+])
+def test_an_unmappable_registration_is_refused_tp_mismatch(
+    prefill_tp: int, decode_tp: int, tp_rank: int, named: str
+) -> None:
+    r = registry(prefill_tp, kv_heads=8)
+    outcome = r.register(registration(decode_tp, tp_rank), now=0.0)
+    assert isinstance(outcome, Rejected) and outcome.reason is NackReason.TP_MISMATCH
+    assert named in outcome.message and "tensor-parallel mismatch" in outcome.message
+    assert len(r) == 0 and r.snapshot().counters.rejected == 1
+
+
+def test_an_mla_registry_takes_a_decode_tp_beyond_the_heads() -> None:
+    r = registry(1, kv_heads=1, mla=True)
+    assert isinstance(r.register(registration(4), now=0.0), Waiting)
+
+
+# --- D's worker: a push lands once every expected WRITE notified ----------------------------
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "pp_size", "writes"), [
+    pytest.param(1, 1, 1, 1, id="equal"),
+    pytest.param(2, 1, 1, 2, id="p2-d1"),
+    pytest.param(1, 2, 1, 1, id="p1-d2"),
+    pytest.param(4, 2, 2, 4, id="p4-d2-pp2"),
+])
+def test_d_worker_lands_a_push_only_with_its_last_write(
+    prefill_tp: int, decode_tp: int, pp_size: int, writes: int
+) -> None:
+    from types import SimpleNamespace
+
+    from connector.push_requests import IncomingPushes
+    from connector.worker import DualWorker
+
+    landed: list[int] = []
+    worker = SimpleNamespace(
+        world_size=decode_tp, _incoming=IncomingPushes(),
+        _recving_metadata={"d-req": SimpleNamespace(pp_size=pp_size)})
+    worker._finish_landed = lambda: landed.append(worker._incoming.awaiting)
+    worker._incoming.expect("d-req")
+    for notification in range(writes):
+        assert not landed, f"landed after {notification} of {writes} WRITEs"
+        DualWorker._push_arrived(worker, "d-req", prefill_tp)  # type: ignore[arg-type]
+    assert landed == [0] and worker._incoming.landed() == ["d-req"]
