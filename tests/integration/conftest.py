@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -15,11 +17,13 @@ class Pair:
         self.d_url = d_url
 
 
-@pytest.fixture
-async def pair() -> AsyncIterator[Pair]:
-    """A fake P and a fake D in this process, sharing a fabric (so push really waits)."""
+@contextlib.asynccontextmanager
+async def fake_pair(**prefill_options: Any) -> AsyncIterator[Pair]:
+    """A fake P and a fake D in this process, sharing a fabric (so push really waits);
+    `prefill_options` go to P's `FakeVLLM` (data-parallel ranks, push port, ...)."""
     fabric = Fabric()
-    p = FakeVLLM("prefill", engine_id="engine-p0", side_channel_port=5601, fabric=fabric)
+    p = FakeVLLM("prefill", engine_id="engine-p0", side_channel_port=5601, fabric=fabric,
+                 **prefill_options)
     d = FakeVLLM("decode", engine_id="engine-d0", fabric=fabric)
     p_runner, p_url = await start(p)
     d_runner, d_url = await start(d)
@@ -28,3 +32,9 @@ async def pair() -> AsyncIterator[Pair]:
     finally:
         await p_runner.cleanup()
         await d_runner.cleanup()
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[Pair]:
+    async with fake_pair() as made:
+        yield made

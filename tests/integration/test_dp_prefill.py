@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from proxy.endpoints import DataParallelRanks
-from scripts.fake_vllm import Fabric, FakeVLLM, Seen, start
+from scripts.fake_vllm import FakeVLLM, Seen, start
 from tests.conftest import serve_router, until
-from tests.integration.conftest import Pair
+from tests.integration.conftest import Pair, fake_pair
 
 COMPLETION = {"model": "fake-model", "prompt": "hello there", "max_tokens": 3}
 TOKEN = "dp-admin"
@@ -28,17 +28,8 @@ RANK_HEADER = "x-data-parallel-rank"
 async def dp_pair() -> AsyncIterator[Pair]:
     """A fake P with 2 data-parallel ranks (push ports 5700, 5701) and a fake D, sharing a
     fabric: D fails a push whose coordinates name another engine than the one that ran it."""
-    fabric = Fabric()
-    p = FakeVLLM("prefill", engine_id="engine-p0", side_channel_port=5601, fabric=fabric,
-                 dp_size=2, push_port=5700)
-    d = FakeVLLM("decode", engine_id="engine-d0", fabric=fabric)
-    p_runner, p_url = await start(p)
-    d_runner, d_url = await start(d)
-    try:
-        yield Pair(p, d, p_url, d_url)
-    finally:
-        await p_runner.cleanup()
-        await d_runner.cleanup()
+    async with fake_pair(dp_size=2, push_port=5700) as made:
+        yield made
 
 
 def probes(fake: FakeVLLM) -> list[Seen]:
