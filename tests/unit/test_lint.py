@@ -25,3 +25,13 @@ def test_the_code_passes(linter: str) -> None:
     done = subprocess.run([sys.executable, "-m", *LINTERS[linter]], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{linter} found problems:\n{done.stdout}{done.stderr}"
+
+
+def test_no_two_test_files_share_a_name() -> None:
+    """tests/ has no packages, so pytest imports each test file by its bare name: two files
+    of one name in different folders cannot both be collected in one run."""
+    by_name: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        by_name.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    repeated = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert repeated == {}, f"test files that share a name: {repeated}"
