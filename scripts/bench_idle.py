@@ -34,13 +34,14 @@ import multiprocessing.connection
 import sys
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from scripts import bench_nixl, tiny_model
+from scripts.bench_push import json_object
 from scripts.pd_protocol import KV_USAGE, metric, parse_metrics, probe_body, push_decode_leg
 from scripts.vllm_cpu import DEFAULT_MODEL_DIR, DUAL_CONNECTOR, ENGINE_CORE, REPO_ROOT, pair
 
@@ -187,16 +188,6 @@ async def measure_pair(args: argparse.Namespace) -> list[dict[str, Any]]:
             rows.append(row("D's engine core, waiting for a push", engine, WAITING_BUDGET))
             await nothing_held(client, urls)
     return rows
-
-
-def json_object(text: str) -> Mapping[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object of settings")
-    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
