@@ -39,7 +39,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -272,7 +272,9 @@ def print_summary(summary: dict[str, Any]) -> None:
               "both agents polled")
 
 
-def plot(summary: dict[str, Any], path: Path) -> bool:
+def pyplot(say: Callable[[str], None]) -> Any:
+    """matplotlib's pyplot on its file-only backend, or None (and `say` why) when the
+    `bench` extra is not installed."""
     try:
         import matplotlib
 
@@ -280,6 +282,21 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         say("matplotlib is not installed (pip install -e .[bench]): no plot")
+        return None
+    return plt
+
+
+def save_figure(plt: Any, fig: Any, path: Path) -> None:
+    """Lay `fig` out, write it to `path` (its folder made as needed) and close it."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot(summary: dict[str, Any], path: Path) -> bool:
+    plt = pyplot(say)
+    if plt is None:
         return False
     concurrencies = sorted({row["concurrency"] for row in summary["cases"]})
     fig, axes = plt.subplots(1, len(concurrencies), figsize=(6 * len(concurrencies), 4.5),
@@ -298,10 +315,7 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
         ax.set_ylabel("median TTFT (ms)")
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path)
     return True
 
 

@@ -53,7 +53,7 @@ import httpx
 import msgspec
 
 from scripts import tiny_model
-from scripts.bench_push import batch
+from scripts.bench_push import batch, pyplot, save_figure
 from scripts.demo import router
 from scripts.vllm_cpu import (
     DEFAULT_LOG_DIR,
@@ -546,13 +546,8 @@ def left_out() -> list[str]:
 
 
 def plot(rows: Sequence[dict[str, Any]], profile: Profile, path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        say("matplotlib is not installed (pip install -e .[bench]): no plot")
+    plt = pyplot(say)
+    if plt is None:
         return False
     concurrencies = sorted({row["concurrency"] for row in rows})
     loads = [load for load in LOADS if any(row["load"] == load for row in rows)]
@@ -580,10 +575,7 @@ def plot(rows: Sequence[dict[str, Any]], profile: Profile, path: Path) -> bool:
             ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)
             ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(plt, fig, path)
     return True
 
 
