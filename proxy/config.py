@@ -13,6 +13,8 @@ import itertools
 import os
 import re
 import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -27,11 +29,11 @@ class Mode(str, enum.Enum):
     PULL = "pull"  # P first, then D READs P's blocks
     PUSH = "push"  # P and D at once; P WRITEs into D's blocks
     LOCAL = "local"  # no P: D computes the prompt itself (conditional disaggregation)
-    AUTO = "auto"  # the mode measured faster for the prompt's length (see proxy.learn)
+    AUTO = "auto"  # the mode measured faster for the prompt's length (see proxy.flow.learn)
 
 
 class Policy(str, enum.Enum):
-    """How a cluster picks an endpoint (see `proxy.balance`)."""
+    """How a cluster picks an endpoint (see `proxy.pool.balance`)."""
 
     ROUND_ROBIN = "round_robin"
     LEAST_OUTSTANDING = "least_outstanding"
@@ -70,7 +72,7 @@ class Balance(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 
 class HealthChecks(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Active health checks: GET /health on every server (see `proxy.health`)."""
+    """Active health checks: GET /health on every server (see `proxy.pool.health`)."""
 
     interval: float = 5.0  # seconds between two rounds (0 = off)
     unhealthy_threshold: int = 2  # failed checks in a row that take a server out
@@ -84,7 +86,7 @@ class HealthChecks(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 
 class Ejection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Passive outlier ejection (see `proxy.outlier`)."""
+    """Passive outlier ejection (see `proxy.pool.outlier`)."""
 
     consecutive_failures: int = 5  # failed legs in a row that eject a server (0 = off)
     base_seconds: float = 5.0  # first ejection's length; doubled at each further one
@@ -99,7 +101,7 @@ class Ejection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 class RetryBudgetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Retries within the last `window_s` seconds: at most `ratio` x requests, plus
-    `min_per_window` (see `proxy.retry`)."""
+    `min_per_window` (see `proxy.pool.retry`)."""
 
     ratio: float = 0.2
     min_per_window: int = 10
@@ -115,7 +117,7 @@ def _default_bucket_edges() -> list[int]:
 
 
 class AutoSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How `auto` mode learns which mode is faster (see `proxy.learn`)."""
+    """How `auto` mode learns which mode is faster (see `proxy.flow.learn`)."""
 
     learn: bool = True  # false: auto is just "push when the pair can"
     explore: float = 0.05  # share of requests sent to the slower mode, to keep measuring it
@@ -302,7 +304,7 @@ _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 class KubernetesDiscoveryConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """P and D servers found as pods by label selectors (see `proxy.discovery`): a pod
+    """P and D servers found as pods by label selectors (see `proxy.pool.discovery`): a pod
     joins its cluster when it is Running and Ready with an IP, as http://{podIP}:{port}."""
 
     namespace: str
@@ -405,6 +407,14 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise ValueError(f"admin_listen must be host:port, got {self.admin_listen!r}")
         if self.log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
             raise ValueError(f"unknown log_level {self.log_level!r}")
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where the running config came from, to re-read it (`--config FILE` and flags)."""
+
+    path: Path
+    load: Callable[[], RouterConfig]
 
 
 def validate_url(url: str) -> None:

@@ -16,7 +16,7 @@
         │   └── UpstreamConnectionLost  502: the connection broke during the exchange
         └── UpstreamStatusError      the upstream's own status and body
 
-`upstream.py` is the only module that turns the HTTP client's (`proxy.http11`) or asyncio errors into these.
+`upstream.py` is the only module that turns the HTTP client's (`proxy.upstream.http11`) or asyncio errors into these.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ Processes:
   - SIGTERM / SIGINT: SIGTERM to every worker, which stops accepting and lets its
     requests finish (`shutdown_grace`); a worker still alive `shutdown_grace` +
     `STOP_MARGIN_S` later is killed. Exit 0 when every worker stopped cleanly.
-- worker i (`run_worker`): the single-process router (`cli.run`) on the inherited
-  sockets, plus its control listener (`proxy.control`) at `<dir>/worker-<i>.sock`.
+- worker i (`run_worker`): the single-process router (`proxy.serve.run`) on the inherited
+  sockets, plus its control listener (`proxy.api.control`) at `<dir>/worker-<i>.sock`.
   It re-reads `--config` when it starts (a restarted worker gets the file as it is now,
   not admin API changes made before it started), watches the file itself, logs with
   "worker i", and has `PDPROXY_WORKER=i` in its environment. It stops by itself when
@@ -48,8 +48,9 @@ from typing import Any
 import uvicorn
 from uvicorn.config import STARTUP_FAILURE
 
-from proxy.config import RouterConfig
-from proxy.control import WorkerGroup
+from proxy.api.control import WorkerGroup
+from proxy.config import ConfigSource, RouterConfig
+from proxy.serve import READY, Worker, load_config, run, setup_logging
 
 logger = logging.getLogger("pdproxy.workers")
 
@@ -57,7 +58,6 @@ WORKER_ENV = "PDPROXY_WORKER"  # the worker's index, in each worker's environmen
 START_TIMEOUT_S = 60.0  # a worker must serve this soon after it was started
 STOP_MARGIN_S = 10.0  # beyond shutdown_grace, before a worker that has not exited is killed
 RESTART_BACKOFF_MAX_S = 30.0  # the longest pause before restarting a failing worker
-_READY = b"ready"
 _spawn = multiprocessing.get_context("spawn")
 
 
@@ -75,52 +75,9 @@ class WorkerSpec:
     args: argparse.Namespace  # the command line, to re-read --config
 
 
-@dataclasses.dataclass
-class Worker:
-    """A worker's part in `cli.run`: the sockets it serves, its control group, and how
-    it tells the supervisor it serves."""
-
-    group: WorkerGroup
-    listener: socket.socket  # the router's port, bound by the supervisor
-    admin_listener: socket.socket | None  # admin_listen's, when set
-    ready: Connection  # the supervisor reads _READY once this worker serves
-
-    @property
-    def server_class(self) -> type[uvicorn.Server]:
-        ready = self.ready
-
-        class WorkerServer(uvicorn.Server):
-            async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-                await super().startup(sockets)
-                if self.started:
-                    with contextlib.suppress(OSError):
-                        ready.send_bytes(_READY)
-
-        return WorkerServer
-
-    def watch_parent(self, server: uvicorn.Server) -> None:
-        """Stop serving (gracefully) when the supervisor is gone."""
-        import asyncio
-
-        parent = multiprocessing.parent_process()
-        if parent is None:
-            return
-        loop = asyncio.get_running_loop()
-        sentinel = parent.sentinel
-
-        def gone() -> None:
-            loop.remove_reader(sentinel)
-            logger.warning("the supervisor is gone: stopping")
-            server.should_exit = True
-
-        loop.add_reader(sentinel, gone)
-
-
 def run_worker(spec: WorkerSpec, sock: socket.socket, admin_sock: socket.socket | None,
                ready: Connection) -> None:
     """A worker process's entry point (spawned by the supervisor)."""
-    from proxy.cli import load_config, run, setup_logging
-    from proxy.router import ConfigSource
 
     os.environ[WORKER_ENV] = str(spec.index)
     args = spec.args
@@ -218,7 +175,7 @@ class Supervisor:
         if slot.serving or slot.ready is None:
             return
         with contextlib.suppress(EOFError, OSError):
-            if slot.ready.poll() and slot.ready.recv_bytes() == _READY:
+            if slot.ready.poll() and slot.ready.recv_bytes() == READY:
                 slot.serving, slot.failures = True, 0
                 logger.info("worker %d serves", slot.index)
 

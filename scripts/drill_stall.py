@@ -15,7 +15,7 @@ within `timeouts.pool`). Target: no silent request (no answer within `--answer-b
 seconds), and nothing left in flight once the stalled streams have been dealt with.
 
 The router runs in a process of its own, served as `pd-proxy serve` serves it (uvloop,
-`proxy.listener`); fake P and D servers (`scripts.fake_vllm`) and the clients run in this
+`proxy.api.listener`); fake P and D servers (`scripts.fake_vllm`) and the clients run in this
 one. The router's listening socket gets a send buffer of `--sndbuf` bytes (inherited by
 every accepted connection): on loopback the kernel would otherwise queue megabytes per
 connection before the router's own buffer fills and its stall clock starts, so the drill
@@ -50,9 +50,9 @@ import uvicorn
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import create_app
+from proxy.api.app import create_app
+from proxy.api.listener import server_config
 from proxy.config import build_config
-from proxy.listener import server_config
 from scripts.fake_vllm import FakeVLLM
 
 STALLED_RCVBUF = 4096

@@ -57,7 +57,7 @@ import aiohttp
 import uvicorn
 from aiohttp import web
 
-from proxy.app import create_app, serving
+from proxy.api.app import create_app, serving
 from proxy.config import build_config
 from scripts.fake_vllm import FAULT_KINDS, MODEL, Fabric, FakeVLLM, start
 

@@ -10,9 +10,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from proxy.app import create_app, serving
-from proxy.config import RouterConfig, build_config
-from proxy.router import ConfigSource
+from proxy.api.app import create_app, serving
+from proxy.config import ConfigSource, RouterConfig, build_config
 
 T = TypeVar("T")
 POLL_S = 0.01  # how often `until` and `until_sync` look again

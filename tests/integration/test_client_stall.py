@@ -1,5 +1,5 @@
 """Clients that stop reading, or send their request too slowly, are cut at the listener
-(proxy.listener), and what they held upstream is released; slow clients that still read
+(proxy.api.listener), and what they held upstream is released; slow clients that still read
 are not cut. Raw sockets with tiny receive buffers play the bad clients."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.app import create_app, serving
+from proxy.api.app import create_app, serving
+from proxy.api.listener import GuardedHttpProtocol, server_config
 from proxy.config import build_config
-from proxy.listener import GuardedHttpProtocol, server_config
 from tests.conftest import until
 from tests.integration.conftest import Pair
 

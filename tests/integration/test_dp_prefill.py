@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.endpoints import DataParallelRanks
+from proxy.pool.endpoints import DataParallelRanks
 from scripts.fake_vllm import FakeVLLM, Seen, start
 from tests.conftest import serve_router, until
 from tests.integration.conftest import Pair, fake_pair

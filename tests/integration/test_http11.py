@@ -10,7 +10,7 @@ import httptools
 import pytest
 from aiohttp import web
 
-from proxy.http11 import Client, ConnectFailed, ConnectionLost
+from proxy.upstream.http11 import Client, ConnectFailed, ConnectionLost
 from tests.conftest import until
 
 BIG_CHUNK = b"x" * 65536

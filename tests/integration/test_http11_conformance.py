@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from proxy import http11
 from proxy.config import Limits, Timeouts
 from proxy.errors import Overloaded, UpstreamError
-from proxy.upstream import UpstreamClient
+from proxy.upstream import http11
+from proxy.upstream.client import UpstreamClient
 from tests.conftest import until
 
 GUARD_S = 5.0  # a bound on every wait of these tests, far above what each should take

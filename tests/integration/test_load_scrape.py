@@ -13,9 +13,10 @@ import pytest
 from aiohttp import web
 
 from proxy.config import EndpointConfig, Limits, Timeouts
-from proxy.endpoints import ClusterName, Endpoint
-from proxy.load import LoadReport, LoadScraper
-from proxy.upstream import UpstreamClient
+from proxy.pool.endpoints import ClusterName, Endpoint
+from proxy.pool.load import LoadReport
+from proxy.pool.scrape import LoadScraper
+from proxy.upstream.client import UpstreamClient
 from scripts.fake_vllm import FakeVLLM, start
 
 

@@ -14,8 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.config import build_config, read_config_file
-from proxy.router import ConfigSource
+from proxy.config import ConfigSource, build_config, read_config_file
 from scripts.fake_vllm import Fabric, FakeVLLM, start
 from tests.conftest import serve_router, until
 

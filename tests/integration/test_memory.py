@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 
 import proxy
-from proxy.retry import RetryBudget
+from proxy.pool.retry import RetryBudget
 from tests.conftest import serve_router
 from tests.integration.conftest import Pair
 

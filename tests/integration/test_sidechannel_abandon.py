@@ -1,4 +1,4 @@
-"""The router's abandon over real ZMQ on 127.0.0.1 (no vLLM): `proxy.sidechannel` tells a
+"""The router's abandon over real ZMQ on 127.0.0.1 (no vLLM): `proxy.upstream.sidechannel` tells a
 P's push channel that a push's D leg failed, and P frees the prompt's blocks at once
 (its engine's next `take_actions`), unless a D registered the transfer. Sends never
 wait, and everything closes."""
@@ -17,7 +17,7 @@ from connector.keys import KeyPair, ServerKeys, load_key_pair
 from connector.messages import TransferId
 from connector.registry import PushRegistry, RegistryConfig
 from proxy.protocol import new_transfer_id
-from proxy.sidechannel import SEND_QUEUE, SideChannel
+from proxy.upstream.sidechannel import SEND_QUEUE, SideChannel
 from tests.conftest import until
 from tests.integration.test_push_channel import (
     BLOCK_SIZE,

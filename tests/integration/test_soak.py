@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.endpoints import Lease
+from proxy.pool.endpoints import Lease
 from scripts.fake_vllm import FAULT_KINDS, MODEL, FakeVLLM, start
 from scripts.soak import LoopLag, Outcome, SoakOptions, classify, run_soak
 

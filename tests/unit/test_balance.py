@@ -10,10 +10,10 @@ from collections import Counter
 import msgspec
 import pytest
 
-from proxy.balance import Balancer
 from proxy.config import Balance, EndpointConfig, Policy, build_config
-from proxy.endpoints import Cluster, ClusterName, Endpoint
-from proxy.load import LoadReport
+from proxy.pool.balance import Balancer
+from proxy.pool.endpoints import Cluster, ClusterName, Endpoint
+from proxy.pool.load import LoadReport
 from proxy.protocol import Route, parse_request, prefix_key
 
 

@@ -112,7 +112,7 @@ def test_what_the_router_sends_the_connector_reads_back() -> None:
 
 
 def test_the_router_imports_no_vllm() -> None:
-    code = ("import sys, proxy.app, proxy.protocol, connector.wire; "
+    code = ("import sys, proxy.api.app, proxy.protocol, connector.wire; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.balance import Balancer
 from proxy.config import EndpointConfig, Mode, Policy, build_config
-from proxy.endpoints import Cluster, ClusterName, Endpoint
 from proxy.errors import NoHealthyEndpoint
+from proxy.pool.balance import Balancer
+from proxy.pool.endpoints import Cluster, ClusterName, Endpoint
 
 
 def endpoint(**config: object) -> Endpoint:
@@ -92,7 +92,7 @@ def test_no_healthy_server_of_the_model_is_a_clear_error() -> None:
 
 def test_the_model_filter_is_never_dropped_but_the_mode_filter_is() -> None:
     configs = [EndpointConfig(url="http://d0:1", models=["a"], transfer_modes=[Mode.PULL])]
-    cluster = Cluster(ClusterName.DECODE, configs)
+    cluster = Cluster(ClusterName.DECODE, configs, Balancer(Policy.LEAST_OUTSTANDING))
     assert cluster.pick(model="a", mode=Mode.PUSH).url == "http://d0:1"  # falls back to pull
     with pytest.raises(NoHealthyEndpoint):
         cluster.pick(model="c")

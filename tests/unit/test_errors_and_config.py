@@ -5,7 +5,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from proxy.cli import build_parser, load_config
+from proxy.cli import build_parser
 from proxy.config import Mode, build_config
 from proxy.errors import (
     InvalidRequest,
@@ -20,6 +20,7 @@ from proxy.errors import (
     UpstreamTimeout,
     sse_error_event,
 )
+from proxy.serve import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

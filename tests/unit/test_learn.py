@@ -18,12 +18,12 @@ import pytest
 from starlette.types import Message
 
 from proxy.config import AutoSettings, EndpointConfig, Mode
-from proxy.endpoints import ClusterName, Endpoint
 from proxy.errors import UpstreamConnectError
-from proxy.exchange import Exchange
-from proxy.learn import LocalBudget, ModeLearner
-from proxy.local import ItlWatchedResponse
-from proxy.relay import Downstream
+from proxy.flow.exchange import Exchange
+from proxy.flow.learn import LocalBudget, ModeLearner
+from proxy.flow.local import ItlWatchedResponse
+from proxy.flow.relay import Downstream
+from proxy.pool.endpoints import ClusterName, Endpoint
 
 PULL, PUSH = Mode.PULL, Mode.PUSH
 
@@ -370,7 +370,7 @@ def test_local_prompts_are_counted_per_decode_server_and_entries_go_with_it() ->
     assert [row["decode"] for row in b.snapshot()] == [d2.url]
 
 
-# --- what the router measures for the budget (proxy.local.ItlWatchedResponse) ----------
+# --- what the router measures for the budget (proxy.flow.local.ItlWatchedResponse) ----------
 
 TOKEN_EVENT = b'data: {"choices": [{"text": "x"}]}\n\n'
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.load import LoadReport, load_score, parse_vllm_metrics
+from proxy.pool.load import LoadReport, load_score, parse_vllm_metrics
 
 # Trimmed from a real vLLM /metrics answer, with two engines (data parallel 2).
 VLLM_METRICS = """\

@@ -5,7 +5,7 @@ from collections.abc import Sequence
 import pytest
 
 from proxy.config import Mode
-from proxy.modes import decide_mode
+from proxy.flow.modes import decide_mode
 from proxy.protocol import PrefillCoordinates
 
 PULL, PUSH, AUTO = Mode.PULL, Mode.PUSH, Mode.AUTO

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.config import Ejection, EndpointConfig
-from proxy.endpoints import Cluster, ClusterName
+from proxy.config import Ejection, EndpointConfig, Policy
 from proxy.errors import (
     UpstreamConnectError,
     UpstreamError,
@@ -14,7 +13,9 @@ from proxy.errors import (
     UpstreamStatusError,
     UpstreamTimeout,
 )
-from proxy.outlier import OutlierRecord, counts_as_failure
+from proxy.pool.balance import Balancer
+from proxy.pool.endpoints import Cluster, ClusterName
+from proxy.pool.outlier import OutlierRecord, counts_as_failure
 
 
 def status(code: int) -> UpstreamStatusError:
@@ -61,7 +62,7 @@ def test_zero_turns_ejection_off() -> None:
 
 def test_a_cluster_skips_an_ejected_server_but_never_ejects_them_all() -> None:
     cluster = Cluster(ClusterName.DECODE, [EndpointConfig(url=f"http://d{i}:1") for i in range(2)],
-                      ejection=Ejection(consecutive_failures=1, base_seconds=60))
+                      Balancer(Policy.LEAST_OUTSTANDING), ejection=Ejection(consecutive_failures=1, base_seconds=60))
     first, second = cluster.endpoints
     assert first.outlier.failure(0.0) is not None  # ejected now (monotonic 0 + 60 s ahead)
     first.outlier.ejected_until = float("inf")

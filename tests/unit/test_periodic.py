@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.periodic import Periodic
+from proxy.pool.periodic import Periodic
 from tests.conftest import until
 
 

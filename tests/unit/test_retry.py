@@ -11,7 +11,7 @@ from proxy.errors import (
     UpstreamStatusError,
     UpstreamTimeout,
 )
-from proxy.retry import RetryBudget, retry_reason
+from proxy.pool.retry import RetryBudget, retry_reason
 
 
 def status(code: int) -> UpstreamStatusError:

@@ -1,4 +1,4 @@
-"""The workers' control channel (proxy.control): one /metrics exposition from every
+"""The workers' control channel (proxy.api.control): one /metrics exposition from every
 worker's, and admin calls applied on every worker. The workers here are `WorkerGroup`s in
 one process, each with a router of its own (not started: no checks, no upstream calls),
 talking over real unix sockets."""
@@ -15,11 +15,11 @@ import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.admin import AdminCall, apply
+from proxy.api.admin import AdminCall, apply
+from proxy.api.control import WorkerError, WorkerGroup, merge_expositions
 from proxy.config import build_config
-from proxy.control import WorkerError, WorkerGroup, merge_expositions
+from proxy.flow.router import Router
 from proxy.metrics import RouterMetrics
-from proxy.router import Router
 
 P, D, D2 = "http://127.0.0.1:8100", "http://127.0.0.1:8200", "http://127.0.0.1:8201"
 

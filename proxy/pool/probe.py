@@ -32,11 +32,11 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from connector import wire
-from proxy.endpoints import DataParallelRanks, Endpoint
 from proxy.errors import Overloaded, UpstreamError, UpstreamStatusError
 from proxy.metrics import RouterMetrics
+from proxy.pool.endpoints import DataParallelRanks, Endpoint
 from proxy.protocol import PREFILL_KV_PARAMS, PrefillCoordinates, coordinates_from_answer
-from proxy.upstream import UpstreamClient
+from proxy.upstream.client import UpstreamClient
 
 logger = logging.getLogger("pdproxy.probe")
 

@@ -15,11 +15,11 @@ import logging
 from collections.abc import Callable
 
 from proxy.config import HealthChecks
-from proxy.endpoints import ClusterName, Endpoint
 from proxy.errors import Overloaded, UpstreamError
-from proxy.periodic import Periodic
-from proxy.probe import CoordinateProber
-from proxy.upstream import UpstreamClient
+from proxy.pool.endpoints import ClusterName, Endpoint
+from proxy.pool.periodic import Periodic
+from proxy.pool.probe import CoordinateProber
+from proxy.upstream.client import UpstreamClient
 
 logger = logging.getLogger("pdproxy.health")
 

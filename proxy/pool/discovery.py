@@ -38,9 +38,9 @@ from kubernetes_asyncio import watch as k8s_watch
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from proxy.config import EndpointConfig, KubernetesDiscoveryConfig
-from proxy.endpoints import ClusterName, Endpoint
-from proxy.membership import Membership
 from proxy.metrics import RouterMetrics
+from proxy.pool.endpoints import ClusterName, Endpoint
+from proxy.pool.membership import Membership
 
 logger = logging.getLogger("pdproxy.discovery")
 

@@ -41,11 +41,11 @@ from prometheus_client import generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.admin import AdminCall, apply
+from proxy.api.admin import AdminCall, apply
 from proxy.errors import RouterError
 
 if TYPE_CHECKING:
-    from proxy.router import Router
+    from proxy.flow.router import Router
 
 logger = logging.getLogger("pdproxy.control")
 

@@ -11,7 +11,7 @@ byte is replaced by another D of the model, once, within the retry budget.
 Local is cheapest for a short prompt (no hand-over at all), but D's prompt compute runs
 between the decode steps of every stream D is answering, and slows them. So with
 `auto.local`, `ItlWatchedResponse` measures the inter-token latency of the streams each
-D answers and marks the local prompts D is computing; `proxy.learn.LocalBudget` reads
+D answers and marks the local prompts D is computing; `proxy.flow.learn.LocalBudget` reads
 both to decide where auto may still go local.
 """
 
@@ -22,11 +22,11 @@ from collections.abc import Awaitable, Callable
 
 from starlette.types import Message, Receive, Scope, Send
 
-from proxy.endpoints import ClusterName
 from proxy.errors import RouterError
-from proxy.exchange import Exchange
-from proxy.learn import DecodeStreams, LocalBudget
-from proxy.relay import Downstream, FlowResponse
+from proxy.flow.exchange import Exchange
+from proxy.flow.learn import DecodeStreams, LocalBudget
+from proxy.flow.relay import Downstream, FlowResponse
+from proxy.pool.endpoints import ClusterName
 
 DONE_EVENT = b"data: [DONE]\n\n"  # an OpenAI stream's last event: the end, not a token
 

@@ -12,49 +12,39 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from proxy.balance import Balancer
-from proxy.config import Mode, Policy, RouterConfig, resolve_secret
-from proxy.endpoints import Cluster, ClusterName, Endpoint
+from proxy.config import ConfigSource, Mode, Policy, RouterConfig, resolve_secret
 from proxy.errors import NoHealthyEndpoint
-from proxy.exchange import Exchange
-from proxy.health import HealthChecker
-from proxy.learn import ModeLearner
-from proxy.load import LoadScraper
-from proxy.local import ItlWatchedResponse, run_local
-from proxy.membership import ConfigWatcher, Membership
+from proxy.flow.context import FlowContext
+from proxy.flow.exchange import Exchange
+from proxy.flow.learn import ModeLearner
+from proxy.flow.local import ItlWatchedResponse, run_local
+from proxy.flow.modes import ModeDecision, decide_mode
+from proxy.flow.pull import run_pull
+from proxy.flow.push import run_push
+from proxy.flow.relay import Downstream, FlowResponse
 from proxy.metrics import RouterMetrics
-from proxy.models import ModelCatalog
-from proxy.modes import ModeDecision, decide_mode
-from proxy.probe import CoordinateProber
+from proxy.pool.balance import Balancer
+from proxy.pool.endpoints import Cluster, ClusterName, Endpoint
+from proxy.pool.health import HealthChecker
+from proxy.pool.membership import ConfigWatcher, Membership
+from proxy.pool.models import ModelCatalog
+from proxy.pool.probe import CoordinateProber
+from proxy.pool.retry import RetryBudget
+from proxy.pool.scrape import LoadScraper
 from proxy.protocol import ClientRequest, PrefillCoordinates, prefix_key, prompt_chars
-from proxy.pull import run_pull
-from proxy.push import run_push
-from proxy.relay import Downstream, FlowResponse
-from proxy.retry import RetryBudget
-from proxy.sidechannel import SideChannel
-from proxy.upstream import UpstreamClient
+from proxy.upstream.client import UpstreamClient
+from proxy.upstream.sidechannel import SideChannel
 
 if TYPE_CHECKING:
-    from proxy.discovery import KubernetesDiscovery
+    from proxy.pool.discovery import KubernetesDiscovery
 
 logger = logging.getLogger("pdproxy.router")
 
 MODE_HEADER = b"x-kv-transfer-mode"
 REQUEST_ID_HEADER = b"x-request-id"
 MODE_REASON_HEADER = b"x-kv-transfer-mode-reason"  # only when the asked mode was impossible
-
-
-@dataclass(frozen=True)
-class ConfigSource:
-    """Where the running config came from, to re-read it (`--config FILE` and flags)."""
-
-    path: Path
-    load: Callable[[], RouterConfig]
 
 
 def cluster_api_key(configured: str | None, cluster: str) -> str | None:
@@ -126,10 +116,15 @@ class Router:
             timeout=config.timeouts.health,
         )
         self._warmup: asyncio.Task[None] | None = None
-        self.membership = Membership(self)
+        self.context = FlowContext(
+            config=config, prefill=self.prefill, decode=self.decode, client=self.client,
+            metrics=self.metrics, retry_budget=self.retry_budget, prober=self.prober,
+            health=self.health, learner=self.learner, push_channel=self.push_channel,
+        )
+        self.membership = Membership(self.prefill, self.decode, self.prober)
         self.discovery: KubernetesDiscovery | None = None
         if config.discovery.kubernetes is not None:  # the client library only when asked for
-            from proxy.discovery import KubernetesDiscovery
+            from proxy.pool.discovery import KubernetesDiscovery
             self.discovery = KubernetesDiscovery(config.discovery.kubernetes, self.membership,
                                                  self.metrics)
         self.watcher = None
@@ -226,7 +221,7 @@ class Router:
     ) -> FlowResponse:
         """The response that runs the decided flow. A local exchange has no P (D computes
         the prompt): no P leg is ever run or leased."""
-        exchange = Exchange(self, request, prefill=prefill, decode=decode,
+        exchange = Exchange(self.context, request, prefill=prefill, decode=decode,
                             decision=decision, bucket=bucket, prefix=key)
         if decision.is_fallback:
             self.metrics.mode_fallbacks.labels(

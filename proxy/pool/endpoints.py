@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import msgspec
 
-from proxy.balance import Balancer
-from proxy.config import Ejection, EndpointConfig, Mode, Policy, resolve_secret
+from proxy.config import Ejection, EndpointConfig, Mode, resolve_secret
 from proxy.errors import NoHealthyEndpoint
-from proxy.outlier import OutlierRecord
+from proxy.pool.load import LoadReport
+from proxy.pool.outlier import OutlierRecord
 from proxy.protocol import PrefillCoordinates
-
-if TYPE_CHECKING:
-    from proxy.load import LoadReport
 
 BOTH_MODES = frozenset({Mode.PULL, Mode.PUSH})
 DEFAULT_EJECTION = Ejection()
@@ -276,12 +273,19 @@ class RankLease:
         self._counts[self._rank] -= 1
 
 
+class Picker(Protocol):
+    """Picks one of a cluster's candidates, already filtered (`proxy.pool.balance`'s
+    `Balancer`)."""
+
+    def pick(self, candidates: Sequence[Endpoint], key: str | None = None) -> Endpoint: ...
+
+
 class Cluster:
     def __init__(
         self,
         name: ClusterName,
         configs: list[EndpointConfig],
-        balancer: Balancer | None = None,
+        balancer: Picker,
         ejection: Ejection = DEFAULT_EJECTION,
         *,
         api_key: str | None = None,
@@ -293,7 +297,7 @@ class Cluster:
         self._on_add = on_add  # told of every member, first and added (credentials)
         # Replaced, never changed in place: a reader holding the old list is unaffected.
         self.endpoints = [self._member(c) for c in configs]
-        self.balancer = balancer or Balancer(Policy.LEAST_OUTSTANDING)
+        self.balancer = balancer
 
     def _member(self, config: EndpointConfig) -> Endpoint:
         endpoint = Endpoint(config, self.name, self.ejection, api_key=self._api_key)
@@ -322,7 +326,7 @@ class Cluster:
         model: str | None = None,
     ) -> Endpoint:
         """Filter (healthy, not draining, not `exclude`, serving `model`, not ejected, and
-        able to do `mode`), then the cluster's policy picks (see `proxy.balance`; `key` is
+        able to do `mode`), then the cluster's policy picks (see `proxy.pool.balance`; `key` is
         the prompt's prefix, for prefix affinity). Filters that would leave nobody are
         dropped, except the first ones: every healthy server ejected, or none known to do
         `mode` (the mode then falls back)."""

@@ -1,6 +1,6 @@
 """One keep-alive HTTP/1.1 connection to a server, as an asyncio protocol, and the answer
 it reads (`Response`), parsed by httptools; the errors a call can end with. The rules
-they follow are in the package's docstring (`proxy.http11`)."""
+they follow are in the package's docstring (`proxy.upstream.http11`)."""
 
 from __future__ import annotations
 
@@ -131,7 +131,7 @@ class Response:
 
 
 class Owner(Protocol):
-    """What a connection needs of the pool that owns it (`proxy.http11.pool.Pool`)."""
+    """What a connection needs of the pool that owns it (`proxy.upstream.http11.pool.Pool`)."""
 
     max_header_bytes: int
 

@@ -35,7 +35,7 @@ Only `upstream.py` uses this module; it maps the errors raised here (`PoolTimeou
 TimeoutError from its own bounds) to the router's own.
 """
 
-from proxy.http11.connection import (
+from proxy.upstream.http11.connection import (
     ConnectFailed,
     Connection,
     ConnectionLost,
@@ -43,7 +43,7 @@ from proxy.http11.connection import (
     PoolTimeout,
     Response,
 )
-from proxy.http11.pool import Client, Deadlines, Pool, Slots
+from proxy.upstream.http11.pool import Client, Deadlines, Pool, Slots
 
 __all__ = [
     "Client",

@@ -3,31 +3,17 @@
 The router's own count of requests in flight on a server only sees what this router sent.
 vLLM's Prometheus gauges see the server itself: its queue of requests waiting for a slot
 (other routers' requests included), the requests it is running, and how full its KV cache
-is. Every `interval` seconds a `LoadScraper` GETs `/metrics` from every endpoint and puts
-a `LoadReport` (or None, when the scrape failed) on `endpoint.load`; `load_score` folds a
-report into the number a balancer compares.
+is. `parse_vllm_metrics` reads one /metrics answer into a `LoadReport`, and `load_score`
+folds a report into the number a balancer compares. `proxy.pool.scrape` fetches the
+reports; this module knows nothing of endpoints, so `endpoints` can hold a report.
 """
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import math
-import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
-
-from proxy.errors import Overloaded, UpstreamError
-from proxy.periodic import Periodic
-from proxy.upstream import UpstreamClient
-
-if TYPE_CHECKING:
-    from proxy.endpoints import Endpoint
-
-logger = logging.getLogger("pdproxy.load")
 
 # vLLM's gauges by their name without the "vllm:" prefix. The parser keeps the prefix
 # and its colon as they are; a name spelled "vllm_" (colon replaced) is taken too.
@@ -109,57 +95,3 @@ def load_score(
     if report is None or now - report.at > max_age:
         return float(in_flight)
     return in_flight + waiting_weight * report.waiting + kv_cache_weight * report.kv_cache_usage
-
-
-class LoadScraper:
-    def __init__(
-        self,
-        endpoints: Callable[[], list[Endpoint]],  # the current ones, at each round
-        client: UpstreamClient,
-        *,
-        interval: float,
-        timeout: float,
-    ) -> None:
-        self._endpoints = endpoints
-        self._client = client
-        self._timeout = timeout
-        self._rounds = Periodic("load-scraper", interval, self.scrape_all, at_once=True)
-        self._failing: set[str] = set()  # urls whose last scrape failed (warned once)
-
-    def start(self) -> None:
-        self._rounds.start()
-
-    async def aclose(self) -> None:
-        await self._rounds.aclose()
-
-    async def scrape_all(self) -> None:
-        """One round: every current endpoint at once."""
-        endpoints = self._endpoints()
-        self._failing &= {e.url for e in endpoints}  # forget removed servers
-        await asyncio.gather(*(self.scrape(e) for e in endpoints))
-
-    async def scrape(self, endpoint: Endpoint) -> None:
-        try:
-            text = await self._client.get_text(
-                f"{endpoint.url}/metrics",
-                endpoint=endpoint.url,
-                cluster=endpoint.cluster.value,
-                timeout=self._timeout,
-            )
-        except (UpstreamError, Overloaded) as exc:  # Overloaded: the control lane is full
-            self._failed(endpoint, str(exc))
-            return
-        report = parse_vllm_metrics(text, time.monotonic())
-        if report is None:
-            self._failed(endpoint, "its /metrics has no vLLM request gauges")
-            return
-        if endpoint.url in self._failing:
-            self._failing.discard(endpoint.url)
-            logger.info("%s %s: load metrics are back", endpoint.cluster.value, endpoint.url)
-        endpoint.load = report
-
-    def _failed(self, endpoint: Endpoint, why: str) -> None:
-        endpoint.load = None
-        level = logging.DEBUG if endpoint.url in self._failing else logging.WARNING
-        self._failing.add(endpoint.url)
-        logger.log(level, "%s %s: no load metrics: %s", endpoint.cluster.value, endpoint.url, why)

@@ -3,7 +3,7 @@
 The request's `X-KV-Transfer-Mode` header wins over the configured mode. `local` is
 always possible: any D can compute a prompt itself, and no P is used. `auto` picks pull
 when the chosen pair cannot push; when it can do both, the router's `ModeLearner`
-(`proxy.learn`) picks the one measured faster for prompts of this length, and without
+(`proxy.flow.learn`) picks the one measured faster for prompts of this length, and without
 one (`auto.learn: false`) push. With `auto.local`, local is a third candidate of the
 learner's (whatever the pair can do), within D's inter-token latency budget. When the
 asked mode is impossible for the chosen servers the other one is used, and the decision
@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 
 from proxy.config import Mode
-from proxy.learn import PAIR_MODES
+from proxy.flow.learn import PAIR_MODES
 from proxy.protocol import PrefillCoordinates
 
 

@@ -13,7 +13,7 @@ in `pdproxy_admin_auth_failures_total`. With `admin_listen`, these routes are se
 that address only, never on the public listener. Answers are JSON; errors are OpenAI-shaped like the rest.
 
 With `--workers N`, each call is applied by the worker that took it (`apply`) and then by
-every other worker (`proxy.control`): a change answers once all have applied it, with
+every other worker (`proxy.api.control`): a change answers once all have applied it, with
 "workers" listing them, or 502 naming those that failed; a GET answers this worker's view
 plus every worker's under "workers".
 """
@@ -23,19 +23,18 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 
 from proxy.config import EndpointConfig
-from proxy.endpoints import ClusterName
 from proxy.errors import InvalidRequest, NotFound, Unauthorized
+from proxy.pool.endpoints import ClusterName
 
 if TYPE_CHECKING:
-    from proxy.control import WorkerGroup
-    from proxy.router import Router
+    from proxy.flow.router import Router
 
 logger = logging.getLogger("pdproxy.admin")
 
@@ -51,6 +50,13 @@ class AdminCall(msgspec.Struct, frozen=True, kw_only=True):
 
 # What an operation answers: an HTTP status and a JSON object.
 Answer = tuple[int, dict[str, Any]]
+
+
+class OtherWorkers(Protocol):
+    """The other workers of `--workers N`, which each call is forwarded to
+    (`proxy.api.control.WorkerGroup`)."""
+
+    async def spread(self, call: AdminCall, answer: dict[str, Any]) -> dict[str, Any]: ...
 
 
 def apply(router: Router, call: AdminCall) -> Answer:
@@ -146,7 +152,7 @@ def install(app: FastAPI, token: str) -> None:
         call = AdminCall(method=request.method, path=request.url.path,
                          query=dict(request.query_params), body=await request.body())
         status, answer = apply(router, call)
-        workers: WorkerGroup | None = getattr(request.app.state, "workers", None)
+        workers: OtherWorkers | None = getattr(request.app.state, "workers", None)
         if workers is not None:
             answer = await workers.spread(call, answer)
         return JSONResponse(answer, status)

@@ -17,7 +17,7 @@ prompt itself (`recompute`), or P's error is the answer (`error`). A failure tha
 request's own (a 4xx from P) is always the answer. A recovery spends the retry budget,
 so a pool whose P all fail does not double its load.
 
-A data-parallel P (several engines behind one URL, see `proxy.probe`) takes a push on the
+A data-parallel P (several engines behind one URL, see `proxy.pool.probe`) takes a push on the
 rank the router pins with vLLM's `X-data-parallel-rank` header on P's leg, and D is given
 that rank's coordinates. The rank is the known one with the fewest of this router's
 pushes in flight, equals in turn (`DataParallelRanks.pick`). A P that refuses the rank
@@ -34,14 +34,14 @@ from typing import Any
 
 from connector import wire
 from proxy.config import Mode, PushRecovery
-from proxy.endpoints import ClusterName
 from proxy.errors import NoHealthyEndpoint, RouterError, UpstreamError, UpstreamStatusError
-from proxy.exchange import Exchange
-from proxy.probe import rank_out_of_range
+from proxy.flow.exchange import Exchange
+from proxy.flow.pull import run_pull
+from proxy.flow.relay import Downstream
+from proxy.pool.endpoints import ClusterName
+from proxy.pool.probe import rank_out_of_range
+from proxy.pool.retry import retry_reason
 from proxy.protocol import PrefillCoordinates, new_transfer_id, prefill_body, push_decode_body
-from proxy.pull import run_pull
-from proxy.relay import Downstream
-from proxy.retry import retry_reason
 
 logger = logging.getLogger("pdproxy.push")
 
@@ -62,7 +62,7 @@ async def run_push(exchange: Exchange, down: Downstream, coordinates: PrefillCoo
     if ranks is None:  # one engine behind P's URL
         await _push(exchange, down, coordinates, rank=None)
         return
-    exchange.router.prober.complete_ranks(p, exchange.request.model)
+    exchange.context.prober.complete_ranks(p, exchange.request.model)
     rank = ranks.pick()
     pinned = None if rank is None else p.rank_coordinates(rank)
     if rank is None or pinned is None:  # no rank known (a probe learns one first): pull
@@ -93,7 +93,7 @@ async def _push(exchange: Exchange, down: Downstream, coordinates: PrefillCoordi
                     and rank_out_of_range(failure):
                 # P has fewer ranks than it had: learn them again; pull needs no pin.
                 p = exchange.prefill_server
-                exchange.router.prober.forget(p)
+                exchange.context.prober.forget(p)
                 _recovering(exchange, down, "pull", f"{p.url} rank {rank}", failure)
                 await run_pull(exchange, down)
                 return
@@ -109,21 +109,21 @@ def _abandon(exchange: Exchange, coordinates: PrefillCoordinates, transfer_id: s
     """Tell P (our connector) that no D will claim this transfer unless one already
     did, so P frees the prompt's blocks now rather than at its `unclaimed_ttl`. P ignores
     it for a transfer a D has registered (that D aborts its own); never waits."""
-    channel = exchange.router.push_channel
+    channel = exchange.context.push_channel
     if channel is None or coordinates.push_port is None:
         return
     sent = channel.abandon(coordinates.push_host or coordinates.host, coordinates.push_port,
                            transfer_id)
-    metrics = exchange.router.metrics
+    metrics = exchange.context.metrics
     metrics.child(metrics.push_abandons, "sent" if sent else "dropped").inc()
 
 
 async def recover(exchange: Exchange, down: Downstream, failure: UpstreamError) -> None:
     """Answer a push whose P failed before D's first byte, as `push_recovery` says."""
-    router = exchange.router
-    how = router.config.push_recovery
-    if how is PushRecovery.ERROR or not recoverable(failure) or not router.retry_budget.try_spend():
-        router.metrics.cancelled_legs.labels("decode", "prefill_failed").inc()
+    context = exchange.context
+    how = context.config.push_recovery
+    if how is PushRecovery.ERROR or not recoverable(failure) or not context.retry_budget.try_spend():
+        context.metrics.cancelled_legs.labels("decode", "prefill_failed").inc()
         raise failure
     failed = exchange.prefill_server
     if how is PushRecovery.PULL:
@@ -149,7 +149,7 @@ def recoverable(failure: UpstreamError) -> bool:
 
 def _recovering(exchange: Exchange, down: Downstream, how: str, where: str,
                 failure: UpstreamError) -> None:
-    exchange.router.metrics.child(exchange.router.metrics.push_recoveries, how).inc()
+    exchange.context.metrics.child(exchange.context.metrics.push_recoveries, how).inc()
     exchange.note = f"push_recovered:{how}:{failure.kind}:{where}"
     down.headers.append((RECOVERY_HEADER, how.encode()))
     logger.info("request %s: P failed before D's first byte (%s); answering by %s",
@@ -172,7 +172,7 @@ async def _decode(exchange: Exchange, body: dict[str, Any], down: Downstream) ->
     try:
         await exchange.relay_decode(body, down)
     except RouterError:
-        exchange.router.metrics.cancelled_legs.labels("prefill", "decode_failed").inc()
+        exchange.context.metrics.cancelled_legs.labels("prefill", "decode_failed").inc()
         raise
 
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
 from connector import wire
 from proxy.config import Mode
-from proxy.endpoints import ClusterName, Endpoint
 from proxy.errors import (
     NoHealthyEndpoint,
     Overloaded,
@@ -25,14 +24,13 @@ from proxy.errors import (
     UpstreamError,
     UpstreamProtocolError,
 )
-from proxy.modes import ModeDecision
-from proxy.outlier import counts_as_failure
+from proxy.flow.context import FlowContext
+from proxy.flow.modes import ModeDecision
+from proxy.flow.relay import Downstream, EventFramer
+from proxy.pool.endpoints import ClusterName, Endpoint
+from proxy.pool.outlier import counts_as_failure
+from proxy.pool.retry import retry_reason
 from proxy.protocol import ClientRequest
-from proxy.relay import Downstream, EventFramer
-from proxy.retry import retry_reason
-
-if TYPE_CHECKING:
-    from proxy.router import Router
 
 logger = logging.getLogger("pdproxy.access")
 T = TypeVar("T")
@@ -41,7 +39,7 @@ T = TypeVar("T")
 class Exchange:
     def __init__(
         self,
-        router: Router,
+        context: FlowContext,
         request: ClientRequest,
         *,
         prefill: Endpoint | None,
@@ -50,7 +48,7 @@ class Exchange:
         bucket: int | None = None,
         prefix: str | None = None,
     ) -> None:
-        self.router = router
+        self.context = context  # what of the router the flows may use
         self.request = request
         self.prefill_endpoint = prefill  # None for a local exchange: D computes the prompt
         self.decode_endpoint = decode
@@ -69,7 +67,7 @@ class Exchange:
     async def with_retry(
         self, cluster: ClusterName, leg: Callable[[], Awaitable[T]], down: Downstream | None = None
     ) -> T:
-        """Run a leg; if it failed in a way worth retrying (see `proxy.retry`) before any
+        """Run a leg; if it failed in a way worth retrying (see `proxy.pool.retry`) before any
         byte reached the client, and the retry budget allows, run it once more on another
         healthy server of the same cluster, picked with every filter of the first pick
         (model, transfer mode, draining, ejection) and without the failed server."""
@@ -84,8 +82,8 @@ class Exchange:
                 other = self.pick_again(cluster, exclude=failed)
             except NoHealthyEndpoint:
                 raise exc from None
-            metrics = self.router.metrics
-            if not self.router.retry_budget.try_spend():
+            metrics = self.context.metrics
+            if not self.context.retry_budget.try_spend():
                 metrics.child(metrics.retries_refused, cluster.value, reason).inc()
                 raise
             metrics.child(metrics.retries, cluster.value, reason).inc()
@@ -102,7 +100,7 @@ class Exchange:
         """Another server of `cluster` for this request, filtered as the first pick was
         (the request's model, the mode in use unless `mode` says, healthy, not draining,
         not ejected)."""
-        pool = self.router.prefill if cluster is ClusterName.PREFILL else self.router.decode
+        pool = self.context.cluster(cluster)
         return pool.pick(exclude=exclude, key=self.prefix, mode=mode or self.decision.used,
                          model=self.request.model)
 
@@ -121,14 +119,14 @@ class Exchange:
         started = time.perf_counter()
         with p.lease():
             try:
-                answer = await self.router.client.post_json(
+                answer = await self.context.client.post_json(
                     f"{p.url}{self.request.route.value}",
                     body,
                     headers=self.upstream_headers if headers is None
                     else {**self.upstream_headers, **headers},
                     endpoint=p.url,
                     cluster=p.cluster.value,
-                    timeout=self.router.config.timeouts.prefill,
+                    timeout=self.context.config.timeouts.prefill,
                 )
             except UpstreamError as exc:
                 self._upstream_failed(p, exc)
@@ -136,11 +134,11 @@ class Exchange:
         self.prefill_seconds = time.perf_counter() - started
         p.outlier.success()
         p.observe_latency(self.prefill_seconds)
-        metrics = self.router.metrics
+        metrics = self.context.metrics
         metrics.child(metrics.prefill_latency, self.mode).observe(self.prefill_seconds)
         if not isinstance(answer, dict):
             raise RouterError(f"prefill server {p.url} answered with non-object JSON")
-        self.router.prober.observe(p, answer.get(wire.KV_TRANSFER_PARAMS))
+        self.context.prober.observe(p, answer.get(wire.KV_TRANSFER_PARAMS))
         return answer
 
     async def relay_decode(self, body: dict[str, Any], down: Downstream) -> None:
@@ -149,7 +147,7 @@ class Exchange:
         sent_at = time.perf_counter()
         with d.lease():
             try:
-                async with self.router.client.stream(
+                async with self.context.client.stream(
                     f"{d.url}{self.request.route.value}",
                     body,
                     headers=self.upstream_headers,
@@ -191,22 +189,22 @@ class Exchange:
     def _decode_first_byte(self, sent_at: float) -> None:
         self.decode_first_byte_seconds = time.perf_counter() - sent_at
         self.decode_endpoint.observe_latency(self.decode_first_byte_seconds)
-        metrics = self.router.metrics
+        metrics = self.context.metrics
         metrics.child(metrics.decode_first_token, self.mode).observe(self.decode_first_byte_seconds)
 
     def _upstream_failed(self, endpoint: Endpoint, exc: UpstreamError) -> None:
         endpoint.last_error = str(exc)
-        self.router.metrics.upstream_errors.labels(
+        self.context.metrics.upstream_errors.labels(
             endpoint.cluster.value, endpoint.url, exc.kind
         ).inc()
         if isinstance(exc, UpstreamConnectError):
-            self.router.health.mark_down(endpoint, str(exc))
+            self.context.health.mark_down(endpoint, str(exc))
         elif isinstance(exc, UpstreamConnectionLost):
-            self.router.health.count_failure(endpoint, str(exc))
+            self.context.health.count_failure(endpoint, str(exc))
         if counts_as_failure(exc):
             ejected_for = endpoint.outlier.failure(time.monotonic())
             if ejected_for is not None:
-                self.router.metrics.ejections.labels(endpoint.cluster.value, endpoint.url).inc()
+                self.context.metrics.ejections.labels(endpoint.cluster.value, endpoint.url).inc()
                 logger.warning("%s server %s ejected for %.0f s after %d failures in a row "
                                "(last: %s)", endpoint.cluster.value, endpoint.url, ejected_for,
                                endpoint.outlier.config.consecutive_failures, exc)
@@ -215,7 +213,7 @@ class Exchange:
 
     def finish(self, down: Downstream, error: RouterError | None, client_left: bool) -> None:
         """Account for the exchange once, whatever happened: metrics and one log line."""
-        metrics = self.router.metrics
+        metrics = self.context.metrics
         status = "client_closed" if client_left else str(down.status or (error.status if error else 0))
         metrics.child(metrics.requests, self.request.route.value, self.mode, status).inc()
         if isinstance(error, Overloaded):
@@ -223,7 +221,7 @@ class Exchange:
         if down.first_byte_at is not None:
             ttfb = down.first_byte_at - self.started_at
             metrics.child(metrics.time_to_first_byte, self.mode).observe(ttfb)
-            learner = self.router.learner
+            learner = self.context.learner
             if learner and self.bucket is not None and self.request.stream and down.status == 200:
                 learner.observe(self.decision.used, self.bucket, ttfb)
         local = self.prefill_endpoint is None  # no P leg: D computed the prompt

@@ -1,7 +1,7 @@
 """Live membership: servers added, removed or drained while the router runs.
 
 Two ways in, one set of operations (`Membership`):
-- the admin API (`proxy.admin`): add, remove, drain one server;
+- the admin API (`proxy.api.admin`): add, remove, drain one server;
 - the config file, watched (`ConfigWatcher`): when it changes, it is read and validated
   again; a bad file is refused with a log line and the running config kept; a good one
   has its `prefill` and `decode` lists applied (servers added, removed, or replaced when
@@ -20,31 +20,34 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from connector import wire
 from proxy.config import EndpointConfig, RouterConfig
-from proxy.endpoints import BOTH_MODES, Cluster, ClusterName, Endpoint
 from proxy.errors import Conflict, NotFound
-from proxy.periodic import Periodic
-
-if TYPE_CHECKING:
-    from proxy.router import Router
+from proxy.pool.endpoints import BOTH_MODES, Cluster, ClusterName, Endpoint
+from proxy.pool.periodic import Periodic
+from proxy.pool.probe import CoordinateProber
 
 logger = logging.getLogger("pdproxy.membership")
 
 
 class Membership:
-    def __init__(self, router: Router) -> None:
-        self._router = router
-        # Servers that Kubernetes discovery added and owns (`proxy.discovery`): a watched
+    """Adds, removes and drains the two clusters' servers; a removed P's coordinates
+    are forgotten by `prober`."""
+
+    def __init__(self, prefill: Cluster, decode: Cluster, prober: CoordinateProber) -> None:
+        self._prefill = prefill
+        self._decode = decode
+        self._prober = prober
+        # Servers that Kubernetes discovery added and owns (`proxy.pool.discovery`): a watched
         # config file's lists leave them alone.
         self.discovered: set[Endpoint] = set()
 
     def cluster(self, name: ClusterName) -> Cluster:
-        return self._router.prefill if name is ClusterName.PREFILL else self._router.decode
+        return self._prefill if name is ClusterName.PREFILL else self._decode
 
     def endpoint(self, name: ClusterName, url: str) -> Endpoint:
         found = self.cluster(name).find(url)
@@ -107,11 +110,11 @@ class Membership:
         """Out of its cluster; a P's learned coordinates are forgotten with it."""
         self.cluster(endpoint.cluster).remove(endpoint)
         if endpoint.cluster is ClusterName.PREFILL:
-            self._router.prober.forget(endpoint)
+            self._prober.forget(endpoint)
 
     def describe(self) -> list[dict[str, Any]]:
         now = time.monotonic()
-        return [_describe(e, now) for e in self._router.all_endpoints()]
+        return [_describe(e, now) for e in self._prefill.endpoints + self._decode.endpoints]
 
 
 def _describe(e: Endpoint, now: float) -> dict[str, Any]:

@@ -36,7 +36,7 @@ from proxy.errors import (
     UpstreamStatusError,
     UpstreamTimeout,
 )
-from proxy.http11 import (
+from proxy.upstream.http11 import (
     Client,
     ConnectFailed,
     ConnectionLost,

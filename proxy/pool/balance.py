@@ -14,7 +14,7 @@
     one hot prefix cannot swamp a server. Adding or removing a server moves only the
     prefixes that hashed to it.
   - `load_aware`: the lowest score from what each server's vLLM says of itself (its
-    /metrics, scraped in the background by `proxy.load`): requests in flight from
+    /metrics, scraped in the background by `proxy.pool.load`): requests in flight from
     this router + `waiting_weight` x its waiting queue + `kv_cache_weight` x its KV cache
     usage; a server whose last scrape failed, or is older than 3 scrape intervals (and
     2 s), is scored by in flight alone.
@@ -36,10 +36,10 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from proxy.config import Balance, Policy
-from proxy.load import load_score
+from proxy.pool.load import load_score
 
 if TYPE_CHECKING:
-    from proxy.endpoints import Endpoint
+    from proxy.pool.endpoints import Endpoint
 
 VIRTUAL_NODES = 64  # ring points per endpoint: spreads prefixes evenly across servers
 # A load report is ignored once older than this many scrape intervals, and at least

@@ -1,7 +1,7 @@
 """The client over `connection`: pools of keep-alive connections per server under one cap
 on open connections (`Slots`, first come first served), one deadline sweep for every
-answer (`Deadlines`), and the `Client` that `proxy.upstream` uses. The rules they follow
-are in the package's docstring (`proxy.http11`)."""
+answer (`Deadlines`), and the `Client` that `proxy.upstream.client` uses. The rules they follow
+are in the package's docstring (`proxy.upstream.http11`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import contextlib
 import time
 from urllib.parse import SplitResult, urlsplit
 
-from proxy.http11.connection import (
+from proxy.upstream.http11.connection import (
     ConnectFailed,
     Connection,
     ConnectionLost,

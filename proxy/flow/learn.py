@@ -57,7 +57,7 @@ import msgspec
 from proxy.config import AutoSettings, Mode
 
 if TYPE_CHECKING:
-    from proxy.endpoints import Endpoint
+    from proxy.pool.endpoints import Endpoint
 
 LEARNED_MODES = (Mode.PUSH, Mode.PULL, Mode.LOCAL)  # in this order they win ties
 PAIR_MODES = (Mode.PUSH, Mode.PULL)  # the candidates when local is not one

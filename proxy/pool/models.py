@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from proxy.endpoints import Endpoint
 from proxy.errors import NotFound, Overloaded, UpstreamError
-from proxy.upstream import UpstreamClient
+from proxy.pool.endpoints import Endpoint
+from proxy.upstream.client import UpstreamClient
 
 logger = logging.getLogger("pdproxy.models")
 

@@ -29,8 +29,9 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from proxy import admin
-from proxy.config import RouterConfig, resolve_secret
+from proxy.api import admin
+from proxy.api.openapi import openapi_document
+from proxy.config import ConfigSource, RouterConfig, resolve_secret
 from proxy.errors import (
     InvalidRequest,
     MethodNotAllowed,
@@ -41,12 +42,11 @@ from proxy.errors import (
     error_body,
     internal_error,
 )
-from proxy.openapi import openapi_document
+from proxy.flow.router import Router
 from proxy.protocol import Route, body_too_large, parse_request
-from proxy.router import ConfigSource, Router
 
 if TYPE_CHECKING:
-    from proxy.control import WorkerGroup
+    from proxy.api.control import WorkerGroup
 
 logger = logging.getLogger("pdproxy.app")
 
@@ -159,7 +159,7 @@ def create_app(
 ) -> RouterApp:
     """The router's ASGI app; with `source`, the config file is watched (see membership).
     With `workers` (one worker of `--workers N`), /metrics and the admin API cover every
-    worker (see proxy.control)."""
+    worker (see proxy.api.control)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -238,9 +238,9 @@ async def serving(
 ) -> AsyncIterator[tuple[str, Any]]:
     """Serve `app` with uvicorn on 127.0.0.1 (a free port) inside the running event loop,
     for tests and tools that embed the router; yields (base URL, the uvicorn server).
-    It listens as `pd-proxy serve` does (proxy.listener), with `config`'s client timeouts
+    It listens as `pd-proxy serve` does (proxy.api.listener), with `config`'s client timeouts
     and shutdown grace (their defaults without one)."""
-    from proxy.listener import server_config
+    from proxy.api.listener import server_config
 
     server = uvicorn.Server(
         server_config(app, config, host="127.0.0.1", port=0, log_level="warning", lifespan="on")

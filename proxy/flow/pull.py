@@ -14,11 +14,11 @@ from typing import Any
 
 from connector import wire
 from proxy.config import MissingKVParams
-from proxy.endpoints import ClusterName
 from proxy.errors import KVTransferError
-from proxy.exchange import Exchange
+from proxy.flow.exchange import Exchange
+from proxy.flow.relay import Downstream
+from proxy.pool.endpoints import ClusterName
 from proxy.protocol import prefill_body, pull_decode_body
-from proxy.relay import Downstream
 
 
 async def run_pull(exchange: Exchange, down: Downstream) -> None:
@@ -36,8 +36,8 @@ def decode_body(exchange: Exchange, p_answer: dict[str, Any]) -> dict[str, Any]:
         return pull_decode_body(exchange.request, params)
     except ValueError as exc:
         why = f"prefill server {exchange.prefill_server.url} gave no usable kv_transfer_params ({exc})"
-    metrics = exchange.router.metrics.missing_kv_params
-    if exchange.router.config.missing_kv_params is MissingKVParams.RECOMPUTE:
+    metrics = exchange.context.metrics.missing_kv_params
+    if exchange.context.config.missing_kv_params is MissingKVParams.RECOMPUTE:
         metrics.labels("recompute").inc()
         exchange.note = "recompute_on_decode"
         return dict(exchange.request.body)
