@@ -144,7 +144,7 @@ class RouterApp:
                 if name.startswith(b"x-")
             }
             request = parse_request(route, raw, headers, max_body_bytes=self._max_body)
-            response: ASGIApp = await self.state.router.exchange(request)
+            response: ASGIApp = await self.state.router.handle(request)
         except RouterError as exc:
             response = _json_error(exc)
         except Exception as exc:

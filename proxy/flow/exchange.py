@@ -26,7 +26,7 @@ from proxy.errors import (
 )
 from proxy.flow.context import FlowContext
 from proxy.flow.modes import ModeDecision
-from proxy.flow.relay import Downstream, EventFramer
+from proxy.flow.relay import Downstream, relay_events
 from proxy.pool.endpoints import ClusterName, Endpoint
 from proxy.pool.outlier import counts_as_failure
 from proxy.pool.retry import retry_reason
@@ -163,25 +163,7 @@ class Exchange:
                         return
                     _check_stream_answer(answer.content_type, d)
                     d.outlier.success()  # D answered a stream with a success status
-                    # Whole events only: if D breaks off mid-event, the client's
-                    # stream still ends with a readable error event.
-                    framer = EventFramer()
-                    async for chunk in answer.chunks():
-                        events = framer.feed(chunk)
-                        if answer.at_end:
-                            events += framer.rest()  # D's last bytes go out as they are
-                        if events and not down.started:
-                            self._decode_first_byte(sent_at)
-                            await down.start(answer.status, answer.content_type)
-                        if answer.at_end:  # the last chunk: send it with the end
-                            break
-                        if events:
-                            await down.write(events)
-                    else:
-                        events = framer.rest()
-                    if not down.started:
-                        await down.start(answer.status, answer.content_type)
-                    await down.end(events)
+                    await relay_events(answer, down, first_byte=lambda: self._decode_first_byte(sent_at))
             except UpstreamError as exc:
                 self._upstream_failed(d, exc)
                 raise

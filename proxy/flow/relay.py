@@ -3,6 +3,7 @@
 `Downstream` wraps the ASGI `send`: it sends the response head only with the first body
 byte, so until then any failure can still become a proper HTTP error (and a retry is
 still possible). Once started, a streamed answer that fails ends with an SSE error event.
+`relay_events` passes D's streamed answer to it as whole SSE events.
 
 `FlowResponse` is the ASGI response a route returns: it runs the flow while a watcher
 task waits for the client's disconnect; a client that leaves cancels the flow, and with
@@ -19,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from starlette.types import Receive, Scope, Send
 
 from proxy.errors import RouterError, internal_error, sse_error_event
+from proxy.upstream.client import StreamedResponse
 
 logger = logging.getLogger("pdproxy.relay")
 
@@ -100,6 +102,30 @@ class Downstream:
             await self.end(sse_error_event(error))
         else:
             await self.end()  # a cut JSON body: the client sees a broken answer, not a wrong one
+
+
+async def relay_events(answer: StreamedResponse, down: Downstream, *,
+                       first_byte: Callable[[], None]) -> None:
+    """Pass a streamed answer to the client as it comes, in whole SSE events only: if D
+    breaks off mid-event, the client's stream still ends with a readable error event.
+    `first_byte` is called once, just before the head goes out."""
+    framer = EventFramer()
+    async for chunk in answer.chunks():
+        events = framer.feed(chunk)
+        if answer.at_end:
+            events += framer.rest()  # D's last bytes go out as they are
+        if events and not down.started:
+            first_byte()
+            await down.start(answer.status, answer.content_type)
+        if answer.at_end:  # the last chunk: send it with the end
+            break
+        if events:
+            await down.write(events)
+    else:
+        events = framer.rest()
+    if not down.started:
+        await down.start(answer.status, answer.content_type)
+    await down.end(events)
 
 
 class FlowResponse:

@@ -169,7 +169,7 @@ class Router:
             return
         await asyncio.gather(*(self.prober.coordinates(p, names[0]) for p in self.prefill.endpoints))
 
-    async def exchange(self, request: ClientRequest) -> FlowResponse:
+    async def handle(self, request: ClientRequest) -> FlowResponse:
         """Choose P, D and the mode for a validated request, and return its response."""
         await self.catalog.require(request.model)
         self.retry_budget.request()
