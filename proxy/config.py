@@ -176,6 +176,10 @@ class Auth(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     # with one of these (401 otherwise). Env PDPROXY_CLIENT_API_KEYS, comma-separated.
     client_api_keys: list[str] = []
 
+    def __post_init__(self) -> None:  # an "env:NAME" whose variable is unset fails here
+        for secret in (self.prefill_api_key, self.decode_api_key, *self.client_api_keys):
+            resolve_secret(secret)
+
 
 def resolve_secret(value: str | None) -> str | None:
     """A configured secret: "env:NAME" reads the variable NAME (unset: an error)."""
@@ -287,6 +291,7 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 raise ValueError(f"{name} out of range: {port!r}")
         if self.tp_size is not None and self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size!r}")
+        resolve_secret(self.api_key)  # "env:NAME" with NAME unset: refused with the name
 
     @property
     def has_coordinates(self) -> bool:
@@ -407,6 +412,7 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
                 raise ValueError(f"admin_listen must be host:port, got {self.admin_listen!r}")
         if self.log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
             raise ValueError(f"unknown log_level {self.log_level!r}")
+        resolve_secret(self.admin_token)
 
 
 @dataclass(frozen=True)

@@ -111,3 +111,23 @@ def test_a_secret_may_come_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("ROUTER_TEST_KEY")
     with pytest.raises(ValueError, match="ROUTER_TEST_KEY"):
         resolve_secret("env:ROUTER_TEST_KEY")
+
+
+@pytest.mark.parametrize("where", ["prefill", "auth", "admin_token"])
+def test_a_secret_whose_variable_is_unset_fails_the_config_with_its_name_and_place(
+    where: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("ROUTER_TEST_UNSET", raising=False)
+    file_values: dict[str, object] = {
+        "prefill": [{"url": "http://p:1", "api_key": "env:ROUTER_TEST_UNSET"}],
+        "auth": {"client_api_keys": ["k", "env:ROUTER_TEST_UNSET"]},
+        "admin_token": "env:ROUTER_TEST_UNSET",
+    }
+    values = {"decode": [{"url": "http://d:1"}], where: file_values[where]}
+    if where != "prefill":
+        values["prefill"] = [{"url": "http://p:1"}]
+    with pytest.raises(ValueError, match=r"ROUTER_TEST_UNSET.*not set") as raised:
+        build_config(values, {})
+    assert where in str(raised.value) or where == "admin_token"  # msgspec names the field's path
+    monkeypatch.setenv("ROUTER_TEST_UNSET", "set now")
+    assert build_config(values, {}).decode[0].url == "http://d:1"
