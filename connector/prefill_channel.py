@@ -22,7 +22,6 @@ thread never ran).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import time
@@ -225,10 +224,6 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
             except (OSError, zmq.ZMQError) as exc:
                 logger.warning("no socket for early WRITEs (%s): pushes are written at the "
                                "step after their prompt's", exc)
-        # Prefills whose last step runs now: that step's number, for an early WRITE.
-        self._completing: dict[TransferId, int] = {}
-        # Transfers whose WRITE is to fail on purpose (fault injection), until it starts.
-        self._fail_on_purpose: set[TransferId] = set()
         # Written by the channel thread, read by the engine thread (has_pending_work, the
         # stats log).
         self.live_transfers = 0
@@ -398,22 +393,17 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         now = time.monotonic()
         match event:
             case PrefillFinished(tid, request_id, block_ids, fail_on_purpose):
-                self._completing.pop(tid, None)
-                if fail_on_purpose:
-                    self._fail_on_purpose.add(tid)
                 outcome = self.registry.prefill_finished(
-                    tid, block_ids, request_id=request_id, now=now)
+                    tid, block_ids, request_id=request_id, now=now,
+                    fail_on_purpose=fail_on_purpose)
                 self._on_outcome(outcome, registration=None)
             case PrefillCompleting(tid, request_id, block_ids, step, fail_on_purpose):
-                self._completing[tid] = step  # until the prefill is finished
-                if fail_on_purpose:
-                    self._fail_on_purpose.add(tid)
-                ready = self.registry.prefill_completing(tid, block_ids, request_id=request_id)
+                ready = self.registry.prefill_completing(
+                    tid, block_ids, request_id=request_id, step=step,
+                    fail_on_purpose=fail_on_purpose)
                 if ready is not None:
                     self._on_outcome(ready, registration=None)
             case PrefillAborted(tid):
-                self._completing.pop(tid, None)
-                self._fail_on_purpose.discard(tid)
                 release = self.registry.prefill_aborted(tid, now=now)
                 if release is not None:
                     self._released(release)
@@ -447,16 +437,16 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
                 block_size=config.block_size, tp_size=config.tp_size))
         if isinstance(outcome, Ready):
             self.registry.write_started(outcome.transfer_id)
-            tid = outcome.transfer_id
-            write = StartWrite(tid, outcome.request_id, outcome.block_ids, outcome.registration,
-                               fail_on_purpose=tid in self._fail_on_purpose)
-            self._fail_on_purpose.discard(tid)
-            if outcome.early:
+            write = StartWrite(outcome.transfer_id, outcome.request_id, outcome.block_ids,
+                               outcome.registration, early_step=outcome.early_step,
+                               fail_on_purpose=outcome.fail_on_purpose)
+            if write.early_step is not None:
                 self._start_early(write)
             else:
                 self._actions.put(write)
             logger.debug("push %s: matched, WRITE requested%s", outcome.transfer_id,
-                         " right after the prompt's last forward pass" if outcome.early else "")
+                         "" if write.early_step is None
+                         else " right after the prompt's last forward pass")
         elif isinstance(outcome, Rejected):
             # A peer over its limit may be flooding: the stats line counts those.
             level = logging.DEBUG if outcome.reason is NackReason.OVER_LIMIT \
@@ -469,8 +459,6 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
             if outcome.request_id is not None:
                 self._actions.put(FreeBlocks(outcome.transfer_id, outcome.request_id,
                                              outcome.reason.value))
-            if self.registry.state_of(outcome.transfer_id) is None:
-                self._fail_on_purpose.discard(outcome.transfer_id)
         elif isinstance(outcome, Release):
             self._released(outcome)
 
@@ -478,7 +466,6 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         """Send P's worker a WRITE to start right after the forward pass of the step that
         completes the prompt. Should that fail, the engine starts it with a later step,
         once that forward pass is done (`early_step` says which)."""
-        write = dataclasses.replace(write, early_step=self._completing.pop(write.transfer_id))
         if self._early is None or not self._early.send(write):
             logger.warning("push %s: could not hand the WRITE to P's worker at once; it "
                            "starts with the next step", write.transfer_id)
@@ -488,7 +475,6 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
                   message: str = "", pull: PullOffer | None = None) -> None:
         """A transfer ended: free P's blocks (unless the engine's WRITE path did, or
         keeps them for D's READ: `pull`) and tell D, if D registered."""
-        self._fail_on_purpose.discard(release.transfer_id)
         if release.request_id is not None and release.block_ids is not None \
                 and not freed_by_engine:
             self._actions.put(FreeBlocks(release.transfer_id, release.request_id,

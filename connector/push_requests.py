@@ -1,5 +1,6 @@
 """Push requests, one record per request with its state: the scheduler's on P and on D,
-and D's worker's (`IncomingPushes`, described there).
+and D's worker's (`IncomingPushes`, described there). P's worker's are in
+`connector.outgoing`.
 
 P (`PrefillPushes`): a push request computing its prompt, from the step that schedules it
 to its end. Its record carries its transfer, whether its WRITE is to fail on purpose

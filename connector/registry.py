@@ -1,12 +1,9 @@
 """P's push registry: matches D's block registrations with P's finished prefills.
 
-Who calls it: on P, the one thread that owns push state (the side channel's thread, see
-`connector.channel`). It learns of D's registrations and aborts from the side channel, of
-finished prefills and WRITE results from the engine through a queue, and calls `expire`
-on every wake-up (see `next_deadline`). The registry is NOT thread-safe, by design: it
-has one owner, so it needs no lock. It does no I/O; each method returns what the caller
-must do (answer D, start a WRITE, free P's blocks), so the caller's error paths stay
-visible.
+Owned by one thread on P, the side channel's (`connector.prefill_channel`), so no lock:
+it learns of D's registrations and aborts from the socket, of prefills and WRITE results
+from the engine, and calls `expire` on every wake-up (`next_deadline`). It does no I/O;
+each method returns what the caller must do (answer D, start a WRITE, free P's blocks).
 
 Matching is exact on `transfer_id` and works in either order: D may register before P's
 prefill finishes, or after. One registry serves one P engine (all its ranks); D's
@@ -33,12 +30,12 @@ States of one transfer:
                                                                           |   the WRITE ends
   A match whose KV-cache group counts differ goes straight to FAILED.
 
-  prefill_completing (the step that completes the prompt is being scheduled) matches an
-  AWAITING_PREFILL registration early: READY, so that P WRITEs right after that step's
-  forward pass; the prefill_finished that follows the step is then taken as known. With
-  no registration yet, the completing prefill is remembered (no record, no deadline: its
-  prefill_finished follows the step) and a registration arriving meanwhile matches it
-  early. Such a Ready says `early`.
+  prefill_completing (engine step `step`, being built, completes the prompt) matches an
+  AWAITING_PREFILL registration early (READY with `early_step`: P WRITEs right after that
+  step's forward pass; the prefill_finished that follows is taken as known). With no
+  registration yet, the record is COMPLETING (not live: no deadline, not counted) until
+  a registration matches it early or its prefill_finished comes. A record carries P's
+  fault injection (`fail_on_purpose`) to its Ready.
 
 Who may end a transfer: a registered one is aborted only by the peer that registered it
 (`peer`: its CURVE public key, else its ZMQ routing identity); an abort from anyone else
@@ -89,6 +86,7 @@ BlockIds = list[list[int]]  # one list per KV-cache group
 
 
 class TransferState(enum.Enum):
+    COMPLETING = "completing"  # P's prompt completes in the step being built; not live
     AWAITING_PREFILL = "awaiting_prefill"
     AWAITING_REGISTRATION = "awaiting_registration"
     READY = "ready"
@@ -144,7 +142,6 @@ class RegistryConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 # --- What the caller must do (the results of transitions) -------------------------------
 
-
 @dataclass(frozen=True, slots=True)
 class Ready:
     """Both sides are known: start the WRITE of `block_ids` into the registration's."""
@@ -153,7 +150,10 @@ class Ready:
     registration: RegisterBlocks
     block_ids: BlockIds  # P's
     request_id: RequestId  # P's
-    early: bool = False  # matched while the step that completes the prompt runs
+    # Matched while engine step `early_step`, which completes the prompt, was built or
+    # ran: WRITE right after its forward pass. None: matched after the prefill.
+    early_step: int | None = None
+    fail_on_purpose: bool = False  # fault injection (`fail_write`): fail, do not WRITE
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,11 +177,9 @@ class Rejected:
 
 @dataclass(frozen=True, slots=True)
 class Release:
-    """A transfer ended in `state`. Free P's `block_ids` (if any) now; if `notify` is set,
-    tell that D: PushDone when DONE, else PushFailed with `reason`.
-
-    Where D may fall back to pulling from P, the caller may keep the blocks under its pull
-    lease instead of freeing them; either way, the registry no longer holds them."""
+    """A transfer ended in `state`. Free P's `block_ids` (if any) now, or keep them under
+    the pull lease where D may READ them instead: the registry no longer holds them. If
+    `notify` is set, tell that D: PushDone when DONE, else PushFailed with `reason`."""
 
     transfer_id: TransferId
     state: TransferState
@@ -241,10 +239,13 @@ class _Transfer:
     state: TransferState
     deadline: float | None  # monotonic; set only while awaiting the other side
     registration: RegisterBlocks | None = None
-    block_ids: BlockIds | None = None  # P's, held from prefill_finished until released
+    # P's, held from prefill_finished until released (COMPLETING: the step's, not held).
+    block_ids: BlockIds | None = None
     request_id: RequestId | None = None  # P's request that holds block_ids
     abort_requested: bool = False  # D aborted during WRITING
     owner: PeerId | None = None  # the peer that registered it, once one has
+    early_step: int | None = None  # COMPLETING: the step that completes the prompt
+    fail_on_purpose: bool = False  # P's fault injection, for its Ready
 
 
 class _Tombstone(enum.Enum):
@@ -267,14 +268,13 @@ class PushRegistry:
 
     def __init__(self, config: RegistryConfig) -> None:
         self.config = config
-        self._transfers: dict[TransferId, _Transfer] = {}  # live records only
+        self._transfers: dict[TransferId, _Transfer] = {}  # live and COMPLETING records
+        self._completing = 0  # records in COMPLETING (not live)
         self._tombstones: dict[TransferId, tuple[_Tombstone, float]] = {}  # cause, deadline
-        # Prefills whose last step runs now, with no registration yet (prefill_completing).
-        self._completing: dict[TransferId, tuple[RequestId, BlockIds]] = {}
         self._pending_by_peer: dict[PeerId, int] = {}  # live registrations per owner
         self._counters = RegistryCounters()
 
-    # --- events from D (side channel) ----------------------------------------------------
+    # --- events from D and the router (side channel) -------------------------------------
 
     def register(self, reg: RegisterBlocks, *, now: float, peer: PeerId = b"") -> Outcome:
         """D's registration, from `peer`. Ready or Waiting: send Ack. Rejected: send Nack."""
@@ -285,7 +285,8 @@ class PushRegistry:
             return Rejected(tid, NackReason.PREFILL_ABORTED,
                             f"P's request for transfer {tid!r} ended without its KV")
         record = self._transfers.get(tid)
-        if record is not None and record.state is not TransferState.AWAITING_REGISTRATION:
+        if record is not None and record.state not in (TransferState.AWAITING_REGISTRATION,
+                                                       TransferState.COMPLETING):
             self._counters.duplicates += 1
             return Rejected(tid, NackReason.DUPLICATE, f"transfer {tid!r} is already registered")
         refusal = self._check_limits(reg, peer) or self._check_layout(reg)
@@ -296,21 +297,18 @@ class PushRegistry:
                 self._counters.too_many_blocks += 1
             else:
                 self._counters.rejected += 1
-            if record is None:
+            if record is None or record.state is TransferState.COMPLETING:
                 return Rejected(tid, refusal[0], refusal[1])
             del self._transfers[tid]
             return Rejected(tid, refusal[0], refusal[1], record.block_ids, record.request_id)
         self._counters.registered += 1
-        completing = self._completing.pop(tid, None)
-        if record is None and completing is not None \
-                and len(completing[1]) == len(reg.block_ids):
-            request_id, block_ids = completing
-            record = _Transfer(tid, TransferState.AWAITING_PREFILL, None, registration=reg,
-                               block_ids=block_ids, request_id=request_id)
-            self._transfers[tid] = record
-            self._own(record, peer)
-            self._counters.early += 1
-            return self._match(record, early=True)
+        if record is not None and record.state is TransferState.COMPLETING:
+            if len(record.block_ids or ()) == len(reg.block_ids):  # matches early
+                self._completing -= 1
+                record.state = TransferState.AWAITING_PREFILL
+                self._counters.early += 1
+            else:  # its prefill_finished fails it, once P's blocks can be freed
+                record = self._forget_completing(record)
         if record is None:
             deadline = now + min(self.config.registration_ttl, reg.ttl_s)
             record = _Transfer(tid, TransferState.AWAITING_PREFILL, deadline, registration=reg)
@@ -327,9 +325,8 @@ class PushRegistry:
         and its end will release; or the id is unknown, and a tombstone frees a late
         prefill at once: the caller answers D itself). Ignored: another peer registered
         this transfer; only it may abort it."""
-        record = self._transfers.get(transfer_id)
-        if record is None:
-            self._completing.pop(transfer_id, None)  # its prefill_finished meets the tombstone
+        record = self._forget_completing(self._transfers.get(transfer_id))
+        if record is None:  # its prefill_finished meets the tombstone
             self._bury(transfer_id, _Tombstone.D_ABORTED, now)
             return None
         if record.owner is not None and record.owner != peer:
@@ -342,8 +339,6 @@ class PushRegistry:
             self._bury(transfer_id, _Tombstone.D_ABORTED, now)
         return self._end(record, TransferState.ABORTED, FailReason.ABORTED)
 
-    # --- events from the router (side channel) ---------------------------------------------
-
     def abandon(self, transfer_id: TransferId, *, now: float) -> Release | Ignored | None:
         """The router's D leg for this transfer failed before any D registered: free P's
         blocks now (Release), or as soon as the prefill finishes (None: a tombstone, as for
@@ -353,8 +348,8 @@ class PushRegistry:
             self._counters.abandons_ignored += 1
             return Ignored(transfer_id, "a D has registered it")
         self._counters.abandoned += 1
-        if record is None:
-            self._completing.pop(transfer_id, None)  # its prefill_finished meets the tombstone
+        record = self._forget_completing(record)
+        if record is None:  # its prefill_finished meets the tombstone
             self._bury(transfer_id, _Tombstone.D_ABORTED, now)
             return None
         return self._end(record, TransferState.ABORTED, FailReason.ABORTED)
@@ -363,12 +358,11 @@ class PushRegistry:
 
     def prefill_finished(
         self, transfer_id: TransferId, block_ids: BlockIds, *, request_id: RequestId,
-        now: float,
+        now: float, fail_on_purpose: bool = False,
     ) -> Outcome:
         """P's request `request_id` computed the prompt and holds `block_ids` for it until
-        a Release frees them."""
-        self._completing.pop(transfer_id, None)
-        record = self._transfers.get(transfer_id)
+        a Release frees them. `fail_on_purpose`: its WRITE is to fail (fault injection)."""
+        record = self._forget_completing(self._transfers.get(transfer_id))
         if record is not None and record.request_id == request_id \
                 and record.state in (TransferState.READY, TransferState.WRITING):
             self._counters.prefills += 1
@@ -385,6 +379,7 @@ class PushRegistry:
             record = _Transfer(
                 transfer_id, TransferState.AWAITING_REGISTRATION,
                 now + self.config.unclaimed_ttl, block_ids=block_ids, request_id=request_id,
+                fail_on_purpose=fail_on_purpose,
             )
             self._transfers[transfer_id] = record
             if self._tombstones.pop(transfer_id, (None,))[0] is _Tombstone.D_ABORTED:
@@ -392,36 +387,44 @@ class PushRegistry:
             return Waiting(transfer_id, TransferState.AWAITING_REGISTRATION)
         record.block_ids = block_ids
         record.request_id = request_id
+        record.fail_on_purpose = fail_on_purpose
         return self._match(record)
 
     def prefill_completing(
         self, transfer_id: TransferId, block_ids: BlockIds, *, request_id: RequestId,
+        step: int, fail_on_purpose: bool = False,
     ) -> Ready | None:
-        """P's request `request_id` is scheduled to complete its prompt, into `block_ids`,
-        in the step being built. If D has registered, match now (Ready), so that the WRITE
-        can start right after that step's forward pass. None: not now (with no registration
-        yet, one that arrives before `prefill_finished` matches early); the usual
-        `prefill_finished` follows the step."""
+        """P's request `request_id` completes its prompt, into `block_ids`, in engine step
+        `step`, being built. Ready: D had registered; WRITE right after that step's forward
+        pass. None: not now (with no registration yet, the record is COMPLETING, for one
+        that comes before `prefill_finished`, which follows the step)."""
         record = self._transfers.get(transfer_id)
         if record is None and transfer_id not in self._tombstones:
-            self._completing[transfer_id] = (request_id, block_ids)
-        if record is None or record.state is not TransferState.AWAITING_PREFILL:
+            record = self._transfers[transfer_id] = _Transfer(transfer_id,
+                                                              TransferState.COMPLETING, None)
+            self._completing += 1
+        if record is None or record.state not in (TransferState.COMPLETING,
+                                                  TransferState.AWAITING_PREFILL):
             return None
-        assert record.registration is not None
-        if len(block_ids) != len(record.registration.block_ids):
-            return None  # prefill_finished fails it, once P's blocks can be freed
+        if record.state is TransferState.AWAITING_PREFILL:
+            assert record.registration is not None
+            if len(block_ids) != len(record.registration.block_ids):
+                return None  # prefill_finished fails it, once P's blocks can be freed
         record.block_ids = block_ids
         record.request_id = request_id
+        record.early_step = step
+        record.fail_on_purpose = fail_on_purpose
+        if record.state is TransferState.COMPLETING:
+            return None
         self._counters.early += 1
-        match = self._match(record, early=True)
+        match = self._match(record)
         assert isinstance(match, Ready)
         return match
 
     def prefill_aborted(self, transfer_id: TransferId, *, now: float) -> Release | None:
         """P's request ended without its KV (cancelled, or failed). A waiting D is told at
         once; one that registers later is refused (see the tombstones)."""
-        self._completing.pop(transfer_id, None)
-        record = self._transfers.get(transfer_id)
+        record = self._forget_completing(self._transfers.get(transfer_id))
         if record is None:
             self._bury(transfer_id, _Tombstone.PREFILL_ABORTED, now)
             return None
@@ -475,7 +478,7 @@ class PushRegistry:
         return None if record is None else record.state
 
     def __len__(self) -> int:
-        return len(self._transfers)
+        return len(self._transfers) - self._completing  # live ones: not COMPLETING
 
     def pending_of(self, peer: PeerId) -> int:
         """Live registrations `peer` made (what max_pending_per_peer limits)."""
@@ -491,8 +494,9 @@ class PushRegistry:
     def snapshot(self) -> RegistrySnapshot:
         by_state = dict.fromkeys(LIVE_STATES, 0)
         for record in self._transfers.values():
-            by_state[record.state] += 1
-        return RegistrySnapshot(by_state, self.counters(), len(self._completing))
+            if record.state is not TransferState.COMPLETING:
+                by_state[record.state] += 1
+        return RegistrySnapshot(by_state, self.counters(), self._completing)
 
     # --- internals -----------------------------------------------------------------------
 
@@ -537,7 +541,16 @@ class PushRegistry:
                 f"tensor-parallel mismatch: {why} (pull serves any tp pair vLLM reads)")
         return None
 
-    def _match(self, record: _Transfer, *, early: bool = False) -> Ready | Release:
+    def _forget_completing(self, record: _Transfer | None) -> _Transfer | None:
+        """None for a COMPLETING record (dropped: it will not match early), else `record`."""
+        if record is None or record.state is not TransferState.COMPLETING:
+            return record
+        del self._transfers[record.transfer_id]
+        self._completing -= 1
+        return None
+
+    def _match(self, record: _Transfer) -> Ready | Release:
+        """Both sides are known: READY (early if the record has `early_step`)."""
         assert record.registration is not None and record.block_ids is not None
         record.deadline = None
         if len(record.block_ids) != len(record.registration.block_ids):
@@ -546,7 +559,7 @@ class PushRegistry:
         self._counters.matched += 1
         assert record.request_id is not None
         return Ready(record.transfer_id, record.registration, record.block_ids, record.request_id,
-                     early)
+                     record.early_step, record.fail_on_purpose)
 
     def _end(
         self, record: _Transfer, state: TransferState, reason: FailReason | None = None

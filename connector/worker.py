@@ -13,7 +13,8 @@ Push adds, per step (`PushStep`, from the scheduler):
   (vLLM's own, on its background executor), then WRITEs this rank's share of the blocks
   with vLLM's push descriptor code; when every WRITE handle is done, the request is
   reported finished sending, which frees P's blocks, and the outcome goes back to the
-  scheduler in a `PushReport`. `release` requests are reported finished at once.
+  scheduler in a `PushReport`. `release` requests are reported finished at once. Each
+  push is one record with its state (`connector.outgoing`).
 - P, a WRITE that failed or could not start: the blocks stay, under vLLM's own pull
   lease (`pull_fallback_ttl`), so that D can READ them instead; D's READ notification,
   the lease's end or a `release` order frees them.
@@ -42,16 +43,16 @@ from typing import TYPE_CHECKING, Any
 from connector.channel import StartWrite
 from connector.config import DualConfig
 from connector.early import EarlyInbox
-from connector.messages import PullOffer, TransferId
-from connector.metadata import PushEnd, PushJob, PushReport, PushStep
+from connector.messages import PullOffer
+from connector.metadata import PushJob, PushReport, PushStep
+from connector.outgoing import OutgoingPush, OutgoingPushes, OutgoingState
 from connector.pages import small_pages
 from connector.progress import agent_progress
 from connector.push_requests import IncomingPushes
 from connector.tp_plan import writers_per_decode_rank
 from connector.vllm_compat import (
     NixlConnectorMetadata,
-    NixlPullConnectorWorker,
-    NixlPushConnectorWorker,
+    PullPushWorker,
     RemoteMeta,
     ReqMeta,
     on_cpu,
@@ -68,12 +69,9 @@ logger = logging.getLogger("vllm.pd_connector.worker")
 _POLL_S = 0.0002  # between two polls of the poller thread, while it has work
 
 
-class DualWorker(NixlPullConnectorWorker):
-    # vLLM's push worker turns one request's blocks into per-rank WRITE descriptors
-    # (TP mapping, block-size ratios, prefix caching, MLA replication). We reuse that
-    # code as is; it needs `_sending_transfers`, its lock and `_send_failures`, set below.
-    _xfer_blocks_for_req = NixlPushConnectorWorker._xfer_blocks_for_req
-    _xfer_blocks = NixlPushConnectorWorker._xfer_blocks
+class DualWorker(PullPushWorker):
+    # vLLM's pull worker, with its push worker's WRITE code (`_xfer_blocks_for_req`),
+    # which needs `_sending_transfers`, its lock and `_send_failures`, set below.
 
     def __init__(
         self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig
@@ -84,28 +82,27 @@ class DualWorker(NixlPullConnectorWorker):
         with agent_progress(config.nixl_progress_thread):
             super().__init__(vllm_config, engine_id, kv_cache_config)
         self._pull_fallback_ttl = config.pull_fallback_ttl
-        # P: WRITE handles by P's request id, as vLLM's push code fills them.
+        # P: vLLM's push code's own state, by P's request id, which it fills and our
+        # poller reads (under the lock): WRITE handles, and those that failed (folded
+        # into our records each step).
         self._sending_transfers: defaultdict[str, list[int]] = defaultdict(list)
         self._sending_transfers_lock = threading.Lock()
         self._send_failures: set[str] = set()
-        # P: jobs being written, by P's request id; jobs whose handshake just finished.
-        self._writing: dict[str, tuple[PushJob, float]] = {}
-        # P: early WRITEs from P's channel thread, if this server makes them; those that
-        # wait for their step's forward pass; and the number of the step now running.
+        # P: one record per push this rank WRITEs, from its job (or early WRITE) to the
+        # step that hands its blocks back to vLLM, and the ends for the next PushReport.
+        self._outgoing = OutgoingPushes()
+        # P: early WRITEs from P's channel thread, if this server makes them; the number
+        # of the step now running.
         self._early_inbox: EarlyInbox | None = None
         if config.writes_early(on_cpu(), vllm_config.parallel_config.world_size):
             dp_index = vllm_config.parallel_config.data_parallel_index
             self._early_inbox = EarlyInbox(StartWrite, engine_id, dp_index,
                                            config.push_port + dp_index)
-        self._early: list[StartWrite] = []
         self._step_number = 0
-        self._handshaken: queue.SimpleQueue[tuple[PushJob, BaseException | None]] = (
+        # P: jobs whose handshake with D finished (P's request id, its error), from vLLM's
+        # handshake executor.
+        self._handshaken: queue.SimpleQueue[tuple[str, BaseException | None]] = (
             queue.SimpleQueue())
-        self._released: set[str] = set()  # P: report finished sending next time
-        # P: failed WRITEs' blocks to put under vLLM's pull lease (expiry), at the next
-        # start_load_kv (see `_lease_for_pull`).
-        self._to_lease: dict[str, float] = {}
-        self._ended: dict[TransferId, PushEnd] = {}  # P: for the next PushReport
         # D: the pushes this worker receives, each awaited until its WRITEs' notifications
         # came, then landed until D's handshake with its P is done (`IncomingPushes`).
         self._incoming = IncomingPushes()
@@ -158,11 +155,15 @@ class DualWorker(NixlPullConnectorWorker):
             self._start_job(job)
         self._write_handshaken()
         for rid in step.release:
-            # A failed push's blocks, kept for a READ that will not come: drop the lease.
-            if self._to_lease.pop(rid, None) is None \
-                    and self._reqs_to_send.pop(rid, None) is not None:
-                self._reqs_to_process.discard(rid)
-            self._released.add(rid)
+            # A failed push's blocks, kept for a READ that will not come: drop the lease
+            # (vLLM's, unless they were not put under it yet).
+            was = self._outgoing.release(rid)
+            if was is None or was is OutgoingState.RELEASED:
+                if self._reqs_to_send.pop(rid, None) is not None:
+                    self._reqs_to_process.discard(rid)
+            elif was is not OutgoingState.HELD:
+                logger.warning("request %s: release of blocks a WRITE still reads (%s); "
+                               "its end frees them", rid, was.value)
 
     def write_early(self) -> None:
         """P, right after the step's forward pass (vLLM's `wait_for_save`): start the
@@ -175,15 +176,12 @@ class DualWorker(NixlPullConnectorWorker):
         or this one once its forward pass is done."""
         if self._early_inbox is None:
             return
-        self._early.extend(self._early_inbox.take())
+        for write in self._early_inbox.take():
+            self._outgoing.early(PushJob.of(write), write.early_step)
         due = self._step_number if forward_done else self._step_number - 1
-        waiting = []
-        for write in self._early:
-            if write.early_step is not None and write.early_step <= due:
-                self._start_job(PushJob.of(write))
-            else:
-                waiting.append(write)
-        self._early = waiting
+        for record in self._outgoing.early_due(due):
+            assert record.job is not None
+            self._start_job(record.job)
 
     def _pull_instead(self, rid: str, offer: PullOffer) -> None:
         """D: P's WRITE failed but P kept the blocks: READ them, as vLLM's pull does."""
@@ -205,43 +203,47 @@ class DualWorker(NixlPullConnectorWorker):
         """P: put failed WRITEs' blocks under vLLM's pull lease. Only here, after vLLM's
         pull code has handled the step's `reqs_not_processed`: it holds that none of
         those has a lease, and a push that fails at once is in that list in its step."""
-        for rid, expiry in self._to_lease.items():
+        for rid, expiry in self._outgoing.take_held():
             self._reqs_to_process.add(rid)
             self._reqs_to_send[rid] = expiry
-        self._to_lease.clear()
 
     def _write_handshaken(self) -> None:
         """WRITE the jobs whose handshake with D finished since the last call."""
         while True:
             try:
-                job, error = self._handshaken.get_nowait()
+                rid, error = self._handshaken.get_nowait()
             except queue.Empty:
                 return
+            record = self._outgoing.get(rid)
+            if record is None or record.state is not OutgoingState.HANDSHAKING:
+                continue  # cannot happen: only the handshake's end moves it on
             if error is None:
-                self._write(job)
+                self._outgoing.handshaken(record)
+                self._write(record)
             else:
-                self._end(job, f"handshake with D failed: {error}", time.perf_counter())
+                self._end(record, f"handshake with D failed: {error}")
 
     # --- P: the WRITE ---------------------------------------------------------------------
 
     def _start_job(self, job: PushJob) -> None:
         future = self._ensure_handshake(
             job.decode_engine_id, job.decode_host, job.decode_port, job.decode_tp_size)
+        record = self._outgoing.start(job, handshaking=future is not None,
+                                      now=time.perf_counter())
         if future is None:
-            self._write(job)
+            self._write(record)
             return
-        self._writing[job.request_id] = (job, time.perf_counter())
 
-        def handshake_done(f: Future[Any], job: PushJob = job) -> None:
-            self._handshaken.put((job, f.exception()))
+        def handshake_done(f: Future[Any], rid: str = job.request_id) -> None:
+            self._handshaken.put((rid, f.exception()))
 
         future.add_done_callback(handshake_done)
 
-    def _write(self, job: PushJob) -> None:
-        started = self._writing.get(job.request_id, (job, time.perf_counter()))[1]
-        self._writing[job.request_id] = (job, started)
+    def _write(self, record: OutgoingPush) -> None:
+        job = record.job
+        assert job is not None and record.state is OutgoingState.WRITING
         if job.fail_on_purpose:
-            self._end(job, "WRITE failed on purpose (fail_write, fault_injection on)", started)
+            self._end(record, "WRITE failed on purpose (fail_write, fault_injection on)")
             return
         local = [list(group) for group in job.block_ids]
         meta = ReqMeta(
@@ -255,15 +257,15 @@ class DualWorker(NixlPullConnectorWorker):
         )
         self._engine_last_active[job.decode_engine_id] = time.perf_counter()
         try:
-            self._xfer_blocks_for_req(job.request_id, meta)  # type: ignore[misc]
+            self._xfer_blocks_for_req(job.request_id, meta)
         except Exception as exc:  # a layout vLLM's push code refuses, or NIXL itself
             logger.exception("push %s: WRITE could not start", job.transfer_id)
-            self._end(job, f"WRITE could not start: {exc}", started)
+            self._end(record, f"WRITE could not start: {exc}")
             return
         with self._sending_transfers_lock:
             submitted = bool(self._sending_transfers.get(job.request_id))
         if not submitted:
-            self._end(job, "WRITE could not start (see the log above)", started)
+            self._end(record, "WRITE could not start (see the log above)")
             return
         if self._poll_writes():  # a small WRITE is often done at its first poll
             self._wake_poller()
@@ -322,19 +324,11 @@ class DualWorker(NixlPullConnectorWorker):
             wake.wake()
         return True
 
-    def _end(self, job: PushJob, error: str | None, started: float) -> None:
+    def _end(self, record: OutgoingPush, error: str | None) -> None:
         """The job is over on this rank: report the outcome, and free P's blocks, or,
         when the WRITE failed, keep them under vLLM's pull lease for D to READ."""
-        rid = job.request_id
-        self._writing.pop(rid, None)
-        held = error is not None and self._pull_fallback_ttl > 0
-        if held:
-            self._to_lease[rid] = time.perf_counter() + self._pull_fallback_ttl
-        else:
-            self._released.add(rid)
-        blocks = sum(len(group) for group in job.block_ids)
-        self._ended[job.transfer_id] = PushEnd(
-            error, time.perf_counter() - started, blocks, holding_ranks=int(held))
+        self._outgoing.ended(record, error, now=time.perf_counter(),
+                             lease_ttl=self._pull_fallback_ttl)
 
     # --- each step: what finished ------------------------------------------------------
 
@@ -343,16 +337,16 @@ class DualWorker(NixlPullConnectorWorker):
         results = super().get_transfer_results()
         with self._sending_transfers_lock:
             done, failed = self._pop_done_transfers(self._sending_transfers)
-            self._send_failures.update(failed)
-            ended = {rid: rid in self._send_failures for rid in done}
-            self._send_failures.difference_update(done)
-        for rid, was_failed in ended.items():
-            entry = self._writing.get(rid)
-            if entry is not None:
-                self._end(entry[0], "WRITE failed" if was_failed else None, entry[1])
-        if self._released:
-            results.finished_sending.update(self._released)
-            self._released.clear()
+            failed |= self._send_failures  # from submitting WRITEs, since the last step
+            self._send_failures.clear()
+        self._outgoing.failed(failed)
+        for rid in done:
+            record = self._outgoing.get(rid)
+            if record is not None and record.state is OutgoingState.WRITING:
+                self._end(record, "WRITE failed" if record.failed else None)
+        released = self._outgoing.take_released()
+        if released:
+            results.finished_sending.update(released)
         return results
 
     def _get_new_notifs(self) -> set[str]:
@@ -422,10 +416,7 @@ class DualWorker(NixlPullConnectorWorker):
             self._reqs_to_send.pop(req_id, None)
 
     def take_report(self) -> PushReport | None:
-        if not self._ended:
-            return None
-        report, self._ended = PushReport(self._ended), {}
-        return report
+        return self._outgoing.take_report()
 
     def shutdown(self) -> None:
         if self._early_inbox is not None:

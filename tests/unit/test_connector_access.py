@@ -134,7 +134,7 @@ def test_an_abandon_of_a_registered_transfer_is_ignored_and_counted(
 def test_an_abandon_before_the_prefill_finished_frees_it_when_it_does(completing: bool) -> None:
     r = registry()
     if completing:
-        assert r.prefill_completing(T1, P_BLOCKS, request_id=P_REQ) is None
+        assert r.prefill_completing(T1, P_BLOCKS, request_id=P_REQ, step=3) is None
     assert r.abandon(T1, now=1.0) is None
     outcome = finish(r, now=2.0)
     assert isinstance(outcome, Release) and outcome.state is S.ABORTED

@@ -143,8 +143,13 @@ def test_a_match_with_another_number_of_kv_groups_fails_and_tells_d(d_first: boo
 # --- early matching: the step that completes the prompt is being scheduled ------------------
 
 
-def complete(r: PushRegistry, *, blocks: list[list[int]] = P_BLOCKS) -> Ready | None:
-    return r.prefill_completing(T1, blocks, request_id=P_REQ)
+STEP = 7  # the engine step that completes the prompt
+
+
+def complete(r: PushRegistry, *, blocks: list[list[int]] = P_BLOCKS,
+             fail_on_purpose: bool = False) -> Ready | None:
+    return r.prefill_completing(T1, blocks, request_id=P_REQ, step=STEP,
+                                fail_on_purpose=fail_on_purpose)
 
 
 # How P's request ends after the step that completed its prompt (the scheduler reports a
@@ -158,7 +163,7 @@ P_ENDS = [
 def test_a_prompt_completing_after_d_registered_matches_early_and_its_finish_is_known() -> None:
     r = registry()
     to_awaiting_prefill(r)
-    assert complete(r) == Ready(T1, reg(), P_BLOCKS, P_REQ, early=True)
+    assert complete(r) == Ready(T1, reg(), P_BLOCKS, P_REQ, early_step=STEP)
     assert r.next_deadline() is None, "matched: no deadline"
     write_early_match_to_the_end(r)
 
@@ -179,7 +184,7 @@ def test_d_registering_while_the_prompt_completes_matches_early() -> None:
     r = registry()
     assert complete(r) is None, "no registration yet"
     assert len(r) == 0 and r.next_deadline() is None and r.snapshot().completing == 1
-    assert r.register(reg(), now=0.5) == Ready(T1, reg(), P_BLOCKS, P_REQ, early=True)
+    assert r.register(reg(), now=0.5) == Ready(T1, reg(), P_BLOCKS, P_REQ, early_step=STEP)
     write_early_match_to_the_end(r)
 
 
@@ -205,6 +210,51 @@ def test_d_aborting_while_the_prompt_completes_frees_it_when_it_ends(
         assert outcome == Release(T1, S.ABORTED, P_BLOCKS, request_id=P_REQ)
     r.expire(1.0 + UNCLAIMED_TTL)
     assert_empty(r)
+
+
+@pytest.mark.parametrize("d_first", [True, False], ids=["register-first", "complete-first"])
+def test_an_early_match_carries_the_prefills_fault_injection(d_first: bool) -> None:
+    r = registry()
+    if d_first:
+        to_awaiting_prefill(r)
+    assert (complete(r, fail_on_purpose=True) is None) is not d_first
+    ready = Ready(T1, reg(), P_BLOCKS, P_REQ, early_step=STEP, fail_on_purpose=True)
+    if not d_first:
+        assert r.state_of(T1) is S.COMPLETING and len(r) == 0
+        assert r.register(reg(), now=0.5) == ready
+    assert r.state_of(T1) is S.READY and r.snapshot().completing == 0
+    write_early_match_to_the_end(r)
+
+
+@pytest.mark.parametrize("d_first", [True, False], ids=["register-first", "prefill-first"])
+@pytest.mark.parametrize("fail_on_purpose", [True, False])
+def test_a_match_after_the_prefill_carries_its_fault_injection_not_a_step(
+        d_first: bool, fail_on_purpose: bool) -> None:
+    r = registry()
+    if d_first:
+        to_awaiting_prefill(r)
+    outcome = r.prefill_finished(T1, P_BLOCKS, request_id=P_REQ, now=1.0,
+                                 fail_on_purpose=fail_on_purpose)
+    if not d_first:
+        outcome = r.register(reg(), now=1.0)
+    assert outcome == Ready(T1, reg(), P_BLOCKS, P_REQ, fail_on_purpose=fail_on_purpose)
+
+
+def test_a_prompt_that_completes_then_finishes_is_not_early_any_more() -> None:
+    r = registry()
+    assert complete(r, fail_on_purpose=True) is None
+    r.prefill_finished(T1, P_BLOCKS, request_id=P_REQ, now=1.0, fail_on_purpose=True)
+    assert r.register(reg(), now=1.0) == Ready(T1, reg(), P_BLOCKS, P_REQ,
+                                               fail_on_purpose=True)
+
+
+def test_a_registration_refused_while_the_prompt_completes_leaves_it_to_match() -> None:
+    r = registry()
+    complete(r)
+    refused = r.register(reg(block_size=32), now=0.5)
+    assert isinstance(refused, Rejected) and refused.block_ids is None
+    assert r.state_of(T1) is S.COMPLETING and r.snapshot().completing == 1
+    assert r.register(reg(), now=0.6) == Ready(T1, reg(), P_BLOCKS, P_REQ, early_step=STEP)
 
 
 @pytest.mark.parametrize("state", [S.AWAITING_REGISTRATION, S.READY, S.WRITING])

@@ -1,0 +1,166 @@
+"""P's worker's per-push records (`connector.outgoing`): each path from a job (or an
+early WRITE) to the step that hands its blocks back, what each end reports, and that
+no path leaves a record behind."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from connector.channel import StartWrite
+from connector.messages import EngineId, RegisterBlocks, TransferId
+from connector.metadata import PushEnd, PushJob
+from connector.outgoing import OutgoingPushes, OutgoingState
+from connector.worker import DualWorker
+
+S = OutgoingState
+TID = TransferId("t-1")
+RID = "p-1"
+
+
+def job(rid: str = RID, tid: str = TID, *, fail_on_purpose: bool = False) -> PushJob:
+    return PushJob(transfer_id=TransferId(tid), request_id=rid, block_ids=[[1, 2], [3]],
+                   decode_engine_id="d", decode_request_id="d-1", decode_host="127.0.0.1",
+                   decode_port=5600, decode_tp_size=1, decode_block_ids=[[7, 8], [9]],
+                   fail_on_purpose=fail_on_purpose)
+
+
+def state(pushes: OutgoingPushes, rid: str = RID) -> OutgoingState | None:
+    record = pushes.get(rid)
+    return None if record is None else record.state
+
+
+@pytest.mark.parametrize("handshaking", [False, True], ids=["handshake-cached", "handshake"])
+def test_a_written_push_is_released_reported_and_gone(handshaking: bool) -> None:
+    pushes = OutgoingPushes()
+    record = pushes.start(job(), handshaking=handshaking, now=10.0)
+    assert record.state is (S.HANDSHAKING if handshaking else S.WRITING)
+    if handshaking:
+        pushes.handshaken(record)
+        assert record.state is S.WRITING
+    pushes.ended(record, None, now=10.5, lease_ttl=30.0)
+    assert state(pushes) is S.RELEASED
+    assert pushes.take_held() == []
+    assert pushes.take_released() == {RID} and len(pushes) == 0
+    report = pushes.take_report()
+    assert report is not None and report.ended == {TID: PushEnd(None, 0.5, 3)}
+    assert pushes.take_report() is None and pushes.take_released() == set()
+
+
+def test_a_failed_write_holds_its_blocks_for_the_pull_lease_then_is_gone() -> None:
+    pushes = OutgoingPushes()
+    record = pushes.start(job(), handshaking=False, now=1.0)
+    pushes.failed([RID, "unknown"])
+    assert record.failed
+    pushes.ended(record, "WRITE failed", now=2.0, lease_ttl=30.0)
+    assert state(pushes) is S.HELD and pushes.take_released() == set()
+    assert pushes.take_held() == [(RID, 32.0)] and len(pushes) == 0
+    report = pushes.take_report()
+    assert report is not None
+    assert report.ended == {TID: PushEnd("WRITE failed", 1.0, 3, holding_ranks=1)}
+
+
+def test_a_failed_write_without_a_pull_lease_is_released() -> None:
+    pushes = OutgoingPushes()
+    record = pushes.start(job(fail_on_purpose=True), handshaking=True, now=1.0)
+    pushes.ended(record, "handshake with D failed", now=1.0, lease_ttl=0.0)
+    assert pushes.take_released() == {RID} and len(pushes) == 0
+    report = pushes.take_report()
+    assert report is not None and report.ended[TID].holding_ranks == 0
+
+
+@pytest.mark.parametrize("step", [5, None], ids=["step-5", "no-step-at-once"])
+def test_an_early_write_waits_for_its_steps_forward_pass(step: int | None) -> None:
+    pushes = OutgoingPushes()
+    pushes.early(job(fail_on_purpose=True), step)
+    pushes.early(job("p-2", "t-2"), 9)
+    if step is not None:
+        assert pushes.early_due(step - 1) == []
+    (record,) = pushes.early_due(step or 0)
+    assert record.request_id == RID and record.early_step == step
+    assert record.job is not None and record.job.fail_on_purpose
+    started = pushes.start(record.job, handshaking=False, now=0.0)
+    assert started is record and record.state is S.WRITING
+    assert [r.request_id for r in pushes.early_due(100)] == ["p-2"]
+
+
+@pytest.mark.parametrize(("before", "was"), [
+    pytest.param(None, None, id="unknown"),
+    pytest.param(S.HELD, S.HELD, id="held"),
+    pytest.param(S.RELEASED, S.RELEASED, id="released"),
+])
+def test_a_release_order_reports_the_blocks_finished_sending(
+        before: OutgoingState | None, was: OutgoingState | None) -> None:
+    pushes = OutgoingPushes()
+    if before is not None:
+        record = pushes.start(job(), handshaking=False, now=0.0)
+        pushes.ended(record, None if before is S.RELEASED else "boom", now=0.0, lease_ttl=1.0)
+    assert pushes.release(RID) is was
+    assert state(pushes) is S.RELEASED and pushes.take_held() == []
+    assert pushes.take_released() == {RID} and len(pushes) == 0
+
+
+@pytest.mark.parametrize("in_flight", [S.EARLY, S.HANDSHAKING, S.WRITING])
+def test_a_release_order_leaves_a_job_in_flight_alone(in_flight: OutgoingState) -> None:
+    pushes = OutgoingPushes()
+    if in_flight is S.EARLY:
+        pushes.early(job(), 3)
+    else:
+        pushes.start(job(), handshaking=in_flight is S.HANDSHAKING, now=0.0)
+    assert pushes.release(RID) is in_flight
+    assert state(pushes) is in_flight and pushes.take_released() == set()
+
+
+def test_wrong_transitions_are_refused() -> None:
+    pushes = OutgoingPushes()
+    record = pushes.start(job(), handshaking=False, now=0.0)
+    with pytest.raises(ValueError, match="writing -> writing"):
+        pushes.handshaken(record)
+    with pytest.raises(ValueError, match="a second record"):
+        pushes.early(job(), 1)
+    pushes.ended(record, None, now=0.0, lease_ttl=0.0)
+    with pytest.raises(ValueError, match="released -> released"):
+        pushes.ended(record, None, now=0.0, lease_ttl=0.0)
+    with pytest.raises(ValueError, match="released -> writing"):
+        pushes.start(job(), handshaking=False, now=0.0)
+    pushes.failed([RID])
+    assert not record.failed, "only a WRITE in flight can fail"
+    assert pushes.take_released() == {RID} and len(pushes) == 0
+
+
+# --- P's worker: the early WRITEs it takes, each step ------------------------------------
+
+
+def start_write(rid: str, tid: str, early_step: int) -> StartWrite:
+    registration = RegisterBlocks(
+        transfer_id=TransferId(tid), engine_id=EngineId("d"), request_id="d-1", tp_size=1,
+        tp_rank=0, block_ids=[[7]], block_size=16, host="127.0.0.1", port=5600, ttl_s=60.0)
+    return StartWrite(TransferId(tid), rid, [[1]], registration, early_step=early_step)
+
+
+def test_the_worker_starts_early_writes_only_after_their_forward_pass() -> None:
+    """Two early WRITEs, for this step and the next: the first starts once this step's
+    forward pass is done (`write_early`), the other a step later."""
+    inbox = [start_write(RID, TID, 4), start_write("p-2", "t-2", 5)]
+    started: list[str] = []
+    worker: Any = SimpleNamespace(_outgoing=OutgoingPushes(), _step_number=4)
+    worker._early_inbox = SimpleNamespace(take=lambda: [inbox.pop(0)] if inbox else [])
+
+    def start_job(j: PushJob) -> None:
+        started.append(j.request_id)
+        worker._outgoing.start(j, handshaking=True, now=0.0)
+
+    worker._start_job = start_job
+    DualWorker._start_early(worker, forward_done=False)  # step 4's start: no forward yet
+    assert started == [] and state(worker._outgoing) is S.EARLY
+    DualWorker._start_early(worker, forward_done=True)
+    assert started == [RID]
+    DualWorker._start_early(worker, forward_done=True)  # takes p-2: due after step 5's
+    assert started == [RID] and state(worker._outgoing, "p-2") is S.EARLY
+    worker._step_number = 5
+    DualWorker._start_early(worker, forward_done=False)
+    assert started == [RID]
+    DualWorker._start_early(worker, forward_done=True)
+    assert started == [RID, "p-2"] and state(worker._outgoing, "p-2") is S.HANDSHAKING
