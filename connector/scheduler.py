@@ -357,12 +357,12 @@ class DualScheduler(NixlPullConnectorScheduler):
         of its blocks (clipped as for the exchange: what `request_finished` will hand
         over). Updates the blocks of the others (a prompt in chunks gets more blocks each
         step)."""
-        for rid, new_blocks, resumed in scheduled_blocks(scheduler_output):
+        for rid, new_blocks, full_table in scheduled_blocks(scheduler_output):
             record = self._prefill_pushes.get(rid)
             if record is None or record.state is not PrefillState.FOLLOWED:
                 continue
             if new_blocks is not None:
-                if record.block_ids is None or resumed:  # first step, or after preemption
+                if record.block_ids is None or full_table:  # first step, or after preemption
                     record.block_ids = [list(group) for group in new_blocks]
                 else:
                     for group, new in zip(record.block_ids, new_blocks, strict=True):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up everything pd-proxy needs on a fresh machine, in ./.venv (idempotent):
-# vLLM for CPU 0.32.0 with its CPU torch, NIXL, the router itself and its test tools.
+# vLLM for CPU 0.32.0 with its CPU torch, NIXL, the router itself and its test tools,
+# and vLLM 0.33's code (not installed) for the connector's compatibility tests.
 # Usage: bash scripts/setup.sh        (about 3-5 minutes the first time, seconds after)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -42,4 +43,18 @@ fi
 
 step "installing pd-proxy (editable), its Kubernetes client, test tools, linters and the benchmarks' plotting"
 pip_install -e ".[test,bench,lint,kubernetes]"
+# vLLM 0.33's Python package, never installed into .venv and never served (there is no CPU
+# build of it): tests/integration/test_vllm_next.py runs the connector's unit tests with
+# this folder first on the path, to check the connector against 0.33's own code.
+NEXT_VLLM=0.33.0
+NEXT_DIR=.vllm-next
+if [ "$(cat "$NEXT_DIR/.version" 2>/dev/null)" != "$NEXT_VLLM" ]; then
+  step "fetching vLLM $NEXT_VLLM's code into $NEXT_DIR for the compatibility tests (about 900 MB)"
+  rm -rf "$NEXT_DIR"
+  pip_install --no-deps --target "$NEXT_DIR" "vllm==$NEXT_VLLM"
+  echo "$NEXT_VLLM" > "$NEXT_DIR/.version"
+else
+  step "vllm $NEXT_VLLM's code already in $NEXT_DIR"
+fi
+
 step "done: $("$VENV/bin/python" -c 'import vllm, nixl, proxy; print("vllm", vllm.__version__)')"

@@ -81,6 +81,21 @@ def test_every_borrowed_attribute_exists() -> None:
     assert not missing, f"vLLM {vllm.__version__} lacks {missing}"
 
 
+def test_every_name_a_present_feature_needs_exists() -> None:
+    """What `vllm_compat` reads of vLLM 0.33's differences, where this vLLM has them."""
+    missing: list[str] = []
+    for feature, borrowed in compat.BORROWED_WITH_FEATURE.items():
+        if not compat.FEATURES[feature]:
+            continue
+        for owner, attributes in borrowed.items():
+            assert isinstance(owner, type)
+            missing.extend(f"{owner.__name__}.{attribute} ({feature})"
+                           for attribute in attributes
+                           if not hasattr(owner, attribute)
+                           and not _assigned_in_source(owner, attribute))
+    assert not missing, f"vLLM {vllm.__version__} lacks {missing}"
+
+
 def test_the_attribute_check_can_fail() -> None:
     assert not _assigned_in_source(compat.NixlPullConnectorWorker, "_no_such_field")
     assert _assigned_in_source(compat.NixlPullConnectorWorker, "_reqs_to_send")
@@ -125,10 +140,11 @@ def test_scheduled_blocks_names_vllms_values() -> None:
             req_ids=["more", "back"], new_block_ids=[([3],), None],
             resumed_req_ids={"back"}))
     # only the fields vLLM's `yield_req_data` reads, standing in for its SchedulerOutput
+    # (both versions' meanings of the third value: tests/unit/test_vllm_compat_versions.py)
     assert list(compat.scheduled_blocks(cast("compat.SchedulerOutput", output))) == [
-        compat.ScheduledBlocks("new", ([1, 2],), resumed=False),
-        compat.ScheduledBlocks("more", ([3],), resumed=False),
-        compat.ScheduledBlocks("back", None, resumed=True),
+        compat.ScheduledBlocks("new", ([1, 2],), full_table=True),
+        compat.ScheduledBlocks("more", ([3],), full_table=False),
+        compat.ScheduledBlocks("back", None, full_table=True),
     ]
 
 
@@ -139,27 +155,28 @@ def test_the_installed_vllm_is_supported() -> None:
     compat.check_vllm_version(vllm.__version__, env={})
 
 
-@pytest.mark.parametrize("installed", ["0.32.0", "0.32.7", "0.32.0+cpu", "0.32.1.dev3+g1a2b"])
+@pytest.mark.parametrize("installed", ["0.32.0", "0.32.7", "0.32.0+cpu", "0.32.1.dev3+g1a2b",
+                                       "0.33.0", "0.33.0rc1", "0.33.2+cu129"])
 def test_supported_versions_pass(installed: str) -> None:
     compat.check_vllm_version(installed, env={})
 
 
-@pytest.mark.parametrize("installed", ["0.31.2", "0.33.0", "0.33.0rc1", "1.0.0", "not-a-version"])
+@pytest.mark.parametrize("installed", ["0.31.2", "0.34.0", "0.34.0rc1", "1.0.0", "not-a-version"])
 def test_other_versions_fail_naming_both(installed: str) -> None:
     with pytest.raises(compat.UnsupportedVllmVersion) as caught:
         compat.check_vllm_version(installed, env={})
     message = str(caught.value)
-    assert installed in message and ">=0.32,<0.33" in message
+    assert installed in message and ">=0.32,<0.34" in message
     assert compat.ALLOW_UNSUPPORTED_ENV in message
 
 
 def test_an_unsupported_vllm_fails_the_import_naming_both_versions(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(compat.ALLOW_UNSUPPORTED_ENV, raising=False)
-    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
     try:
         # The reload makes a new exception class: compare by name.
-        with pytest.raises(RuntimeError, match=r">=0\.32,<0\.33, but vLLM 0\.33\.0 is") as got:
+        with pytest.raises(RuntimeError, match=r">=0\.32,<0\.34, but vLLM 0\.34\.0 is") as got:
             importlib.reload(compat)  # the module's import runs the check
         assert type(got.value).__name__ == "UnsupportedVllmVersion"
     finally:
@@ -169,8 +186,8 @@ def test_an_unsupported_vllm_fails_the_import_naming_both_versions(
 
 def test_the_override_starts_anyway_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger=compat.logger.name):
-        compat.check_vllm_version("0.33.0", env={compat.ALLOW_UNSUPPORTED_ENV: "1"})
-    assert any("0.33.0" in r.getMessage() and r.levelno == logging.WARNING
+        compat.check_vllm_version("0.34.0", env={compat.ALLOW_UNSUPPORTED_ENV: "1"})
+    assert any("0.34.0" in r.getMessage() and r.levelno == logging.WARNING
                for r in caplog.records)
     with pytest.raises(compat.UnsupportedVllmVersion):  # only "1" overrides
-        compat.check_vllm_version("0.33.0", env={compat.ALLOW_UNSUPPORTED_ENV: "yes"})
+        compat.check_vllm_version("0.34.0", env={compat.ALLOW_UNSUPPORTED_ENV: "yes"})
