@@ -216,12 +216,13 @@ async def test_sigterm_lets_a_running_stream_finish_and_exits_0(router: Router, 
 
 async def test_a_worker_that_cannot_start_fails_the_start(pair: Pair, tmp_path: Path) -> None:
     config = tmp_path / "router.yaml"
-    # The client key is read from an unset variable when a worker builds its app.
+    # The config is valid, but the push channel's key files, read when a worker builds its
+    # router, do not exist.
     config.write_text(config_text(pair, free_port(), free_port())
-                      + "auth: {client_api_keys: ['env:PDPROXY_TEST_UNSET_KEY']}\n")
-    env = {k: v for k, v in os.environ.items() if k != "PDPROXY_TEST_UNSET_KEY"}
+                      + f"push_channel: {{curve_secret_key_file: '{tmp_path / 'no.key_secret'}', "
+                        f"curve_server_key_file: '{tmp_path / 'no.key'}'}}\n")
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "proxy", "serve", "--config", str(config), cwd=REPO, env=env,
+        sys.executable, "-m", "proxy", "serve", "--config", str(config), cwd=REPO,
         stderr=asyncio.subprocess.PIPE)
     try:
         async with asyncio.timeout(60):
