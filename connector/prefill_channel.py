@@ -462,6 +462,11 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         elif isinstance(outcome, Release):
             self._released(outcome)
 
+    def early_connected(self, timeout: float = 0.0) -> bool:
+        """Whether P's worker's early-WRITE inbox is connected (`EarlyOutbox.connected`),
+        waiting up to `timeout` seconds; False when this P makes no early WRITEs."""
+        return self._early is not None and self._early.connected(timeout)
+
     def _start_early(self, write: StartWrite) -> None:
         """Send P's worker a WRITE to start right after the forward pass of the step that
         completes the prompt. Should that fail, the engine starts it with a later step,

@@ -29,7 +29,7 @@ from connector.channel import (
     PushFailure,
     StartWrite,
 )
-from connector.early import EarlyInbox
+from connector.early import EarlyInbox, EarlyOutbox
 from connector.messages import (
     PROTOCOL_VERSION,
     Ack,
@@ -277,6 +277,32 @@ def test_registration_and_finished_prefill_start_one_write(
     wait_for(lambda: not d.has_pending_work(), 5.0, "D stops waiting once it forgets")
 
 
+class _Note(msgspec.Struct):
+    text: str
+
+
+def test_the_early_outbox_says_when_a_worker_is_connected() -> None:
+    """`connected` is false while no inbox is connected, true once one is, and then a
+    send goes (at once: no retry) and arrives."""
+    where = ("engine-early-connect-test", 0, free_port())
+    context: zmq.Context[Any] = zmq.Context()
+    outbox = EarlyOutbox(context, *where)
+    inbox = None
+    try:
+        assert not outbox.connected(timeout=0.2)
+        assert not outbox.send(_Note("no one to take it"))
+        inbox = EarlyInbox(_Note, *where)
+        assert outbox.connected(timeout=5.0)
+        assert outbox.connected()  # stays true, without a wait
+        assert outbox.send(_Note("write this"))
+        wait_for(lambda: inbox.take() == [_Note("write this")], 5.0, "the message arrives")
+    finally:
+        if inbox is not None:
+            inbox.close()
+        outbox.close()
+        context.term()
+
+
 @pytest.fixture
 def early_inbox() -> Iterator[Callable[[PrefillChannel], EarlyInbox]]:
     """P's worker's end of the early WRITEs, connected to a P made with
@@ -285,11 +311,9 @@ def early_inbox() -> Iterator[Callable[[PrefillChannel], EarlyInbox]]:
 
     def connect(p: PrefillChannel) -> EarlyInbox:
         made.append(EarlyInbox(StartWrite, *EARLY_TO, port_of(p)))
-        # ZMQ's I/O thread connects the inbox in the background, and neither end shows
-        # when it is done (a socket monitor attached after the connect could miss the
-        # event): a bounded wait, far longer than a local IPC connect takes. Without
-        # it the early WRITE would go to P's engine instead, and the test would fail.
-        time.sleep(0.2)
+        # ZMQ connects the inbox in the background; until P's end sees it, the early
+        # WRITE would go to P's engine instead, and the test would fail.
+        assert p.early_connected(timeout=5.0), "P's channel never saw the inbox connect"
         return made[-1]
 
     try:
