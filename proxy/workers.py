@@ -16,10 +16,11 @@ Processes:
     `STOP_MARGIN_S` later is killed. Exit 0 when every worker stopped cleanly.
 - worker i (`run_worker`): the single-process router (`proxy.serve.run`) on the inherited
   sockets, plus its control listener (`proxy.api.control`) at `<dir>/worker-<i>.sock`.
-  It re-reads `--config` when it starts (a restarted worker gets the file as it is now,
-  not admin API changes made before it started), watches the file itself, logs with
-  "worker i", and has `PDPROXY_WORKER=i` in its environment. It stops by itself when
-  the supervisor is gone (its sentinel closes).
+  It re-reads `--config` when it starts, and a restarted worker then takes the servers
+  of another worker (`WorkerGroup`), so admin API changes made before it started hold on
+  it too. It watches the file itself, logs with "worker i", and has `PDPROXY_WORKER=i`
+  in its environment. It stops by itself when the supervisor is gone (its sentinel
+  closes).
 
 The kernel hands each new connection to one of the workers waiting on the shared
 socket; a connection stays with its worker.
@@ -73,6 +74,7 @@ class WorkerSpec:
     directory: Path  # the control sockets' directory
     config: RouterConfig  # the supervisor's; used when the file no longer reads
     args: argparse.Namespace  # the command line, to re-read --config
+    restarted: bool = False  # an earlier process of this index ran: take the others' servers
 
 
 def run_worker(spec: WorkerSpec, sock: socket.socket, admin_sock: socket.socket | None,
@@ -89,7 +91,8 @@ def run_worker(spec: WorkerSpec, sock: socket.socket, admin_sock: socket.socket 
         except (OSError, ValueError) as exc:
             logger.error("config %s refused, starting with the supervisor's: %s", args.config, exc)
     source = ConfigSource(args.config, lambda: load_config(args)) if args.config else None
-    group = WorkerGroup(spec.index, spec.count, spec.directory, timeout=config.timeouts.health)
+    group = WorkerGroup(spec.index, spec.count, spec.directory, timeout=config.timeouts.health,
+                        restarted=spec.restarted)
     worker = Worker(group=group, listener=sock, admin_listener=admin_sock, ready=ready)
     if not run(config, source, worker=worker):
         sys.exit(STARTUP_FAILURE)
@@ -152,7 +155,8 @@ class Supervisor:
 
     def _start(self, slot: _Slot) -> None:
         ours, theirs = _spawn.Pipe(duplex=False)
-        spec = WorkerSpec(slot.index, len(self._slots), self._directory, self._config, self._args)
+        spec = WorkerSpec(slot.index, len(self._slots), self._directory, self._config, self._args,
+                          restarted=slot.restart_at is not None)
         process = _spawn.Process(target=run_worker, name=f"pd-proxy-worker-{slot.index}",
                                  args=(spec, self._socket, self._admin_socket, theirs))
         process.start()

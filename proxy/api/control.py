@@ -42,6 +42,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.api.admin import AdminCall, apply
+from proxy.config import EndpointConfig
 from proxy.errors import RouterError
 
 if TYPE_CHECKING:
@@ -65,7 +66,17 @@ class AdminApply(msgspec.Struct, frozen=True, tag="admin"):
     call: AdminCall
 
 
-ControlRequest = MetricsQuery | AdminApply
+class ServersQuery(msgspec.Struct, frozen=True, tag="servers"):
+    """Ask a worker for its servers (`Servers`): a restarted worker takes them, so that
+    the admin API's changes made before it started are not lost on it."""
+
+
+class Servers(msgspec.Struct, frozen=True):
+    prefill: list[EndpointConfig]
+    decode: list[EndpointConfig]
+
+
+ControlRequest = MetricsQuery | AdminApply | ServersQuery
 
 
 class ControlEnvelope(msgspec.Struct, frozen=True):
@@ -112,11 +123,13 @@ class WorkerGroup:
     with the router (`start`) and closes it after the router stopped serving (`aclose`),
     so that the other workers can reach this one for as long as it has a router."""
 
-    def __init__(self, index: int, count: int, directory: Path, *, timeout: float) -> None:
+    def __init__(self, index: int, count: int, directory: Path, *, timeout: float,
+                 restarted: bool = False) -> None:
         if not 0 <= index < count:
             raise ValueError(f"worker index {index} out of range for {count} workers")
         self.index = index
         self.count = count
+        self.restarted = restarted  # a restart: take the others' servers when it starts
         self.directory = directory
         self.timeout = timeout  # seconds: the longest wait for the other workers (timeouts.health)
         self._router: Router | None = None  # set by start(), for the listener's answers
@@ -132,6 +145,27 @@ class WorkerGroup:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()  # left by this worker's previous process
         self._server = await asyncio.start_unix_server(self._serve, path=os.fspath(path))
+        if self.restarted:
+            await self._take_servers(router)
+
+    async def _take_servers(self, router: Router) -> None:
+        """A restarted worker read the config file as it is now; the others may have
+        added, removed or drained servers since, through the admin API. Take the servers
+        of the first worker that answers (within `timeout`), before serving."""
+        replies = await self._ask_peers(ServersQuery())
+        for index, reply in sorted(replies.items()):
+            if isinstance(reply, str) or reply.status != 200:
+                continue
+            servers = msgspec.msgpack.decode(reply.body, type=Servers)
+            changes = router.membership.match(servers.prefill, servers.decode)
+            logger.info("worker %d restarted: took worker %d's servers (%s)", self.index,
+                        index, ", ".join(changes) or "no change")
+            return
+        logger.warning(
+            "worker %d restarted and no other worker gave it their servers (%s): it serves "
+            "the config file's, without admin API changes made before it started", self.index,
+            "; ".join(f"worker {i}: {r if isinstance(r, str) else f'status {r.status}'}"
+                      for i, r in sorted(replies.items())))
 
     async def aclose(self) -> None:
         if self._server is not None:
@@ -168,6 +202,8 @@ class WorkerGroup:
         request = envelope.request
         if isinstance(request, MetricsQuery):
             return ControlReply(200, router.metrics.render())
+        if isinstance(request, ServersQuery):
+            return ControlReply(200, msgspec.msgpack.encode(Servers(*router.membership.servers())))
         try:
             status, answer = apply(router, request.call)
         except RouterError as exc:

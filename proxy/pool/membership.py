@@ -82,8 +82,22 @@ class Membership:
 
     def apply(self, new: RouterConfig) -> list[str]:
         """Make the clusters match a new config's server lists; return what changed."""
+        return self.match(new.prefill, new.decode)
+
+    def servers(self) -> tuple[list[EndpointConfig], list[EndpointConfig]]:
+        """The servers of each cluster as configs, prefill then decode, `drain` saying
+        whether each drains now; not those discovery owns (each router finds them)."""
+        def configs(cluster: Cluster) -> list[EndpointConfig]:
+            return [msgspec.structs.replace(e.config, drain=e.draining)
+                    for e in cluster.endpoints if e not in self.discovered]
+
+        return configs(self._prefill), configs(self._decode)
+
+    def match(self, prefill: list[EndpointConfig], decode: list[EndpointConfig]) -> list[str]:
+        """Make the clusters hold these servers (discovery's aside); return what changed.
+        A server whose config differs only in `drain` is kept, drained or not."""
         changes = []
-        for name, wanted in ((ClusterName.PREFILL, new.prefill), (ClusterName.DECODE, new.decode)):
+        for name, wanted in ((ClusterName.PREFILL, prefill), (ClusterName.DECODE, decode)):
             cluster = self.cluster(name)
             wanted_by_url = {c.url.rstrip("/"): c for c in wanted}
             for endpoint in list(cluster.endpoints):

@@ -196,6 +196,48 @@ async def test_a_killed_worker_is_started_again(router: Router) -> None:
     assert router.process.returncode is None
 
 
+async def test_a_restarted_worker_takes_the_admin_changes_made_before_it_started(
+    router: Router, pair: Pair
+) -> None:
+    d2 = FakeVLLM("decode", engine_id="engine-d1")
+    d2_runner, d2_url = await start(d2)
+    supervisor = router.process.pid
+    try:
+        async with httpx.AsyncClient(base_url=router.admin_url, headers=AUTH, timeout=10) as client:
+            added = await client.post("/admin/endpoints", json={"cluster": "decode", "url": d2_url})
+            assert added.status_code == 201 and added.json()["workers"] == [0, 1], added.text
+            drained = await client.post("/admin/endpoints/drain",
+                                        json={"cluster": "decode", "url": d2_url})
+            assert drained.status_code == 200, drained.text
+
+            async def views() -> list[dict[str, bool]]:
+                answer = (await client.get("/admin/endpoints")).json()
+                return [{e["url"]: e["draining"] for e in view.get("endpoints", [])}
+                        for view in answer["workers"]]
+
+            wanted = {pair.d_url: False, d2_url: True}
+            assert all({u: v[u] for u in wanted if u in v} == wanted for v in await views())
+            before = worker_pids(supervisor)
+            os.kill(min(before), signal.SIGKILL)
+            async with httpx.AsyncClient(timeout=10) as plain:
+                await until(lambda: len(worker_pids(supervisor) - before) == 1, "a new worker",
+                            timeout=30)
+                await until(lambda: router.both_up(plain), "both workers serve again", timeout=60)
+
+            async def both_have_them() -> bool:
+                seen = await views()
+                return len(seen) == 2 and all(
+                    {u: v.get(u) for u in wanted} == wanted for v in seen)
+
+            await until(both_have_them, "the admin-added, drained D on both workers", timeout=15)
+        # and every worker, the restarted one too, routes around the draining D
+        async with httpx.AsyncClient(timeout=10) as plain:
+            await spread_requests(plain, router.url, 8)
+        assert d2.seen == []
+    finally:
+        await d2_runner.cleanup()
+
+
 async def test_sigterm_lets_a_running_stream_finish_and_exits_0(router: Router, pair: Pair) -> None:
     pair.decode.behavior.tokens = 10
     pair.decode.behavior.token_delay = 0.15
