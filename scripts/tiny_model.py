@@ -20,11 +20,11 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from testbed.staging import staged
 
 # Bump when anything below changes what gets written, so cached builds are rebuilt.
 RECIPE_VERSION = 2
@@ -282,19 +282,10 @@ def build(out_dir: str | os.PathLike[str], *, force: bool = False) -> Path:
     target = Path(out_dir).resolve()
     if not force and is_built(target):
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        staging.chmod(0o755)  # mkdtemp makes it private; the model is not a secret
+    with staged(target) as staging:
         _build_tokenizer(staging)
         _build_model(staging)
         (staging / MARKER_NAME).write_text(json.dumps(_recipe(), sort_keys=True))
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
 
 

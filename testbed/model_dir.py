@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from safetensors.numpy import load_file, save_file
 
 from testbed.plugin import ARCHITECTURE
 from testbed.profiles import get_profile
+from testbed.staging import staged
 
 RECIPE_VERSION = 2
 MAX_POSITIONS = 16384  # 8,192-token prompts and their answers fit, with room
@@ -103,10 +103,7 @@ def build(tiny_dir: Path, profile: str, out_dir: Path | None = None) -> Path:
             return target
     except (OSError, ValueError):
         pass
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        staging.chmod(0o755)
+    with staged(target) as staging:
         for item in tiny_dir.iterdir():
             if item.is_file() and not item.name.startswith(".") and item.name != WEIGHTS:
                 shutil.copy2(item, staging / item.name)
@@ -127,10 +124,4 @@ def build(tiny_dir: Path, profile: str, out_dir: Path | None = None) -> Path:
             settings["model_max_length"] = MAX_POSITIONS
             tokenizer_config.write_text(json.dumps(settings, indent=2, sort_keys=True))
         (staging / MARKER_NAME).write_text(json.dumps(recipe, sort_keys=True))
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
