@@ -29,6 +29,7 @@ Owned by the worker's engine thread; no lock.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -76,7 +77,9 @@ class OutgoingPushes:
     def __init__(self) -> None:
         self._records: dict[str, OutgoingPush] = {}
         self._report: dict[TransferId, PushEnd] = {}
-        self._early = 0  # records in EARLY (asked for every step: mostly none)
+        # Records per state: each step asks for the EARLY, HELD and RELEASED ones, and
+        # mostly there are none, so the records are scanned only when there are.
+        self._counts: Counter[OutgoingState] = Counter()
 
     def get(self, request_id: str) -> OutgoingPush | None:
         return self._records.get(request_id)
@@ -90,7 +93,7 @@ class OutgoingPushes:
     def early_due(self, step: int) -> list[OutgoingPush]:
         """The early WRITEs whose prompt is computed once step `step`'s forward is done,
         in the order they came. Still EARLY: `start` each."""
-        if not self._early:
+        if not self._counts[OutgoingState.EARLY]:
             return []
         return [r for r in self._records.values() if r.state is OutgoingState.EARLY
                 and (r.early_step is None or r.early_step <= step)]
@@ -144,14 +147,14 @@ class OutgoingPushes:
 
     def take_held(self) -> list[tuple[str, float]]:
         """The HELD records, gone from here to vLLM's pull lease: (request id, lease end)."""
-        held = [r for r in self._records.values() if r.state is OutgoingState.HELD]
+        held = self._in(OutgoingState.HELD)
         for record in held:
             self._move(record, None)
         return [(r.request_id, r.lease_until) for r in held]
 
     def take_released(self) -> set[str]:
         """The RELEASED records, gone from here: to report finished sending."""
-        released = [r for r in self._records.values() if r.state is OutgoingState.RELEASED]
+        released = self._in(OutgoingState.RELEASED)
         for record in released:
             self._move(record, None)
         return {r.request_id for r in released}
@@ -174,12 +177,19 @@ class OutgoingPushes:
             raise ValueError(f"request {record.request_id}: "
                              f"{'new' if was is None else was.value} -> "
                              f"{'gone' if to is None else to.value}")
-        self._early += (to is OutgoingState.EARLY) - (was is OutgoingState.EARLY)
+        if was is not None:
+            self._counts[was] -= 1
         if to is None:
             del self._records[record.request_id]
         else:
+            self._counts[to] += 1
             record.state = to
             self._records[record.request_id] = record
+
+    def _in(self, state: OutgoingState) -> list[OutgoingPush]:
+        if not self._counts[state]:
+            return []
+        return [r for r in self._records.values() if r.state is state]
 
     def __len__(self) -> int:
         return len(self._records)
