@@ -146,6 +146,56 @@ class RouterMetrics:
             registry=r,
         )
 
+        # kv_aware balancing (proxy.pool.kv)
+        self.kv_event_batches = Counter(
+            "pdproxy_kv_event_batches",
+            "KV event batches from each server's publisher, by outcome (applied, duplicate)",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.kv_events_dropped = Counter(
+            "pdproxy_kv_events_dropped",
+            "KV event messages dropped as garbage, by reason (frames, malformed, sequence)",
+            ["endpoint", "reason"],
+            registry=r,
+        )
+        self.kv_replays = Counter(
+            "pdproxy_kv_event_replays",
+            "Replays asked of a server's publisher after a gap in its sequence numbers",
+            ["endpoint"],
+            registry=r,
+        )
+        self.kv_event_lag = Gauge(
+            "pdproxy_kv_event_lag_seconds",
+            "Age of the last KV event batch when it was applied (publisher's clock)",
+            ["endpoint"],
+            registry=r,
+        )
+        self.kv_fallbacks = Counter(
+            "pdproxy_kv_fallbacks",
+            "kv_aware picks made by load alone, by cluster and reason (no_publisher, "
+            "not_synced, no_tokens: the prompt could not be tokenized or is not text)",
+            ["cluster", "reason"],
+            registry=r,
+        )
+        self.kv_predicted_hits = Histogram(
+            "pdproxy_kv_predicted_hit_ratio",
+            "Share of the prompt's tokens the chosen server holds, by the KV index, per leg",
+            ["cluster"],
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
+            registry=r,
+        )
+        self.kv_tokenize_seconds = Histogram(
+            "pdproxy_kv_tokenize_seconds",
+            "Time to get a prompt's token ids from a server's /tokenize (kv_aware)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def watch_kv_index(self, sources: Callable[[], Iterable[Any]]) -> None:
+        """Report each KV event source's indexed blocks and sync state, read when scraped."""
+        self.registry.register(_KvIndexCollector(sources))
+
     def watch_in_flight(self, in_flight: Callable[[], int]) -> None:
         """Report the inference requests in flight (read when scraped)."""
         Gauge("pdproxy_requests_in_flight",
@@ -189,3 +239,26 @@ class _EndpointCollector(Collector):
             healthy.add_metric([e.cluster.value, e.url], 1 if e.healthy else 0)
         yield in_flight
         yield healthy
+
+
+class _KvIndexCollector(Collector):
+    def __init__(self, sources: Callable[[], Iterable[Any]]) -> None:
+        self._sources = sources
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        blocks = GaugeMetricFamily(
+            "pdproxy_kv_index_blocks",
+            "Blocks the KV index holds per server and data-parallel rank",
+            labels=["endpoint", "rank"],
+        )
+        synced = GaugeMetricFamily(
+            "pdproxy_kv_index_synced",
+            "1 when the server's KV events are applied without a gap, 0 while unknown",
+            labels=["endpoint", "rank"],
+        )
+        for s in self._sources():
+            labels = [s.url, str(s.rank)]
+            blocks.add_metric(labels, len(s))
+            synced.add_metric(labels, 1 if s.state.value == "synced" else 0)
+        yield blocks
+        yield synced

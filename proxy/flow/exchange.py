@@ -28,6 +28,7 @@ from proxy.flow.context import FlowContext
 from proxy.flow.modes import ModeDecision
 from proxy.flow.relay import Downstream, relay_events
 from proxy.pool.endpoints import ClusterName, Endpoint
+from proxy.pool.kv.blocks import PromptBlocks
 from proxy.pool.outlier import counts_as_failure
 from proxy.pool.retry import retry_reason
 from proxy.protocol import ClientRequest
@@ -47,6 +48,7 @@ class Exchange:
         decision: ModeDecision,
         bucket: int | None = None,
         prefix: str | None = None,
+        prompt: PromptBlocks | None = None,
     ) -> None:
         self.context = context  # what of the router the flows may use
         self.request = request
@@ -55,6 +57,7 @@ class Exchange:
         self.decision = decision
         self.bucket = bucket  # the prompt-length bucket auto mode learns in (streamed requests)
         self.prefix = prefix  # the prompt's prefix key (prefix affinity), for a retry's pick
+        self.prompt = prompt  # its token blocks (kv_aware), for a retry's pick and the log
         self.mode = decision.used.value
         self.upstream_headers = {wire.REQUEST_ID_HEADER: request.request_id}
         self.started_at = time.perf_counter()
@@ -102,7 +105,7 @@ class Exchange:
         not ejected)."""
         pool = self.context.cluster(cluster)
         return pool.pick(exclude=exclude, key=self.prefix, mode=mode or self.decision.used,
-                         model=self.request.model)
+                         model=self.request.model, prompt=self.prompt)
 
     @property
     def prefill_server(self) -> Endpoint:
@@ -214,7 +217,7 @@ class Exchange:
             return
         logger.info(
             "request_id=%s route=%s mode=%s requested=%s why=%s prefill=%s decode=%s status=%s "
-            "ttfb_ms=%s prefill_ms=%s decode_ttfb_ms=%s total_ms=%.1f%s%s",
+            "ttfb_ms=%s prefill_ms=%s decode_ttfb_ms=%s total_ms=%.1f%s%s%s",
             self.request.request_id,
             self.request.route.value,
             self.mode,
@@ -228,8 +231,19 @@ class Exchange:
             _ms(self.decode_first_byte_seconds),
             (time.perf_counter() - self.started_at) * 1000,
             f" note={self.note}" if self.note else "",
+            _predicted(self.prompt),
             f" error={error.message!r}" if error else "",
         )
+
+
+def _predicted(prompt: PromptBlocks | None) -> str:
+    """kv_aware's prediction for the log: the prompt's tokens and, per leg, how many of
+    them the chosen server held by the KV index (`?`: unknown)."""
+    if prompt is None or not prompt.predicted:
+        return ""
+    legs = " ".join(f"{cluster}_hit={'?' if hit is None else hit}"
+                    for cluster, hit in prompt.predicted.items())
+    return f" prompt_tokens={len(prompt)} {legs}"
 
 
 def _check_whole_answer(content: bytes, d: Endpoint) -> None:

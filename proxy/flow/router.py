@@ -28,6 +28,10 @@ from proxy.metrics import RouterMetrics
 from proxy.pool.balance import Balancer
 from proxy.pool.endpoints import Cluster, ClusterName, Endpoint
 from proxy.pool.health import HealthChecker
+from proxy.pool.kv.blocks import PromptBlocks
+from proxy.pool.kv.index import KvIndex
+from proxy.pool.kv.score import KvScorer
+from proxy.pool.kv.tokens import PromptTokenizer
 from proxy.pool.membership import ConfigWatcher, Membership
 from proxy.pool.models import ModelCatalog
 from proxy.pool.probe import CoordinateProber
@@ -77,16 +81,29 @@ class Router:
         self.learner = ModeLearner(config.auto) if config.auto.learn else None
         balance = config.balance
         self._needs_prefix = Policy.PREFIX_AFFINITY in balance.uses
+        # kv_aware: an index of every server's prefix cache, fed by its vLLM KV events
+        self.kv_index: KvIndex | None = None
+        self.kv_events: KvEventSubscriber | None = None
+        self.tokenizer: PromptTokenizer | None = None
+        kv_clusters = [name for name, policy in ((ClusterName.PREFILL, balance.prefill),
+                                                  (ClusterName.DECODE, balance.decode))
+                       if policy is Policy.KV_AWARE]
+        if kv_clusters:
+            self.kv_index = KvIndex(max_blocks=balance.kv_aware.max_blocks_per_server)
         def credentials(endpoint: Endpoint) -> None:  # every call to it carries its key
             self.client.set_api_key(endpoint.url, endpoint.api_key)
 
         auth = config.auth
         self.prefill = Cluster(ClusterName.PREFILL, config.prefill,
-                               Balancer(balance.prefill, balance), config.ejection,
+                               Balancer(balance.prefill, balance,
+                                        kv=self._kv_scorer(ClusterName.PREFILL)),
+                               config.ejection,
                                api_key=cluster_api_key(auth.prefill_api_key, "PREFILL"),
                                on_add=credentials)
         self.decode = Cluster(ClusterName.DECODE, config.decode,
-                              Balancer(balance.decode, balance), config.ejection,
+                              Balancer(balance.decode, balance,
+                                       kv=self._kv_scorer(ClusterName.DECODE)),
+                              config.ejection,
                               api_key=cluster_api_key(auth.decode_api_key, "DECODE"),
                               on_add=credentials)
         self.metrics.watch_endpoints(self.all_endpoints)
@@ -112,9 +129,22 @@ class Router:
         # load_aware balancing reads each server's /metrics, scraped in the background
         self.load = LoadScraper(
             self.all_endpoints, self.client,
-            interval=balance.scrape_interval if Policy.LOAD_AWARE in balance.uses else 0,
+            interval=balance.scrape_interval
+            if balance.uses & {Policy.LOAD_AWARE, Policy.KV_AWARE} else 0,
             timeout=config.timeouts.health,
         )
+        if self.kv_index is not None:
+            from proxy.pool.kv.subscriber import KvEventSubscriber  # needs pyzmq
+            index = self.kv_index
+            self.metrics.watch_kv_index(index.all_sources)
+            self.kv_events = KvEventSubscriber(
+                index,
+                lambda: [e for name in kv_clusters for e in self.context.cluster(name).endpoints],
+                self.client, self.metrics, balance.kv_aware, timeout=config.timeouts.health)
+            self.tokenizer = PromptTokenizer(
+                self.client, lambda: self.decode.endpoints + self.prefill.endpoints,
+                timeout=balance.kv_aware.tokenize_timeout, metrics=self.metrics,
+                lora_names=index.lora_names)
         self._warmup: asyncio.Task[None] | None = None
         self.context = FlowContext(
             config=config, prefill=self.prefill, decode=self.decode, client=self.client,
@@ -132,6 +162,16 @@ class Router:
             self.watcher = ConfigWatcher(source.path, source.load, self.membership, config,
                                          interval=config.config_watch_interval)
 
+    def _kv_scorer(self, cluster: ClusterName) -> KvScorer | None:
+        """kv_aware's scorer for a cluster that balances by it (None otherwise)."""
+        balance = self.config.balance
+        policy = balance.prefill if cluster is ClusterName.PREFILL else balance.decode
+        if self.kv_index is None or policy is not Policy.KV_AWARE:
+            return None
+        weight = 1.0 if cluster is ClusterName.PREFILL else balance.kv_aware.decode_token_weight
+        return KvScorer(self.kv_index, balance.kv_aware, cluster=cluster.value,
+                        token_weight=weight, metrics=self.metrics)
+
     def all_endpoints(self) -> list[Endpoint]:
         return self.prefill.endpoints + self.decode.endpoints
 
@@ -140,6 +180,8 @@ class Router:
             await self.discovery.start()
         self.health.start()
         self.load.start()
+        if self.kv_events is not None:
+            self.kv_events.start()
         if self.watcher is not None:
             self.watcher.start()
         if self.config.mode in (Mode.PUSH, Mode.AUTO):
@@ -156,6 +198,8 @@ class Router:
             await asyncio.gather(self._warmup, return_exceptions=True)
         await self.health.aclose()
         await self.load.aclose()
+        if self.kv_events is not None:
+            await self.kv_events.aclose()
         await self.prober.aclose()
         await self.catalog.aclose()
         await self.client.aclose()
@@ -174,6 +218,8 @@ class Router:
         await self.catalog.require(request.model)
         self.retry_budget.request()
         key = prefix_key(request, self.config.balance.prefix_chars) if self._needs_prefix else None
+        # kv_aware: the prompt's token ids, from the request or a server's /tokenize
+        prompt = await self.tokenizer.blocks(request) if self.tokenizer is not None else None
         requested = request.mode_override or self.config.mode
         # auto learns from streamed requests' time to first token, per prompt length
         learner = self.learner
@@ -181,23 +227,24 @@ class Router:
                   if learner and (requested is Mode.AUTO or request.stream) else None)
         budget = learner.local_budget if learner else None  # only with auto.local
         if requested is Mode.LOCAL:  # no P: D computes the prompt
-            decode = self.decode.pick(key=key, model=request.model)
+            decode = self.decode.pick(key=key, model=request.model, prompt=prompt)
             decision = decide_mode(requested, None)
-            return self._respond(request, None, decode, decision, bucket, key)
+            return self._respond(request, None, decode, decision, bucket, key, prompt)
         # Prefer a P and a D that can do the mode asked (auto: push), so fewer requests
         # fall back; only servers of the request's model.
         wanted = Mode.PULL if requested is Mode.PULL else Mode.PUSH
         try:
-            prefill = self.prefill.pick(key=key, mode=wanted, model=request.model)
+            prefill = self.prefill.pick(key=key, mode=wanted, model=request.model,
+                                        prompt=prompt)
         except NoHealthyEndpoint:
             if requested is not Mode.AUTO or budget is None:
                 raise
             # auto may go local: with no P to be had, D computes the prompt
-            decode = self.decode.pick(key=key, model=request.model)
+            decode = self.decode.pick(key=key, model=request.model, prompt=prompt)
             decision = ModeDecision(requested=requested, used=Mode.LOCAL, reason="auto_no_prefill")
             self.metrics.child(self.metrics.auto_decisions, "local", decision.reason).inc()
-            return self._respond(request, None, decode, decision, bucket, key)
-        decode = self.decode.pick(key=key, mode=wanted, model=request.model)
+            return self._respond(request, None, decode, decision, bucket, key, prompt)
+        decode = self.decode.pick(key=key, mode=wanted, model=request.model, prompt=prompt)
         coordinates = prefill.coordinates
         if requested is not Mode.PULL and coordinates is None:
             coordinates = await self.prober.coordinates(prefill, request.model)
@@ -212,17 +259,18 @@ class Router:
         if requested is Mode.AUTO:
             self.metrics.child(self.metrics.auto_decisions, decision.used.value,
                                decision.reason).inc()
-        return self._respond(request, prefill, decode, decision, bucket, key, coordinates)
+        return self._respond(request, prefill, decode, decision, bucket, key, prompt,
+                             coordinates)
 
     def _respond(
         self, request: ClientRequest, prefill: Endpoint | None, decode: Endpoint,
         decision: ModeDecision, bucket: int | None, key: str | None,
-        coordinates: PrefillCoordinates | None = None,
+        prompt: PromptBlocks | None, coordinates: PrefillCoordinates | None = None,
     ) -> FlowResponse:
         """The response that runs the decided flow. A local exchange has no P (D computes
         the prompt): no P leg is ever run or leased."""
         exchange = Exchange(self.context, request, prefill=prefill, decode=decode,
-                            decision=decision, bucket=bucket, prefix=key)
+                            decision=decision, bucket=bucket, prefix=key, prompt=prompt)
         if decision.is_fallback:
             self.metrics.mode_fallbacks.labels(
                 decision.requested.value, decision.used.value, decision.reason

@@ -19,6 +19,9 @@
     usage; a server whose last scrape failed, or is older than 3 scrape intervals (and
     2 s), is scored by in flight alone.
     Ties in turn.
+  - `kv_aware`: the lowest cost in prompt tokens of work: the prompt's tokens the server's
+    prefix cache lacks (by its vLLM KV events, `proxy.pool.kv`) plus load_aware's load
+    in tokens (`proxy.pool.kv.score`). Ties in turn.
 
 A `Balancer` holds one cluster's policy state (its turn counter, its ring); the endpoints
 and their counts live on the `Endpoint` objects.
@@ -40,6 +43,8 @@ from proxy.pool.load import load_score
 
 if TYPE_CHECKING:
     from proxy.pool.endpoints import Endpoint
+    from proxy.pool.kv.blocks import PromptBlocks
+    from proxy.pool.kv.score import KvScorer
 
 VIRTUAL_NODES = 64  # ring points per endpoint: spreads prefixes evenly across servers
 # A load report is ignored once older than this many scrape intervals, and at least
@@ -59,8 +64,10 @@ class Balancer:
         settings: Balance | None = None,
         *,
         rng: random.Random | None = None,
+        kv: KvScorer | None = None,
     ) -> None:
         self.policy = policy
+        self.kv = kv  # kv_aware's scorer (with the router's KV index)
         self.settings = settings or Balance()
         self._turn = itertools.count()
         self._last_pick: dict[str, int] = {}  # url -> turn of its last least-outstanding pick
@@ -68,9 +75,13 @@ class Balancer:
         self._ring: list[tuple[int, str]] = []  # (point, endpoint url), sorted
         self._ring_urls: frozenset[str] = frozenset()
 
-    def pick(self, candidates: Sequence[Endpoint], key: str | None = None) -> Endpoint:
+    def pick(self, candidates: Sequence[Endpoint], key: str | None = None,
+             prompt: PromptBlocks | None = None) -> Endpoint:
         """One of `candidates` (already filtered, not empty). `key`: the prompt's prefix,
-        for prefix affinity; without it, that policy acts as least outstanding."""
+        for prefix affinity; without it, that policy acts as least outstanding. `prompt`:
+        its token blocks, for kv_aware."""
+        if self.policy is Policy.KV_AWARE and self.kv is not None:
+            return self._by_cache(candidates, prompt)
         if len(candidates) == 1:
             return candidates[0]
         if self.policy is Policy.ROUND_ROBIN:
@@ -94,12 +105,24 @@ class Balancer:
     def _least_outstanding(self, candidates: Sequence[Endpoint]) -> Endpoint:
         return self._least(candidates, lambda e: e.in_flight)
 
-    def _least_loaded(self, candidates: Sequence[Endpoint]) -> Endpoint:
-        s, now = self.settings, time.monotonic()
+    def _load(self, now: float) -> Callable[[Endpoint], float]:
+        s = self.settings
         max_age = max(STALE_SCRAPES * s.scrape_interval, STALE_AFTER_S)
-        return self._least(candidates, lambda e: load_score(
+        return lambda e: load_score(
             e.in_flight, e.load, now=now, max_age=max_age, waiting_weight=s.waiting_weight,
-            kv_cache_weight=s.kv_cache_weight))
+            kv_cache_weight=s.kv_cache_weight)
+
+    def _least_loaded(self, candidates: Sequence[Endpoint]) -> Endpoint:
+        return self._least(candidates, self._load(time.monotonic()))
+
+    def _by_cache(self, candidates: Sequence[Endpoint], prompt: PromptBlocks | None) -> Endpoint:
+        assert self.kv is not None
+        now = time.monotonic()
+        costs, hits = self.kv.costs(candidates, prompt, self._load(now), now)
+        position = {id(e): i for i, e in enumerate(candidates)}
+        chosen = self._least(candidates, lambda e: costs[position[id(e)]])
+        self.kv.picked(chosen, prompt, hits[position[id(chosen)]], now)
+        return chosen
 
     def _by_prefix(self, candidates: Sequence[Endpoint], key: str) -> Endpoint:
         by_url = {e.url: e for e in candidates}
