@@ -38,6 +38,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from scripts.fake_kv_cache import FakePrefixCache, fake_chat_tokens, fake_tokenize
+
 MODEL = "fake-model"
 # What `Behavior.fault_kinds` may name; cut_stream applies to a streamed D answer only.
 FAULT_KINDS = ("status_500", "drop_connection", "garbage", "cut_stream", "slow")
@@ -71,6 +73,9 @@ class Behavior:
     fault_slow_s: float = 0.5
     tell_dp_size: bool = True  # data-parallel P: answers say dp_size (off: a dense model's)
     down_ranks: list[int] = dataclasses.field(default_factory=list)  # these ranks answer 500
+    # With a `kv_cache`: seconds per prompt token computed (not a cache hit), charged
+    # before P's answer or a local D's first token, as an emulated GPU's prefill.
+    prefill_token_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -85,6 +90,8 @@ class Seen:
     outcome: str = "running"  # running, ok, cancelled, failed
     fault: str | None = None  # the random fault injected into this request (fault_rate)
     rank: int | None = None  # the data-parallel rank that ran it (data-parallel mode)
+    prompt_tokens: int | None = None  # with a `kv_cache`: the prompt's tokens
+    cached_tokens: int | None = None  # with a `kv_cache`: those that hit its prefix cache
 
 
 class Fabric:
@@ -111,6 +118,7 @@ class FakeVLLM:
         seed: int | None = None,
         dp_size: int = 1,
         push_port: int | None = None,
+        kv_cache: FakePrefixCache | None = None,
     ) -> None:
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
@@ -127,6 +135,8 @@ class FakeVLLM:
         self._restarts = 0
         self._next_rank = 0  # the rank an unpinned request runs on
         self.fabric = fabric
+        # A prefix cache that publishes vLLM's KV events (scripts.fake_kv_cache), if any.
+        self.kv_cache = kv_cache
         self.model = model  # the one model it serves; a request for another gets 404
         self.behavior = Behavior()
         # As vLLM's --api-key: every /v1 route needs "Authorization: Bearer <key>" (401).
@@ -142,6 +152,8 @@ class FakeVLLM:
         self.app.router.add_get("/metrics", self._metrics)
         self.app.router.add_post("/v1/completions", self._infer)
         self.app.router.add_post("/v1/chat/completions", self._infer)
+        self.app.router.add_post("/tokenize", self._tokenize)
+        self.app.router.add_get("/kv_event_sources", self._kv_event_sources)
 
     async def until(self, predicate: Callable[[list[Seen]], bool], timeout: float = 5.0) -> None:
         """Wait until `predicate(self.seen)` holds (checked at each change), bounded."""
@@ -217,6 +229,18 @@ class FakeVLLM:
                       f"{name}{labels} {float(value)}"]  # fmt: skip
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's POST /tokenize with this fake's tokenizer (`fake_tokenize`)."""
+        body = msgspec.json.decode(await request.read())
+        tokens = prompt_tokens(body)
+        if tokens is None:
+            return web.json_response({"error": {"message": "no prompt or messages"}}, status=400)
+        return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": 1 << 20})
+
+    async def _kv_event_sources(self, request: web.Request) -> web.Response:
+        """vLLM's publishers per rank: none without a `kv_cache` (events off)."""
+        return web.json_response(self.kv_cache.sources() if self.kv_cache is not None else {})
+
     async def _infer(self, request: web.Request) -> web.StreamResponse:
         body = msgspec.json.decode(await request.read())
         headers = {k.lower(): v for k, v in request.headers.items()}
@@ -272,9 +296,23 @@ class FakeVLLM:
             seen.outcome = "failed"
             return web.json_response({"error": {"message": f"rank {rank} is down"}}, status=500)
         params = body.get("kv_transfer_params") or {}
+        if self.kv_cache is not None:
+            await self._through_cache(body, params, seen, b)
         if self.role == "prefill":
             return self._prefill_answer(request, params, b, rank)
         return await self._decode_answer(request, body, params, seen, b)
+
+    async def _through_cache(self, body: dict[str, Any], params: dict[str, Any], seen: Seen,
+                             b: Behavior) -> None:
+        """The prompt goes through the prefix cache (D caches what it was sent, too); the
+        tokens it computes (P, or a D with no P params) cost `prefill_token_s` each."""
+        assert self.kv_cache is not None
+        tokens = prompt_tokens(body) or []
+        seen.prompt_tokens = len(tokens)
+        seen.cached_tokens = self.kv_cache.serve(tokens)
+        computes = self.role == "prefill" or not params
+        if computes and b.prefill_token_s:
+            await asyncio.sleep(b.prefill_token_s * (len(tokens) - seen.cached_tokens))
 
     def _request_behavior(self, body: dict[str, Any], seen: Seen) -> Behavior:
         """The knobs for this request: `behavior`, or with probability `fault_rate` a copy
@@ -404,6 +442,19 @@ def _completion(path: str, words: list[str], rid: str, model: str, *,
         "model": model,
         "choices": [{"index": 0, "text": text, "finish_reason": None if chunk else "length"}],
     }
+
+
+def prompt_tokens(body: dict[str, Any]) -> list[int] | None:
+    """A request's (or a /tokenize body's) prompt as this fake's token ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+        return prompt
+    if isinstance(prompt, str):
+        return fake_tokenize(prompt)
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return fake_chat_tokens(messages)
+    return None
 
 
 async def start(fake: FakeVLLM, port: int = 0, host: str = "127.0.0.1") -> tuple[web.AppRunner, str]:

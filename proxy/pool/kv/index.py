@@ -7,7 +7,7 @@ number and decoded batch, and `accept` answers with what to do next (`Applied`,
 
 A source's states:
 
-- `UNKNOWN`: nothing heard yet, or a gap not yet replayed. Its entries are kept but not
+- `UNKNOWN`: not yet replayed from the publisher's start, or a gap not yet replayed. Its entries are kept but not
   trusted: a scorer treats the server as unknown, never as empty.
 - `SYNCED`: every batch since the first has been applied, in order.
 
@@ -130,9 +130,14 @@ class SourceIndex:
         if last is None:
             if seq > 0:  # joined mid-stream: what came before may still be in its buffer
                 self.last_seq = -1
+                self.state = SourceState.UNKNOWN
                 return NeedReplay(0)
         elif seq <= last:
-            if replayed or (self._replayed_to is not None and seq <= self._replayed_to):
+            if replayed:
+                return Duplicate()
+            if self._replayed_to is not None and seq <= self._replayed_to:
+                if seq == self._replayed_to:  # the live stream caught up with the replay
+                    self._replayed_to = None
                 return Duplicate()
             # A live number that goes back: the publisher restarted, a new engine with a
             # new, empty cache (a live stream never repeats itself).
@@ -159,6 +164,11 @@ class SourceIndex:
             if len(self._by_hash) > self.max_blocks:
                 wiped = self.wipe("over_capacity")
         return Applied(wiped)
+
+    def start_empty(self) -> None:
+        """The publisher had nothing to replay when the router subscribed (nothing
+        published yet, or no replay socket): in sync, and the next batch decides."""
+        self.state = SourceState.SYNCED
 
     def lost(self, upto: int) -> None:
         """The batches before `upto` cannot be had (the publisher's replay buffer moved

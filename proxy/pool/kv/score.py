@@ -54,10 +54,15 @@ class KvScorer:
             return None
         best = 0
         for source in sources:
-            size = source.block_size
-            if size:
-                best = max(best, source.hits(prompt.keys(size), now) * size)
+            size = source.block_size or self.default_block_size()
+            best = max(best, source.hits(prompt.keys(size), now) * size)
         return min(best, len(prompt))
+
+    def default_block_size(self) -> int:
+        """The block size of a server whose events have stored nothing yet (so a burst's
+        credit counts before its first events): another server's, else the config's."""
+        return next((s.block_size for s in self.index.all_sources() if s.block_size),
+                    self.settings.block_size)
 
     def costs(
         self, candidates: Sequence[Endpoint], prompt: PromptBlocks | None,
@@ -91,8 +96,8 @@ class KvScorer:
                 hit / len(prompt))
         if self.settings.credit_s > 0:
             for source in self.index.sources(endpoint.url):
-                if source.block_size:
-                    source.credit(prompt.keys(source.block_size), now + self.settings.credit_s)
+                size = source.block_size or self.default_block_size()
+                source.credit(prompt.keys(size), now + self.settings.credit_s)
 
     def _fell_back(self, reason: str) -> None:
         if self._metrics is not None:

@@ -10,7 +10,9 @@ rank of it) and one background round (`Periodic`) that finds publishers:
   asked again at the next round; until then the policy scores it by load alone.
 - a server that left the clusters takes its tasks and its index entries with it.
 
-Each source's task connects a SUB socket and hands every message to its `SourceIndex`.
+Each source's task connects a SUB socket, replays what the publisher still buffers
+(from its batch 0, so blocks cached before the router started are known), then hands
+every message to its `SourceIndex`.
 When the index finds batches missing (`NeedReplay`), the task asks the publisher's
 replay socket (a DEALER to vLLM's ROUTER: `["", start]`, answered by
 `["", topic, seq, payload]` frames up to a `seq` of -1) within `replay_timeout`;
@@ -195,6 +197,7 @@ class KvEventSubscriber:
         socket.connect(publisher.endpoint)
         handled = 0
         try:
+            await self._catch_up(source, publisher)
             while True:
                 frames = await socket.recv_multipart()
                 try:
@@ -246,6 +249,20 @@ class KvEventSubscriber:
         if source.last_event_ts is not None:
             self._metrics.kv_event_lag.labels(source.url).set(
                 max(0.0, time.time() - source.last_event_ts))
+
+    async def _catch_up(self, source: SourceIndex, publisher: Publisher) -> None:
+        """At subscription: replay what the publisher still has from its first batch, so
+        blocks stored before the router started are known. Live batches queued meanwhile
+        are recognised as duplicates. Without a replay socket only later blocks are known."""
+        batches = await self._fetch_replay(source, publisher, 0) if publisher.replay else []
+        if not batches:
+            source.start_empty()
+            return
+        self._metrics.kv_replays.labels(source.url).inc()
+        if batches[0][0] > 0:
+            source.lost(batches[0][0])
+        for seq, batch in batches:
+            self._count(source, source.accept(seq, batch, replayed=True))
 
     async def _replay(self, source: SourceIndex, publisher: Publisher, start: int, *, upto: int) -> None:
         """Fetch batches from `start` from the replay socket and apply them; what it
