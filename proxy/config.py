@@ -176,9 +176,11 @@ class Auth(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True
     # with one of these (401 otherwise). Env PDPROXY_CLIENT_API_KEYS, comma-separated.
     client_api_keys: list[str] = []
 
-    def __post_init__(self) -> None:  # an "env:NAME" whose variable is unset fails here
-        for secret in (self.prefill_api_key, self.decode_api_key, *self.client_api_keys):
-            resolve_secret(secret)
+    def __post_init__(self) -> None:  # an "env:NAME" unset, or any key blank, fails here
+        require_secret("prefill_api_key", self.prefill_api_key)
+        require_secret("decode_api_key", self.decode_api_key)
+        for index, key in enumerate(self.client_api_keys):
+            require_secret(f"client_api_keys[{index}]", key)
 
 
 def resolve_secret(value: str | None) -> str | None:
@@ -189,6 +191,29 @@ def resolve_secret(value: str | None) -> str | None:
     if name not in os.environ:
         raise ValueError(f"the environment variable {name} (named by {value!r}) is not set")
     return os.environ[name]
+
+
+CLIENT_KEYS_VARIABLE = "PDPROXY_CLIENT_API_KEYS"
+
+
+def environment_client_keys() -> list[str]:
+    """The client keys PDPROXY_CLIENT_API_KEYS lists (comma-separated; unset: none). A
+    blank one is an error, as in auth.client_api_keys."""
+    if CLIENT_KEYS_VARIABLE not in os.environ:
+        return []
+    keys = [key.strip() for key in os.environ[CLIENT_KEYS_VARIABLE].split(",")]
+    if not all(keys):
+        raise ValueError(f"{CLIENT_KEYS_VARIABLE} has an empty key (it is a comma-separated "
+                         "list of keys): give the keys, or unset it")
+    return keys
+
+
+def require_secret(field: str, value: str | None) -> None:
+    """A configured key must not be empty or blank, once "env:NAME" is read: a key that
+    silently vanished would leave a route open, or a server without its credentials."""
+    if value is not None and not (resolve_secret(value) or "").strip():
+        read = f" (the environment variable {value[4:]})" if value.startswith("env:") else ""
+        raise ValueError(f"{field} is empty{read}: give the key, or leave {field} out")
 
 
 class PushChannel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -282,6 +307,8 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     # Sent to this server as "Authorization: Bearer <key>" (vLLM's --api-key); wins over
     # the cluster's auth.prefill_api_key / decode_api_key. "env:NAME" reads a variable.
     api_key: str | None = None
+    # Without its own api_key, send it the cluster's key (false: send it none).
+    cluster_key: bool = True
 
     def __post_init__(self) -> None:
         validate_url(self.url)
@@ -291,7 +318,7 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
                 raise ValueError(f"{name} out of range: {port!r}")
         if self.tp_size is not None and self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size!r}")
-        resolve_secret(self.api_key)  # "env:NAME" with NAME unset: refused with the name
+        require_secret("api_key", self.api_key)  # "env:NAME" unset, or a blank key: refused
 
     @property
     def has_coordinates(self) -> bool:
@@ -385,6 +412,15 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # Serve the admin API on its own "host:port" instead of the public listener (which
     # then has no /admin routes).
     admin_listen: str | None = None
+    # A server added through the admin API may have its api_key read from the router's
+    # environment ("env:NAME") only when NAME starts with this ("": any variable).
+    admin_secret_env_prefix: str = "PDPROXY_ENDPOINT_KEY_"
+    # A server added through the admin API without its own api_key gets its cluster's
+    # (auth.prefill_api_key / decode_api_key) only when this is true.
+    admin_inherit_cluster_key: bool = False
+    # The admin API refuses servers at link-local or cloud metadata addresses
+    # (169.254.0.0/16, fe80::/10, metadata.google.internal) unless this is true.
+    admin_allow_link_local: bool = False
     # With --config FILE: re-read the file this often (seconds) and apply its server
     # lists when it changed (0 = never).
     config_watch_interval: float = 2.0
@@ -413,6 +449,8 @@ class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if self.log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
             raise ValueError(f"unknown log_level {self.log_level!r}")
         resolve_secret(self.admin_token)
+        if not self.auth.client_api_keys:
+            environment_client_keys()  # its blank keys are refused here too
 
 
 @dataclass(frozen=True)

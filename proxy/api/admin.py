@@ -12,6 +12,11 @@ routes do not exist. A refused call is logged (method, path, client address) and
 in `pdproxy_admin_auth_failures_total`. With `admin_listen`, these routes are served on
 that address only, never on the public listener. Answers are JSON; errors are OpenAI-shaped like the rest.
 
+A caller with the token still gets no more than the operator allows: an added server's
+`api_key` reads only variables under `admin_secret_env_prefix`, it is sent its
+cluster's key only with `admin_inherit_cluster_key`, and its URL may be a link-local or
+metadata address only with `admin_allow_link_local`.
+
 With `--workers N`, each call is applied by the worker that took it (`apply`) and then by
 every other worker (`proxy.api.control`): a change answers once all have applied it, with
 "workers" listing them, or 502 naming those that failed; a GET answers this worker's view
@@ -21,9 +26,13 @@ plus every worker's under "workers".
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
+import os
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import urlsplit
 
 import msgspec
 from fastapi import FastAPI, Request, Response
@@ -89,14 +98,57 @@ def _listing(router: Router, call: AdminCall) -> Answer:
 
 
 def _add(router: Router, call: AdminCall) -> Answer:
+    settings = router.config
     body = _body_of(call)
     cluster = _cluster_of(body.pop("cluster", None))
+    _check_env_reference(body.get("api_key"), settings.admin_secret_env_prefix)
     try:
         config = msgspec.convert(body, EndpointConfig)
     except (msgspec.ValidationError, ValueError) as exc:
         raise InvalidRequest(f"bad endpoint: {exc}") from None
+    if not settings.admin_allow_link_local and _is_link_local(config.url):
+        raise InvalidRequest(f"{config.url} is a link-local or cloud metadata address; the "
+                             "admin API adds none unless admin_allow_link_local is true",
+                             param="url")
+    if not settings.admin_inherit_cluster_key:  # its own api_key, or none at all
+        config = msgspec.structs.replace(config, cluster_key=False)
     endpoint = router.membership.add(cluster, config)
     return 201, {"added": endpoint.url, "cluster": cluster.value}
+
+
+def _check_env_reference(api_key: object, prefix: str) -> None:
+    """An admin call may name only the variables the operator set aside for it. One
+    message for a name refused, unset or empty: the answer says nothing of what the
+    router's environment holds."""
+    if not (isinstance(api_key, str) and api_key.startswith("env:")):
+        return
+    name = api_key[4:]
+    if not (name.startswith(prefix) and os.environ.get(name, "").strip()):
+        raise InvalidRequest(f"api_key: the admin API reads only environment variables whose "
+                             f"name starts with {prefix!r} (admin_secret_env_prefix), set "
+                             "and not empty", param="api_key")
+
+
+METADATA_HOSTS = {"metadata.google.internal"}
+
+
+def _is_link_local(url: str) -> bool:
+    """Whether the URL's host, as written, is a link-local address (169.254.0.0/16,
+    fe80::/10, where clouds serve instance metadata and credentials) or a metadata name.
+    IPv4 in any form the resolver takes ("2852039166", "0xa9.0xfe.0xa9.0xfe") counts."""
+    host = (urlsplit(url).hostname or "").rstrip(".")
+    if host in METADATA_HOSTS:
+        return True
+    try:
+        address: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(host)
+    except ValueError:
+        try:
+            address = ipaddress.IPv4Address(socket.inet_aton(host))
+        except OSError:
+            return False  # a name: not resolved here
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_link_local
 
 
 def _remove(router: Router, call: AdminCall) -> Answer:

@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.api import admin
 from proxy.api.openapi import openapi_document
-from proxy.config import ConfigSource, RouterConfig, resolve_secret
+from proxy.config import ConfigSource, RouterConfig, environment_client_keys, resolve_secret
 from proxy.errors import (
     InvalidRequest,
     MethodNotAllowed,
@@ -56,7 +56,8 @@ INFERENCE_ROUTES = {route.value: route for route in Route}
 
 class ClientKeys:
     """The API keys clients must show on the inference routes and /v1/models
-    ("Authorization: Bearer <key>"); none configured: every client is let in."""
+    ("Authorization: Bearer <key>"); none configured: every client is let in, and the
+    start says so (`log`)."""
 
     def __init__(self, keys: list[str]) -> None:
         self._expected = [f"Bearer {key}".encode("latin-1") for key in keys]
@@ -72,11 +73,22 @@ class ClientKeys:
 
     @classmethod
     def of(cls, config: RouterConfig) -> ClientKeys:
-        keys = [resolve_secret(key) or "" for key in config.auth.client_api_keys]
-        if not keys and os.environ.get("PDPROXY_CLIENT_API_KEYS"):
-            keys = os.environ["PDPROXY_CLIENT_API_KEYS"].split(",")
-        keys = [key.strip() for key in keys if key.strip()]
-        return cls(keys)
+        """The configured keys, else PDPROXY_CLIENT_API_KEYS's. A blank key is an error
+        (refused already when the config was read): a key that vanished would open the
+        routes to every client."""
+        keys = [(resolve_secret(key) or "").strip() for key in config.auth.client_api_keys]
+        if not all(keys):
+            raise ValueError("auth.client_api_keys has an empty key: give the keys")
+        return cls(keys or environment_client_keys())
+
+    def log(self) -> None:
+        if self:
+            logger.info("client API keys: %d; %s and /v1/models need one", len(self._expected),
+                        ", ".join(INFERENCE_ROUTES))
+        else:
+            logger.warning("no client API keys (auth.client_api_keys, PDPROXY_CLIENT_API_KEYS): "
+                           "%s and /v1/models are open to every client",
+                           ", ".join(INFERENCE_ROUTES))
 
 
 class RouterApp:
@@ -95,6 +107,7 @@ class RouterApp:
         self._max_body = config.limits.max_body_bytes
         self._max_in_flight = config.limits.max_in_flight
         self._client_keys = ClientKeys.of(config)
+        self._client_keys.log()
         self.in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

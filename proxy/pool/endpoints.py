@@ -42,8 +42,9 @@ class Endpoint:
         self.config = config
         self.url = config.url.rstrip("/")
         self.cluster = cluster
-        # The bearer token this server wants (vLLM's --api-key): its own, else its cluster's.
-        self.api_key = resolve_secret(config.api_key) or api_key
+        # The bearer token this server wants (vLLM's --api-key): its own, else its
+        # cluster's (unless its config says `cluster_key: false`).
+        self.api_key = resolve_secret(config.api_key) or (api_key if config.cluster_key else None)
         self.in_flight = 0
         self.healthy = True  # until a check or a failed connection says otherwise
         self._checks_against = 0  # active checks in a row that disagree with `healthy`

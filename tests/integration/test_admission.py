@@ -10,6 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy.api.app import create_app
+from proxy.config import build_config
 from tests.conftest import serve_router, until
 from tests.integration.conftest import Pair
 
@@ -77,6 +79,39 @@ async def test_client_api_keys_from_the_environment(
         served = await client.post("/v1/completions", json=BODY,
                                    headers={"Authorization": "Bearer beta"})
     assert (refused.status_code, served.status_code) == (401, 200)
+
+
+async def test_the_router_says_at_start_whether_clients_need_a_key(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("PDPROXY_CLIENT_API_KEYS", raising=False)
+    with caplog.at_level(logging.INFO, logger="pdproxy.app"):
+        async with serve_router(**config(pair, auth={"client_api_keys": ["key-one"]})):
+            pass
+        async with serve_router(**config(pair)):
+            pass
+    said = [(r.levelname, r.getMessage()) for r in caplog.records
+            if r.name == "pdproxy.app" and "client API keys" in r.getMessage()]
+    assert [level for level, _ in said] == ["INFO", "WARNING"], said
+    assert "/v1/completions, /v1/chat/completions and /v1/models need one" in said[0][1]
+    assert "open to every client" in said[1][1]
+
+
+def test_a_client_key_gone_blank_after_the_config_was_read_stops_the_start(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The keys are read again when the app is built: blank by then, it does not start
+    open."""
+    monkeypatch.setenv("PDPROXY_CLIENT_API_KEYS", "alpha")
+    monkeypatch.setenv("CLIENT_KEY_VARIABLE", "beta")
+    from_variable = build_config(config(pair), {})
+    in_auth = build_config(config(pair, auth={"client_api_keys": ["env:CLIENT_KEY_VARIABLE"]}), {})
+    monkeypatch.setenv("PDPROXY_CLIENT_API_KEYS", " , ")
+    monkeypatch.setenv("CLIENT_KEY_VARIABLE", "")
+    with pytest.raises(ValueError, match="PDPROXY_CLIENT_API_KEYS has an empty key"):
+        create_app(from_variable)
+    with pytest.raises(ValueError, match="auth.client_api_keys has an empty key"):
+        create_app(in_auth)
 
 
 async def test_failed_admin_logins_are_logged_and_counted(

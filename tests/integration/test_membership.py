@@ -106,6 +106,83 @@ async def test_admin_errors_are_openai_shaped(fakes: Fakes, method: str, path: s
         assert isinstance(r.json()["error"]["message"], str)
 
 
+async def test_an_admin_call_reads_only_the_variables_set_aside_for_it(
+    fakes: Fakes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An api_key of "env:NAME" would send the router's variable NAME to any URL: only
+    names under admin_secret_env_prefix are read, and a refused name, an unset one and
+    an empty one get the same answer, so it tells nothing of the environment."""
+    d0, d1 = fakes.d_urls[:2]
+    monkeypatch.setenv("ROUTER_TEST_SECRET", "not-for-the-admin")
+    monkeypatch.setenv("PDPROXY_ENDPOINT_KEY_EMPTY", " ")
+    monkeypatch.delenv("PDPROXY_ENDPOINT_KEY_UNSET", raising=False)
+    monkeypatch.setenv("PDPROXY_ENDPOINT_KEY_D1", "d1-key")
+    fakes.decode[1].api_key = "d1-key"
+    async with serve_router(prefill=[fakes.p_url], decode=[d0], admin_token=TOKEN) as (url, _), \
+            httpx.AsyncClient(timeout=10) as client:
+        refusals = []
+        for name in ("ROUTER_TEST_SECRET", "ROUTER_TEST_UNSET_TOO", "PDPROXY_ENDPOINT_KEY_UNSET",
+                     "PDPROXY_ENDPOINT_KEY_EMPTY"):
+            r = await client.post(f"{url}/admin/endpoints", headers=AUTH,
+                                  json={"cluster": "decode", "url": d1, "api_key": f"env:{name}"})
+            assert r.status_code == 400, r.text
+            refusals.append(r.json()["error"])
+        assert all(refusal == refusals[0] for refusal in refusals), refusals
+        assert refusals[0]["param"] == "api_key"
+        assert "PDPROXY_ENDPOINT_KEY_" in refusals[0]["message"]
+
+        r = await client.post(f"{url}/admin/endpoints", headers=AUTH,
+                              json={"cluster": "decode", "url": d1,
+                                    "api_key": "env:PDPROXY_ENDPOINT_KEY_D1"})
+        assert r.status_code == 201, r.text
+        await client.post(f"{url}/admin/endpoints/drain", headers=AUTH,
+                          json={"cluster": "decode", "url": d0})
+        assert await complete(client, url, 1) == [200]
+    assert fakes.decode[1].seen[0].headers["authorization"] == "Bearer d1-key"
+
+
+@pytest.mark.parametrize("inherit", [False, True])
+async def test_an_admin_added_server_gets_the_cluster_key_only_when_the_config_says(
+    fakes: Fakes, inherit: bool
+) -> None:
+    d0, d1 = fakes.d_urls[:2]
+    async with serve_router(prefill=[fakes.p_url], decode=[d0], admin_token=TOKEN,
+                            auth={"decode_api_key": "cluster-d-key"},
+                            admin_inherit_cluster_key=inherit) as (url, _), \
+            httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(f"{url}/admin/endpoints", headers=AUTH,
+                              json={"cluster": "decode", "url": d1})
+        assert r.status_code == 201, r.text
+        await client.post(f"{url}/admin/endpoints/drain", headers=AUTH,
+                          json={"cluster": "decode", "url": d0})
+        assert await complete(client, url, 1) == [200]
+    sent = fakes.decode[1].seen[0].headers.get("authorization")
+    assert sent == ("Bearer cluster-d-key" if inherit else None)
+
+
+@pytest.mark.parametrize("host", ["169.254.169.254", "169.254.169.254.", "[fe80::1]",
+                                  "[fe80::1%25eth0]", "[::ffff:169.254.169.254]", "2852039166",
+                                  "0xa9.0xfe.0xa9.0xfe", "metadata.google.internal",
+                                  "METADATA.google.internal."])
+async def test_the_admin_api_adds_no_link_local_server_unless_allowed(
+    fakes: Fakes, host: str
+) -> None:
+    """Link-local addresses are where clouds serve instance metadata and credentials."""
+    server = {"cluster": "decode", "url": f"http://{host}:80"}
+    async with serve_router(prefill=[fakes.p_url], decode=fakes.d_urls[:1],
+                            admin_token=TOKEN) as (url, _), \
+            httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(f"{url}/admin/endpoints", headers=AUTH, json=server)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "url"
+        assert "admin_allow_link_local" in r.json()["error"]["message"]
+    async with serve_router(prefill=[fakes.p_url], decode=fakes.d_urls[:1], admin_token=TOKEN,
+                            admin_allow_link_local=True) as (url, _), \
+            httpx.AsyncClient(timeout=10) as client:
+        r = await client.post(f"{url}/admin/endpoints", headers=AUTH, json=server)
+        assert r.status_code == 201, r.text
+
+
 async def test_membership_changes_under_load_lose_no_request(fakes: Fakes) -> None:
     for fake in fakes.decode:
         fake.behavior.delay = 0.02

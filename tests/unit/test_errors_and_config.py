@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import msgspec
@@ -131,3 +132,40 @@ def test_a_secret_whose_variable_is_unset_fails_the_config_with_its_name_and_pla
     assert where in str(raised.value) or where == "admin_token"  # msgspec names the field's path
     monkeypatch.setenv("ROUTER_TEST_UNSET", "set now")
     assert build_config(values, {}).decode[0].url == "http://d:1"
+
+
+@pytest.mark.parametrize("key", ["", "  ", "env:ROUTER_TEST_BLANK"])
+@pytest.mark.parametrize("where,field", [
+    ("prefill", "api_key"),
+    ("auth.prefill_api_key", "prefill_api_key"),
+    ("auth.decode_api_key", "decode_api_key"),
+    ("auth.client_api_keys", "client_api_keys[1]"),
+])
+def test_an_empty_or_blank_key_fails_the_config_with_its_field(
+    key: str, where: str, field: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A key set to nothing (literally, or by a variable that is set but blank) must not
+    vanish: an empty client key list would let every client in."""
+    monkeypatch.setenv("ROUTER_TEST_BLANK", " ")
+    values: dict[str, object] = {"prefill": [{"url": "http://p:1"}], "decode": ["http://d:1"]}
+    if where == "prefill":
+        values["prefill"] = [{"url": "http://p:1", "api_key": key}]
+    elif where == "auth.client_api_keys":
+        values["auth"] = {"client_api_keys": ["good-key", key]}
+    else:
+        values["auth"] = {where.removeprefix("auth."): key}
+    with pytest.raises(ValueError, match=rf"{re.escape(field)} is empty") as raised:
+        build_config(values, {})
+    assert ("ROUTER_TEST_BLANK" in str(raised.value)) == key.startswith("env:")
+
+
+@pytest.mark.parametrize("listed", ["", " ", ",", "alpha,,beta", "alpha, "])
+def test_a_blank_key_in_the_client_keys_variable_fails_the_config(
+    listed: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("PDPROXY_CLIENT_API_KEYS", listed)
+    values = {"prefill": ["http://p:1"], "decode": ["http://d:1"]}
+    with pytest.raises(ValueError, match="PDPROXY_CLIENT_API_KEYS has an empty key"):
+        build_config(values, {})
+    monkeypatch.setenv("PDPROXY_CLIENT_API_KEYS", "alpha, beta")
+    assert build_config(values, {}).auth.client_api_keys == []  # read by the app, as before
