@@ -40,6 +40,47 @@ class Policy(str, enum.Enum):
     POWER_OF_TWO = "power_of_two"
     PREFIX_AFFINITY = "prefix_affinity"
     LOAD_AWARE = "load_aware"
+    KV_AWARE = "kv_aware"
+
+
+class KvAware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """kv_aware balancing (see `proxy.pool.kv`): each server's vLLM KV events say which
+    blocks its prefix cache holds, and a candidate's cost, in prompt tokens of work, is
+
+        token_weight x (prompt tokens it does not hold) + its queued work
+
+    For P, token_weight is 1 (a missed token is computed) and its queued work is the
+    prompt tokens this router's legs compute there, plus tokens_per_request per unit of
+    what only its /metrics show (waiting_weight x waiting + kv_cache_weight x KV cache
+    usage). For D, token_weight is `decode_token_weight` (a missed token's KV is sent,
+    cheaper than computing it) and its queued work is tokens_per_request x load_aware's
+    score (its work is decoding)."""
+
+    tokens_per_request: float = 1024.0  # one request queued ahead, in prompt tokens of time
+    decode_token_weight: float = 0.25
+    # After a request is routed, its servers count its blocks as held this long (s), so a
+    # burst of one prefix goes to one place before the events arrive.
+    credit_s: float = 10.0
+    # The block size assumed for a server before its events said (vLLM's default: 16).
+    block_size: int = 16
+    discovery_interval: float = 10.0  # s between looks for new servers' event publishers
+    replay_timeout: float = 2.0  # s: one replay of missed batches from a publisher
+    max_blocks_per_server: int = 1 << 20  # the index's bound per publisher
+    max_event_bytes: int = 16 * 1024 * 1024  # a larger event message is dropped
+    tokenize_timeout: float = 2.0  # s: POST /tokenize to a server of the request's model
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_request", "decode_token_weight", "credit_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"balance.kv_aware.{name} must be >= 0")
+        for name in ("discovery_interval", "replay_timeout", "tokenize_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"balance.kv_aware.{name} must be > 0")
+        if self.block_size < 1:
+            raise ValueError("balance.kv_aware.block_size must be >= 1")
+        if self.max_blocks_per_server < 1 or self.max_event_bytes < 1024:
+            raise ValueError("balance.kv_aware.max_blocks_per_server must be >= 1 and "
+                             "max_event_bytes >= 1024")
 
 
 class Balance(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -55,6 +96,8 @@ class Balance(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     scrape_interval: float = 1.0
     waiting_weight: float = 1.0
     kv_cache_weight: float = 4.0
+
+    kv_aware: KvAware = KvAware()
 
     def __post_init__(self) -> None:
         if self.prefix_chars < 1:
@@ -298,6 +341,10 @@ class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     side_channel_host: str | None = None
     side_channel_port: int | None = None
     tp_size: int | None = None
+    # kv_aware: its KV event publisher ("tcp://host:port"), and the replay socket's;
+    # unset: found at its GET /kv_event_sources (vLLM 0.32+).
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
     # What its KV connector can do. For a P, learned from a probe when not given; for a D,
     # both unless given (a D without our connector cannot take a push: say [pull]).
     transfer_modes: list[Mode] | None = None

@@ -74,7 +74,8 @@ class Behavior:
     tell_dp_size: bool = True  # data-parallel P: answers say dp_size (off: a dense model's)
     down_ranks: list[int] = dataclasses.field(default_factory=list)  # these ranks answer 500
     # With a `kv_cache`: seconds per prompt token computed (not a cache hit), charged
-    # before P's answer or a local D's first token, as an emulated GPU's prefill.
+    # before P's answer or a local D's first token, as an emulated GPU's prefill; one
+    # prompt at a time per server.
     prefill_token_s: float = 0.0
 
 
@@ -137,6 +138,7 @@ class FakeVLLM:
         self.fabric = fabric
         # A prefix cache that publishes vLLM's KV events (scripts.fake_kv_cache), if any.
         self.kv_cache = kv_cache
+        self._compute_free_at = 0.0  # loop time when its emulated prefills are all done
         self.model = model  # the one model it serves; a request for another gets 404
         self.behavior = Behavior()
         # As vLLM's --api-key: every /v1 route needs "Authorization: Bearer <key>" (401).
@@ -312,7 +314,12 @@ class FakeVLLM:
         seen.cached_tokens = self.kv_cache.serve(tokens)
         computes = self.role == "prefill" or not params
         if computes and b.prefill_token_s:
-            await asyncio.sleep(b.prefill_token_s * (len(tokens) - seen.cached_tokens))
+            # One accelerator: prompts are computed one after another, so a queue builds
+            # up behind a long one, as it would on a real server.
+            now = asyncio.get_running_loop().time()
+            start = max(now, self._compute_free_at)
+            self._compute_free_at = start + b.prefill_token_s * (len(tokens) - seen.cached_tokens)
+            await asyncio.sleep(self._compute_free_at - now)
 
     def _request_behavior(self, body: dict[str, Any], seen: Seen) -> Behavior:
         """The knobs for this request: `behavior`, or with probability `fault_rate` a copy

@@ -120,7 +120,7 @@ class Exchange:
         headers for P's leg alone (a push's data-parallel rank)."""
         p = self.prefill_server
         started = time.perf_counter()
-        with p.lease():
+        with p.lease(self.prefill_work()):
             try:
                 answer = await self.context.client.post_json(
                     f"{p.url}{self.request.route.value}",
@@ -143,6 +143,14 @@ class Exchange:
             raise RouterError(f"prefill server {p.url} answered with non-object JSON")
         self.context.prober.observe(p, answer.get(wire.KV_TRANSFER_PARAMS))
         return answer
+
+    def prefill_work(self) -> int:
+        """The prompt tokens P's leg computes, by kv_aware's prediction (0 without it)."""
+        prompt = self.prompt
+        if prompt is None:
+            return 0
+        hit = prompt.predicted.get(ClusterName.PREFILL.value)
+        return len(prompt) - (hit or 0)
 
     async def relay_decode(self, body: dict[str, Any], down: Downstream) -> None:
         """D's leg: send D its request and pass its answer to the client as it comes."""

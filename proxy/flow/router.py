@@ -170,7 +170,8 @@ class Router:
             return None
         weight = 1.0 if cluster is ClusterName.PREFILL else balance.kv_aware.decode_token_weight
         return KvScorer(self.kv_index, balance.kv_aware, cluster=cluster.value,
-                        token_weight=weight, metrics=self.metrics)
+                        token_weight=weight, tracks_work=cluster is ClusterName.PREFILL,
+                        metrics=self.metrics)
 
     def all_endpoints(self) -> list[Endpoint]:
         return self.prefill.endpoints + self.decode.endpoints

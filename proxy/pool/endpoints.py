@@ -14,7 +14,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
@@ -23,6 +23,9 @@ from proxy.errors import NoHealthyEndpoint
 from proxy.pool.load import LoadReport
 from proxy.pool.outlier import OutlierRecord
 from proxy.protocol import PrefillCoordinates
+
+if TYPE_CHECKING:
+    from proxy.pool.kv.blocks import PromptBlocks
 
 BOTH_MODES = frozenset({Mode.PULL, Mode.PUSH})
 DEFAULT_EJECTION = Ejection()
@@ -46,6 +49,8 @@ class Endpoint:
         # cluster's (unless its config says `cluster_key: false`).
         self.api_key = resolve_secret(config.api_key) or (api_key if config.cluster_key else None)
         self.in_flight = 0
+        # Prompt tokens its leases say it is computing or about to (kv_aware's queue).
+        self.pending_tokens = 0
         self.healthy = True  # until a check or a failed connection says otherwise
         self._checks_against = 0  # active checks in a row that disagree with `healthy`
         self.draining = config.drain  # takes no new request; running ones finish
@@ -167,26 +172,30 @@ class Endpoint:
         self.recent_latency = seconds if previous is None else (
             previous + LATENCY_SMOOTHING * (seconds - previous))
 
-    def lease(self) -> Lease:
-        """`with endpoint.lease():` counts one request in flight for the block."""
-        return Lease(self)
+    def lease(self, tokens: int = 0) -> Lease:
+        """`with endpoint.lease():` counts one request in flight for the block, and
+        `tokens` prompt tokens it computes (kv_aware's queue)."""
+        return Lease(self, tokens)
 
 
 class Lease:
     """A request in flight on an endpoint, always given back (a class, not a generator:
     this is on every request's path)."""
 
-    __slots__ = ("_endpoint",)
+    __slots__ = ("_endpoint", "_tokens")
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, tokens: int = 0) -> None:
         self._endpoint = endpoint
+        self._tokens = tokens
 
     def __enter__(self) -> Endpoint:
         self._endpoint.in_flight += 1
+        self._endpoint.pending_tokens += self._tokens
         return self._endpoint
 
     def __exit__(self, *exc_info: object) -> None:
         self._endpoint.in_flight -= 1
+        self._endpoint.pending_tokens -= self._tokens
 
 
 class DataParallelRanks:
@@ -278,7 +287,8 @@ class Picker(Protocol):
     """Picks one of a cluster's candidates, already filtered (`proxy.pool.balance`'s
     `Balancer`)."""
 
-    def pick(self, candidates: Sequence[Endpoint], key: str | None = None) -> Endpoint: ...
+    def pick(self, candidates: Sequence[Endpoint], key: str | None = None,
+             prompt: PromptBlocks | None = None) -> Endpoint: ...
 
 
 class Cluster:
@@ -325,6 +335,7 @@ class Cluster:
         key: str | None = None,
         mode: Mode | None = None,
         model: str | None = None,
+        prompt: PromptBlocks | None = None,
     ) -> Endpoint:
         """Filter (healthy, not draining, not `exclude`, serving `model`, not ejected, and
         able to do `mode`), then the cluster's policy picks (see `proxy.pool.balance`; `key` is
@@ -346,7 +357,7 @@ class Cluster:
         candidates = [e for e in healthy if not e.outlier.ejected(now)] or healthy
         if mode is not None:
             candidates = [e for e in candidates if e.can(mode)] or candidates
-        return self.balancer.pick(candidates, key)
+        return self.balancer.pick(candidates, key, prompt)
 
     def in_flight(self) -> int:
         return sum(e.in_flight for e in self.endpoints)

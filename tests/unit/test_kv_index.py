@@ -3,6 +3,8 @@ duplicates, bounds and credits (`proxy.pool.kv`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import pytest
 from vllm.distributed import kv_events as vllm_events
@@ -21,22 +23,26 @@ from proxy.pool.kv.index import Applied, Duplicate, KvIndex, NeedReplay, SourceI
 BS = 4  # block size in these tests
 
 
-def vllm_payload(*events: object, rank: int | None = 0) -> bytes:
+def vllm_payload(*events: vllm_events.KVCacheEvent, rank: int | None = 0) -> bytes:
     """A batch exactly as vLLM's publisher encodes it (today's map-encoded events)."""
-    batch = vllm_events.KVEventBatch(ts=1.0, events=list(events), data_parallel_rank=rank)
+    batch = vllm_events.KVEventBatch(ts=1.0, events=list(events),  # type: ignore[arg-type]
+                                     data_parallel_rank=rank)
     return msgspec.msgpack.encode(batch)
 
 
-def vllm_stored(hashes: list[bytes], parent: bytes | None, tokens: list[int], **kw: object):
-    fields = dict(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens,
-                  block_size=BS, lora_id=None, medium="GPU", lora_name=None)
-    fields.update(kw)
-    return vllm_events.BlockStored(**fields)
+def vllm_stored(hashes: list[bytes], parent: bytes | None, tokens: list[int],
+                extra_keys: list[tuple[Any, ...] | None] | None = None) -> vllm_events.BlockStored:
+    return vllm_events.BlockStored(
+        block_hashes=list(hashes), parent_block_hash=parent, token_ids=tokens, block_size=BS,
+        lora_id=None, medium="GPU", lora_name=None, extra_keys=extra_keys)
 
 
-def stored(hashes: list[int], parent: int | None, tokens: list[int], **kw: object) -> BlockStored:
+def stored(hashes: list[int], parent: int | None, tokens: list[int], *,
+           lora_name: str | None = None, extra_keys: tuple[Any, ...] | None = None,
+           group_idx: int | None = None, medium: str | None = None) -> BlockStored:
     return BlockStored(block_hashes=tuple(hashes), parent_block_hash=parent, token_ids=tokens,
-                       block_size=BS, **kw)
+                       block_size=BS, lora_name=lora_name, extra_keys=extra_keys,
+                       group_idx=group_idx, medium=medium)
 
 
 def batch(*events: object) -> EventBatch:
@@ -133,7 +139,7 @@ def test_a_gap_asks_for_a_replay_and_leaves_the_source_unknown() -> None:
     assert source.accept(0, batch(stored([1], None, TOKENS[:4]))) == Applied()
     assert source.state is SourceState.SYNCED
     assert source.accept(3, batch()) == NeedReplay(1)
-    assert source.state is SourceState.UNKNOWN and source.counts.gaps == 1
+    assert source.state.value == "unknown" and source.counts.gaps == 1
     assert len(source) == 1  # unknown, not empty
     # the replay delivers 1 and 2, then the live 3 applies
     assert source.accept(1, batch(stored([2], 1, TOKENS[4:8])), replayed=True) == Applied()

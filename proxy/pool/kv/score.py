@@ -1,13 +1,14 @@
 """kv_aware's cost of sending a prompt to each candidate, in prompt tokens of work.
 
-    cost = token_weight x (prompt tokens the server does not hold)
-           + tokens_per_request x load
+    cost = token_weight x (prompt tokens the server does not hold) + queued work
 
-`load` is load_aware's score (requests in flight from this router, plus what the
-server's /metrics say when scraped), so one request already queued there counts as
-`tokens_per_request` tokens of prefill ahead of this one. `token_weight` is 1 for a P
-(each missing token is computed) and `decode_token_weight` for a D (a missing token's KV
-is sent from P; a held one is neither sent nor computed).
+The queued work of a P is the prompt tokens its legs from this router are computing
+(each leg's lease carries its predicted miss), plus `tokens_per_request` per unit of
+what only its /metrics show (requests waiting there from other routers, a full KV
+cache). A D's queued work is `tokens_per_request` per unit of load_aware's score
+(requests in flight, waiting, KV cache usage): its work is decoding. `token_weight` is 1
+for a P (each missing token is computed) and `decode_token_weight` for a D (a missing
+token's KV is sent from P; a held one is neither sent nor computed).
 
 A server whose events are not in sync (none heard yet, or a gap being replayed) is
 unknown, not empty: it is scored as holding as much as the best known candidate, so the
@@ -39,8 +40,9 @@ logger = logging.getLogger("pdproxy.kv")
 
 class KvScorer:
     def __init__(self, index: KvIndex, settings: KvAware, *, cluster: str, token_weight: float,
-                 metrics: RouterMetrics | None = None) -> None:
+                 tracks_work: bool = False, metrics: RouterMetrics | None = None) -> None:
         self.index = index
+        self.tracks_work = tracks_work  # P: its queue is counted in prompt tokens
         self.settings = settings
         self.cluster = cluster
         self.token_weight = token_weight
@@ -69,21 +71,30 @@ class KvScorer:
         load: Callable[[Endpoint], float], now: float,
     ) -> tuple[list[float], list[int | None]]:
         """Each candidate's cost, and the hit tokens it was scored with (None: unknown)."""
-        s = self.settings
         hits: list[int | None] = (
             [self.hit_tokens(e.url, prompt, now) for e in candidates] if prompt is not None
             else [None] * len(candidates))
         known = [h for h in hits if h is not None]
         if not known:
             self._fell_back("no_tokens" if prompt is None else "not_synced")
-            return [s.tokens_per_request * load(e) for e in candidates], hits
+            return [self.queued(e, load) for e in candidates], hits
         best = max(known)
         total = len(prompt) if prompt is not None else 0
         return [
-            self.token_weight * (total - (best if h is None else h))
-            + s.tokens_per_request * load(e)
+            self.token_weight * (total - (best if h is None else h)) + self.queued(e, load)
             for e, h in zip(candidates, hits, strict=True)
         ], hits
+
+    def queued(self, endpoint: Endpoint, load: Callable[[Endpoint], float]) -> float:
+        """The work ahead of a request on `endpoint`, in prompt tokens. A P's own queue is
+        known token by token: the prompt tokens its legs from this router compute
+        (`pending_tokens`); what only its /metrics show (other routers' requests waiting,
+        a full KV cache) counts `tokens_per_request` per unit of load_aware's score. D's
+        work is decoding: every request in flight counts `tokens_per_request`."""
+        per_request = self.settings.tokens_per_request
+        if self.tracks_work:
+            return endpoint.pending_tokens + per_request * (load(endpoint) - endpoint.in_flight)
+        return per_request * load(endpoint)
 
     def picked(self, endpoint: Endpoint, prompt: PromptBlocks | None, hit: int | None,
                now: float) -> None:

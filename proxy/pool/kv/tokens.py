@@ -36,9 +36,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pdproxy.kv")
 
 # The request's fields that change what vLLM tokenizes, passed on to /tokenize as they are.
-_CHAT_OPTIONS = ("add_generation_prompt", "continue_final_message", "add_special_tokens",
+_CHAT_OPTIONS: tuple[str, ...] = ("add_generation_prompt", "continue_final_message", "add_special_tokens",
                  "chat_template", "chat_template_kwargs", "tools")
-_COMPLETION_OPTIONS = ("add_special_tokens",)
+_COMPLETION_OPTIONS: tuple[str, ...] = ("add_special_tokens",)
 
 
 def token_ids_of(request: ClientRequest) -> list[int] | None:
