@@ -144,6 +144,42 @@ ROWS: list[tuple[str, list[Panel]]] = [
               [(rate("pdproxy_missing_kv_transfer_params_total", "action"), "{{action}}")],
               width=12),
     ]),
+    ("KV-aware routing", [
+        Panel("Predicted prefix hits", "p50/p90 of the share of the prompt the chosen "
+              "server held by the KV index, per leg (kv_aware).",
+              [(f"histogram_quantile({q}, sum by (le, cluster) (rate("
+                f"pdproxy_kv_predicted_hit_ratio_bucket{{{SELECT}}}[{WINDOW}])))",
+                f"p{round(q * 100)} {{{{cluster}}}}") for q in (0.5, 0.9)],
+              "percentunit"),
+        Panel("Index blocks per server", "Blocks of each server's prefix cache the KV index "
+              "holds, per data-parallel rank.",
+              [(f"sum by (endpoint, rank) (pdproxy_kv_index_blocks{{{SELECT}}})",
+                "{{endpoint}} rank {{rank}}")], "short"),
+        Panel("Index in sync", "1 while a server's KV events are applied without a gap; 0 "
+              "while it is unknown (catching up or replaying).",
+              [(f"min by (endpoint, rank) (pdproxy_kv_index_synced{{{SELECT}}})",
+                "{{endpoint}} rank {{rank}}")], "short"),
+        Panel("KV event batches", "Event batches per second per server, by outcome "
+              "(applied, duplicate: already delivered by a replay).",
+              [(rate("pdproxy_kv_event_batches_total", "endpoint, outcome"),
+                "{{outcome}} {{endpoint}}")]),
+        Panel("KV events dropped, replays", "Garbage dropped per server and reason, and "
+              "replays asked after gaps.",
+              [(rate("pdproxy_kv_events_dropped_total", "endpoint, reason"),
+                "dropped {{reason}} {{endpoint}}"),
+               (rate("pdproxy_kv_event_replays_total", "endpoint"), "replay {{endpoint}}")]),
+        Panel("KV event lag", "Age of each server's last event batch when applied.",
+              [(f"max by (endpoint) (pdproxy_kv_event_lag_seconds{{{SELECT}}})",
+                "{{endpoint}}")], "s"),
+        Panel("Picks by load alone", "kv_aware picks made without KV knowledge, by cluster "
+              "and reason (no_publisher, not_synced, no_tokens).",
+              [(rate("pdproxy_kv_fallbacks_total", "cluster, reason"),
+                "{{cluster}} {{reason}}")], width=12),
+        Panel("Tokenize time p99", "p99 of a prompt's POST /tokenize to a server (kv_aware).",
+              [(f"histogram_quantile(0.99, sum by (le) (rate("
+                f"pdproxy_kv_tokenize_seconds_bucket{{{SELECT}}}[{WINDOW}])))", "p99")], "s",
+              width=12),
+    ]),
 ]
 
 HEALTH_MAPPING = [{"type": "value", "options": {

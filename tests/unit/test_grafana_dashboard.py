@@ -15,8 +15,9 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from scripts import grafana_dashboard
+from scripts.fake_kv_cache import FakePrefixCache
 from scripts.fake_vllm import Fabric, FakeVLLM, start
-from tests.conftest import serve_router
+from tests.conftest import serve_router, until
 
 SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{([^}]*)\}")
 HISTOGRAM_SERIES = re.compile(r"_(bucket|sum|count)$")
@@ -52,12 +53,19 @@ def touch_every_series(metrics: Any) -> None:
 
 
 async def scrape_router() -> str:
-    """/metrics of a router serving one request through a fake P and D."""
+    """/metrics of a router serving one request through a fake P and D, P balanced
+    kv_aware with its KV events followed (so the KV index's series exist too)."""
     fabric = Fabric()
-    started = [await start(FakeVLLM(role, fabric=fabric)) for role in ("prefill", "decode")]
+    cache = FakePrefixCache(num_blocks=16, block_size=16)
+    cache.start()
+    started = [await start(FakeVLLM("prefill", fabric=fabric, kv_cache=cache)),
+               await start(FakeVLLM("decode", fabric=fabric))]
     try:
         (_, p_url), (_, d_url) = started
-        async with serve_router(prefill=[p_url], decode=[d_url]) as (url, app):
+        async with serve_router(prefill=[p_url], decode=[d_url],
+                                balance={"prefill": "kv_aware"}) as (url, app):
+            index = app.state.router.kv_index
+            await until(lambda: index.sources(p_url), "P's KV events followed")
             async with httpx.AsyncClient(base_url=url) as client:
                 body = {"model": "fake-model", "prompt": "hello", "max_tokens": 2}
                 assert (await client.post("/v1/completions", json=body)).status_code == 200
@@ -66,6 +74,7 @@ async def scrape_router() -> str:
     finally:
         for runner, _ in started:
             await runner.cleanup()
+        await cache.aclose()
 
 
 @pytest.fixture(scope="module")
