@@ -6,6 +6,8 @@
     POST   /admin/endpoints/drain   {"cluster": "decode", "url": "...", "draining": true}
     GET    /admin/auto                               what auto mode has measured: average
                                                      TTFT per mode and prompt-length bucket
+    GET    /admin/kv                                 kv_aware's index: each server's event
+                                                     sources, their state and blocks
 
 Every call needs `Authorization: Bearer <admin_token>`; without a configured token the
 routes do not exist. A refused call is logged (method, path, client address) and counted
@@ -178,9 +180,16 @@ def _auto(router: Router, call: AdminCall) -> Answer:
                      "ratio": budget.ratio, "decode": budget.snapshot()}}
 
 
+def _kv(router: Router, call: AdminCall) -> Answer:
+    index = router.kv_index
+    return 200, {"kv_aware": index is not None,
+                 "sources": [s.snapshot() for s in index.all_sources()] if index else []}
+
+
 _OPERATIONS: dict[tuple[str, str], Callable[[Router, AdminCall], Answer]] = {
     ("GET", "/admin/endpoints"): _listing,
     ("GET", "/admin/auto"): _auto,
+    ("GET", "/admin/kv"): _kv,
     ("POST", "/admin/endpoints"): _add,
     ("DELETE", "/admin/endpoints"): _remove,
     ("POST", "/admin/endpoints/drain"): _drain,

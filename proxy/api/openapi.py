@@ -116,6 +116,7 @@ def openapi_document(*, admin: bool) -> dict[str, Any]:
         paths["/admin/endpoints/drain"] = _admin(
             "Drain a server, or take it back: {cluster, url, draining}", "post", 400, 404)
         paths["/admin/auto"] = _admin("What auto mode has measured", "get")
+        paths["/admin/kv"] = _admin("kv_aware's index: each server's KV event sources", "get")
     return {
         "openapi": "3.1.0",
         "info": {"title": "pd-proxy", "version": "1",

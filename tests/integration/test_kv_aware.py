@@ -85,7 +85,7 @@ def served_by(fakes: list[FakeVLLM]) -> list[int]:
 
 async def test_prompts_go_to_the_servers_that_cache_their_prefix(pools: Pools) -> None:
     document = words("doc", 8 * BLOCK)
-    async with serve_router(**pools.config()) as (url, app), httpx.AsyncClient(timeout=10) as client:
+    async with serve_router(**pools.config(), admin_token="t") as (url, app), httpx.AsyncClient(timeout=10) as client:
         router = router_of(app)
         await synced(router, pools.p_urls + pools.d_urls)
         # The document was read on P1 (and D1) before, by another router: only its events tell.
@@ -103,7 +103,11 @@ async def test_prompts_go_to_the_servers_that_cache_their_prefix(pools: Pools) -
         assert hits == [8 * BLOCK] * 6  # each found the whole document in P1's cache
         text = (await client.get(f"{url}/metrics")).text
         assert 'pdproxy_kv_predicted_hit_ratio_count{cluster="prefill"} 6.0' in text
-        assert "pdproxy_kv_index_blocks{" in text
+        assert f'pdproxy_kv_index_blocks{{endpoint="{pools.p_urls[1]}",rank="0"}}' in text
+        admin = (await client.get(f"{url}/admin/kv", headers={"Authorization": "Bearer t"})).json()
+        p1 = next(s for s in admin["sources"] if s["url"] == pools.p_urls[1])
+        assert p1["state"] == "synced" and p1["block_size"] == BLOCK
+        assert p1["blocks"] >= 8 and p1["events"]["stored"] >= 8
 
 
 async def test_a_burst_of_one_new_prefix_stays_on_one_server(pools: Pools) -> None:

@@ -249,6 +249,18 @@ class SourceIndex:
 
     # --- queries ----------------------------------------------------------------------
 
+    def snapshot(self) -> dict[str, object]:
+        """For `/admin/kv`: where this source stands and what its events did."""
+        counts = self.counts
+        return {"url": self.url, "rank": self.rank, "state": self.state.value,
+                "blocks": len(self), "block_size": self.block_size, "last_seq": self.last_seq,
+                "credits": len(self._credits), "lora_names": sorted(self.lora_names),
+                "events": {"batches": counts.batches, "stored": counts.stored,
+                           "removed": counts.removed, "duplicates": counts.duplicates,
+                           "unknown_removals": counts.unknown_removals,
+                           "orphans": counts.orphans, "ignored": counts.ignored,
+                           "gaps": counts.gaps, "wipes": dict(counts.wipes)}}
+
     def credit(self, keys: Sequence[int], until: float) -> None:
         """Count `keys` as held until `until`: a request was just routed here with them,
         and its events have not arrived yet. Bounded: the oldest credits go first."""
