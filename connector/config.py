@@ -31,6 +31,8 @@ MAX_PAUSE = 0.05  # push_wait_pause: longer would hold up the engine's other wor
 CPU_PAUSE = 0.01  # push_wait_pause on a CPU server, unless set
 # max_pending_per_peer: well above one D's requests in flight (vLLM's max_num_seqs).
 DEFAULT_MAX_PENDING_PER_PEER = 4096
+# max_pending: all peers together, four D servers at their limit.
+DEFAULT_MAX_PENDING = 16384
 
 # How a server's NIXL agent makes progress (`nixl_progress_thread`; connector/progress.py).
 ProgressMode = Literal["event", "off", "spin"]
@@ -51,6 +53,7 @@ KEYS = (
     "push_wait_pause",
     "early_write",
     "max_pending_per_peer",
+    "max_pending",
     "curve_secret_key_file",
     "curve_allowed_keys",
     "curve_server_key_file",
@@ -116,6 +119,9 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # P: at most this many live push registrations from one peer (its CURVE key, else its
     # ZMQ identity); more are refused (`NACK over_limit`) and that D recomputes.
     max_pending_per_peer: int = DEFAULT_MAX_PENDING_PER_PEER
+    # P: at most this many live push registrations from all peers together (without
+    # CURVE, every new ZMQ identity is a new peer: this is what bounds a flood of them).
+    max_pending: int = DEFAULT_MAX_PENDING
     # Authentication of the push side channel (ZMQ CURVE; connector/keys.py makes keys).
     # All three, or none (then anyone who reaches the push port is trusted, and the
     # server logs a warning at start):
@@ -146,9 +152,9 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
         if pause is not None and not (math.isfinite(pause) and 0 <= pause <= MAX_PAUSE):
             raise ConfigError(f"push_wait_pause must be in 0..{MAX_PAUSE} seconds "
                               f"(0 turns the pause off), got {pause}")
-        if self.max_pending_per_peer < 1:
-            raise ConfigError(
-                f"max_pending_per_peer must be >= 1, got {self.max_pending_per_peer}")
+        for name in ("max_pending_per_peer", "max_pending"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         given = [name for name in CURVE_KEYS if getattr(self, name)]
         if given and len(given) != len(CURVE_KEYS):
             missing = [name for name in CURVE_KEYS if name not in given]

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import NewType, TypeAlias, get_args
+from typing import Annotated, NewType, TypeAlias, get_args
 
 import msgspec
 
@@ -51,6 +51,11 @@ TransferId = NewType("TransferId", str)
 EngineId = NewType("EngineId", str)
 
 MAX_PORT = 65535
+# More KV-cache groups than a model has (vLLM's hybrid models have a few). The decoder
+# refuses a message naming more before it builds a single group: a million empty groups
+# fit in one frame, and would keep P's side channel thread decoding for most of a second.
+MAX_KV_GROUPS = 1024
+BlockIds: TypeAlias = Annotated[list[list[int]], msgspec.Meta(max_length=MAX_KV_GROUPS)]
 
 
 class ProtocolError(ValueError):
@@ -115,7 +120,7 @@ class RegisterBlocks(_TransferMessage, frozen=True, kw_only=True, tag="register_
     request_id: str
     tp_size: int
     tp_rank: int
-    block_ids: list[list[int]]
+    block_ids: BlockIds
     block_size: int
     host: str
     port: int
@@ -130,7 +135,9 @@ class RegisterBlocks(_TransferMessage, frozen=True, kw_only=True, tag="register_
             0 <= self.tp_rank < self.tp_size,
             f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}",
         )
-        _require(len(self.block_ids) >= 1, "block_ids must hold at least one KV-cache group")
+        _require(1 <= len(self.block_ids) <= MAX_KV_GROUPS,
+                 f"block_ids must hold 1 to {MAX_KV_GROUPS} KV-cache groups, "
+                 f"got {len(self.block_ids)}")
         for group in self.block_ids:
             bad = [block for block in group if block < 0]
             _require(not bad, f"block ids must be >= 0, got {bad}")
@@ -179,12 +186,14 @@ class PullOffer(msgspec.Struct, frozen=True, kw_only=True):
     list per KV-cache group; P keeps them `ttl_s` from when it sent this."""
 
     request_id: str
-    block_ids: list[list[int]]
+    block_ids: BlockIds
     ttl_s: float
 
     def __post_init__(self) -> None:
         _require_id(self.request_id, "request_id")
-        _require(len(self.block_ids) >= 1, "block_ids must hold at least one KV-cache group")
+        _require(1 <= len(self.block_ids) <= MAX_KV_GROUPS,
+                 f"block_ids must hold 1 to {MAX_KV_GROUPS} KV-cache groups, "
+                 f"got {len(self.block_ids)}")
         for group in self.block_ids:
             bad = [block for block in group if block < 0]
             _require(not bad, f"block ids must be >= 0, got {bad}")

@@ -17,7 +17,12 @@ routing identity: the registry lets only a transfer's registrant abort it. Witho
 anyone who reaches the push port is trusted, and P logs so once at start.
 
 The ROUTER socket is used only by the channel's thread (and closed by `stop` if that
-thread never ran).
+thread never ran). Each wake-up of that thread reads at most a batch of messages
+(`_BATCH_MESSAGES`, `_BATCH_BYTES`), then handles the engine's events and the registry's
+deadlines, and only then goes back to the socket: a peer that floods the push port slows
+its own messages, not the engine's (a WRITE still starts, a prefill still expires).
+Messages that are not ours are counted (`bad_messages`) and logged at most
+`_LOG_BURST` times a minute, as are refused registrations.
 """
 
 from __future__ import annotations
@@ -73,6 +78,16 @@ logger = logging.getLogger("vllm.pd_connector.channel")
 # A refused peer retries its handshake every 100 ms: log the first refusal, then at most
 # this often (the count is in `push stats:`).
 _REFUSAL_LOG_INTERVAL_S = 60.0
+# What a peer can make P log: at most this many lines about its bad messages, and as many
+# about refused registrations, per _REFUSAL_LOG_INTERVAL_S (the counts are in `push stats:`).
+_LOG_BURST = 10
+# One wake-up of the channel thread reads at most this many messages, or this many bytes
+# (the message that passes it included), off each socket, then handles the engine's events
+# and the deadlines. Enough that a burst of honest registrations is read in a pass or two;
+# few enough that a flood of them, or of garbage, delays a WRITE or an expiry by a batch's
+# work (well under a millisecond a message, a few for the largest), not by the flood's.
+_BATCH_MESSAGES = 128
+_BATCH_BYTES = 4 << 20
 # Handshake failures: a peer without a key (mechanism mismatch), with an unknown key
 # (the authenticator said no), or speaking garbage.
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -156,6 +171,32 @@ class WriteEnded:
 PrefillEvent = PrefillFinished | PrefillCompleting | PrefillAborted | WriteEnded
 
 
+class _LogLimit:
+    """At most `burst` log lines per `interval` seconds; the next line after a quiet
+    stretch says how many were left out."""
+
+    def __init__(self, burst: int, interval: float) -> None:
+        self._burst, self._interval = burst, interval
+        self._window_start: float | None = None
+        self._logged = 0  # in the current window
+        self.left_out = 0  # since the last line logged
+
+    def allow(self, now: float) -> bool:
+        """Whether to log this one; if not, it is counted in `left_out`."""
+        if self._window_start is None or now - self._window_start >= self._interval:
+            self._window_start, self._logged = now, 0
+        if self._logged >= self._burst:
+            self.left_out += 1
+            return False
+        self._logged += 1
+        return True
+
+    def suffix(self) -> str:
+        """For the line being logged: how many were left out before it (then reset)."""
+        left_out, self.left_out = self.left_out, 0
+        return f" ({left_out} more not logged)" if left_out else ""
+
+
 class _AllowedKeys:
     """The authenticator's question, on its own thread: may this CURVE public key (Z85)
     connect? Frozen set lookups only, so no lock is needed."""
@@ -230,7 +271,11 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         self.counters = registry.counters()
         self.refused_handshakes = 0  # peers refused by CURVE (no key, or an unknown one)
         self.unidentified = 0  # messages dropped: authenticated, yet no key on them
-        self._refusal_logged_at: float | None = None
+        self.bad_messages = 0  # messages dropped: not [identity, payload], or undecodable
+        self.received = 0  # messages read off the socket, whatever they held
+        self._refusal_log = _LogLimit(1, _REFUSAL_LOG_INTERVAL_S)
+        self._bad_message_log = _LogLimit(_LOG_BURST, _REFUSAL_LOG_INTERVAL_S)
+        self._refused_registration_log = _LogLimit(_LOG_BURST, _REFUSAL_LOG_INTERVAL_S)
 
     # --- engine thread -----------------------------------------------------------------
 
@@ -291,45 +336,57 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
             poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                ready = self._poll(poller, self.registry.next_deadline())
-                if self._monitor is not None and self._monitor in ready:
-                    self._read_monitor(self._monitor)
-                if self._socket in ready:
-                    self._read_socket()
-                events = self._drain_events()
-                for event in events:
-                    self._on_engine_event(event)
-                for release in self.registry.expire(time.monotonic()):
-                    self._released(release)
-                self.live_transfers = len(self.registry)
-                self.counters = self.registry.counters()  # a copy, for the stats log
-                self._mark_handled(len(events))  # after live_transfers: see has_pending_work
+                self._wake(self._poll(poller, self.registry.next_deadline()))
         finally:
             self._close_owned()
 
+    def _wake(self, ready: dict[Any, int]) -> None:
+        """One pass of the thread, for the sockets `ready` says are readable: a batch from
+        each, then every engine event, then the deadlines. Whatever a batch left on a
+        socket keeps it readable, so the next poll returns at once for the next pass."""
+        if self._monitor is not None and self._monitor in ready:
+            self._read_monitor(self._monitor)
+        if self._socket in ready:
+            self._read_socket()
+        events = self._drain_events()
+        for event in events:
+            self._on_engine_event(event)
+        for release in self.registry.expire(time.monotonic()):
+            self._released(release)
+        self.live_transfers = len(self.registry)
+        self.counters = self.registry.counters()  # a copy, for the stats log
+        self._mark_handled(len(events))  # after live_transfers: see has_pending_work
+
     def _read_monitor(self, monitor: zmq.Socket[Any]) -> None:
         """Count the peers CURVE refused (their messages never reach us), and say so in
-        the log: at once the first time, then at most every _REFUSAL_LOG_INTERVAL_S."""
-        while monitor.poll(0):
+        the log: at once the first time, then at most every _REFUSAL_LOG_INTERVAL_S.
+        At most a batch of events: handshakes are a peer's to flood too."""
+        for _ in range(_BATCH_MESSAGES):
+            if not monitor.poll(0):
+                return
             event = recv_monitor_message(monitor, zmq.NOBLOCK)
             if not event["event"] & _HANDSHAKE_FAILED:
                 continue
             self.refused_handshakes += 1
-            now = time.monotonic()
-            last = self._refusal_logged_at
-            if last is None or now - last >= _REFUSAL_LOG_INTERVAL_S:
-                self._refusal_logged_at = now
+            if self._refusal_log.allow(time.monotonic()):  # the count says what it left out
                 logger.warning("push side channel: refused a peer without an allowed CURVE "
                                "key (%d refusals so far)", self.refused_handshakes)
 
     def _read_socket(self) -> None:
-        while True:
+        """Read and handle at most a batch (_BATCH_MESSAGES, _BATCH_BYTES) of messages."""
+        size = 0
+        for _ in range(_BATCH_MESSAGES):
+            if size >= _BATCH_BYTES:
+                return
             try:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if len(frames) != 2:
-                continue  # not [identity, payload]: not one of ours
+            self.received += 1
+            size += sum(len(frame) for frame in frames)
+            if len(frames) != 2:  # not [identity, payload]: not one of ours
+                self._bad_message(frames[0].bytes, f"{len(frames) - 1} frames, not one")
+                continue
             identity, payload = frames[0].bytes, frames[1]
             peer = self._peer_of(identity, payload)
             if peer is None:
@@ -337,10 +394,16 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
             try:
                 message = decode(payload.bytes)
             except ProtocolError as exc:
-                logger.warning("push side channel: refused a message from %r: %s",
-                               identity, exc)
+                self._bad_message(identity, str(exc))
                 continue
             self._on_message(identity, message, peer)
+
+    def _bad_message(self, identity: bytes, why: str) -> None:
+        """Count a message that is not ours, and log it (at most _LOG_BURST a minute)."""
+        self.bad_messages += 1
+        if self._bad_message_log.allow(time.monotonic()):
+            logger.warning("push side channel: refused a message from %r: %s%s", identity,
+                           why, self._bad_message_log.suffix())
 
     def _peer_of(self, identity: bytes, payload: zmq.Frame) -> PeerId | None:
         """Who sent `payload`: its CURVE public key (Z85, as the authenticator named the
@@ -448,10 +511,13 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
                          "" if write.early_step is None
                          else " right after the prompt's last forward pass")
         elif isinstance(outcome, Rejected):
-            # A peer over its limit may be flooding: the stats line counts those.
-            level = logging.DEBUG if outcome.reason is NackReason.OVER_LIMIT \
-                else logging.WARNING
-            logger.log(level, "push %s refused: %s", outcome.transfer_id, outcome.message)
+            # A peer over its limit may be flooding: the stats line counts those. Other
+            # refusals are logged, but no more than a peer's flood of them would earn.
+            if outcome.reason is NackReason.OVER_LIMIT:
+                logger.debug("push %s refused: %s", outcome.transfer_id, outcome.message)
+            elif self._refused_registration_log.allow(time.monotonic()):
+                logger.warning("push %s refused: %s%s", outcome.transfer_id, outcome.message,
+                               self._refused_registration_log.suffix())
             if registration is not None:
                 self._send(registration.engine_id.encode(), Nack(
                     transfer_id=outcome.transfer_id, reason=outcome.reason,

@@ -43,10 +43,21 @@ is ignored and counted. A transfer no D registered yet may be aborted, or abando
 router's word that its D leg failed), by anyone who names it: its 128-bit random id is
 the capability. An abandon of a registered transfer is ignored and counted.
 
-Limits, so that no peer can make P hold unbounded state: at most `max_pending_per_peer`
-live registrations per peer (more are refused, OVER_LIMIT), no more block ids in one
-registration than P has blocks (`num_blocks`; TOO_MANY_BLOCKS), and at most
-`MAX_TOMBSTONES` tombstones (the oldest go first).
+Limits, so that no peer, nor many peers together, can make P hold unbounded state.
+A registration is checked against P's own layout before anything of it is kept: as many
+KV-cache groups as P has (`num_groups`), and no more block ids in all than P has blocks
+(`num_blocks`); else TOO_MANY_BLOCKS (the wire's reason for a registration P could not
+hold), counted in `too_many_blocks`. Live registrations are capped per peer
+(`max_pending_per_peer`) and for all peers together (`max_pending`, and
+`max_pending_bytes` of what they hold, roughly: without CURVE every new ZMQ identity is a
+new peer, so only the global caps bound a flood); over a cap, OVER_LIMIT. At most
+`max_tombstones` tombstones are kept (the oldest go first, counted in
+`tombstones_dropped`), each under a 16-byte digest of its id, whatever the id's length.
+
+Deadlines live in a heap (`_deadlines`), with lazy deletion: an entry whose record or
+tombstone is gone, or has another deadline now, is skipped when it comes up, and the heap
+is rebuilt from the live ones when stale entries outnumber them. So `expire` and
+`next_deadline` cost what is due, not a scan of every record and tombstone.
 
 DONE, FAILED, EXPIRED and ABORTED are terminal: the record is removed in the call that
 reaches them (nothing outlives its transfer) and a `Release` says to free P's blocks, if
@@ -62,6 +73,9 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
+import heapq
+import itertools
 import math
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -77,10 +91,18 @@ PeerId: TypeAlias = bytes  # who sent a message: CURVE public key, else ZMQ rout
 DEFAULT_REGISTRATION_TTL_S = 120.0
 DEFAULT_UNCLAIMED_TTL_S = 120.0
 DEFAULT_MAX_PENDING_PER_PEER = 4096
+# All peers together: four D servers at their per-peer limit. A flood from ever new
+# identities (no CURVE) meets this one.
+DEFAULT_MAX_PENDING = 16384
+# What live registrations may hold in all (their `footprint`s): a registration's strings
+# may fill most of a frame (up to 1 MiB), so a count alone would not bound P's memory.
+DEFAULT_MAX_PENDING_BYTES = 1 << 30
 # Tombstones outlive nothing but their deadline; this bounds them under a flood of aborts
 # for ids P never saw. Evicting one early costs at most a late prefill held until its
 # deadline, or a late registration waiting for its TTL.
-MAX_TOMBSTONES = 65536
+DEFAULT_MAX_TOMBSTONES = 65536
+# The deadline heap is rebuilt once its stale entries outnumber the live ones by this.
+_HEAP_SLACK = 1024
 
 BlockIds = list[list[int]]  # one list per KV-cache group
 
@@ -119,13 +141,22 @@ class RegistryConfig(msgspec.Struct, frozen=True, kw_only=True):
     unclaimed_ttl: float = DEFAULT_UNCLAIMED_TTL_S
     # P's KV cache blocks in all: no registration may name more block ids (None: unknown).
     num_blocks: int | None = None
+    # P's KV-cache groups: a registration must name as many (None: unknown, not checked).
+    num_groups: int | None = None
     max_pending_per_peer: int = DEFAULT_MAX_PENDING_PER_PEER
+    max_pending: int = DEFAULT_MAX_PENDING  # live registrations of all peers together
+    max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES  # what they hold (`footprint`)
+    max_tombstones: int = DEFAULT_MAX_TOMBSTONES
 
     def __post_init__(self) -> None:
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.max_pending_per_peer < 1:
-            raise ValueError(f"max_pending_per_peer must be >= 1, got {self.max_pending_per_peer}")
+        for name in ("num_blocks", "num_groups"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        for name in ("max_pending_per_peer", "max_pending", "max_pending_bytes",
+                     "max_tombstones"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.engine_id:
             raise ValueError("engine_id must be a non-empty string")
         if self.block_size < 1 or self.tp_size < 1 or (
@@ -213,8 +244,9 @@ class RegistryCounters:
     expired_unclaimed: int = 0  # P finished, D never registered in time
     duplicates: int = 0
     rejected: int = 0  # registrations refused: block size or an unsupported TP pair
-    over_limit: int = 0  # registrations refused: the peer's pending limit
-    too_many_blocks: int = 0  # registrations refused: more block ids than P's blocks
+    over_limit: int = 0  # registrations refused: the peer's or all peers' pending limit
+    too_many_blocks: int = 0  # registrations refused: more block ids or other groups than P's
+    tombstones_dropped: int = 0  # the oldest tombstones, evicted at max_tombstones
     foreign_aborts: int = 0  # aborts of a registered transfer from another peer: ignored
     abandoned: int = 0  # the router's abandons honoured
     abandons_ignored: int = 0  # abandons of a transfer a D registered: ignored
@@ -244,6 +276,7 @@ class _Transfer:
     request_id: RequestId | None = None  # P's request that holds block_ids
     abort_requested: bool = False  # D aborted during WRITING
     owner: PeerId | None = None  # the peer that registered it, once one has
+    footprint: int = 0  # what its registration holds, once owned (`footprint`)
     early_step: int | None = None  # COMPLETING: the step that completes the prompt
     fail_on_purpose: bool = False  # P's fault injection, for its Ready
 
@@ -253,6 +286,29 @@ class _Tombstone(enum.Enum):
 
     D_ABORTED = "d_aborted"
     PREFILL_ABORTED = "prefill_aborted"
+
+
+Grave: TypeAlias = bytes  # a tombstone's key: a digest of its transfer id (`_grave`)
+
+
+def _grave(transfer_id: TransferId) -> Grave:
+    """16 bytes, whatever the id's length: an id is a peer's string, up to a frame."""
+    return hashlib.blake2b(transfer_id.encode(), digest_size=16).digest()
+
+
+# A rough count of the bytes a kept registration holds: a Python int and its list slot
+# per block id, a list per group, and the struct, its record and its strings.
+_BYTES_PER_BLOCK_ID = 40
+_BYTES_PER_GROUP = 64
+_BYTES_PER_RECORD = 1024
+
+
+def footprint(reg: RegisterBlocks) -> int:
+    """What keeping `reg` costs P, roughly, in bytes (what `max_pending_bytes` sums)."""
+    ids = sum(len(group) for group in reg.block_ids)
+    strings = len(reg.transfer_id) + len(reg.engine_id) + len(reg.request_id) + len(reg.host)
+    return (_BYTES_PER_RECORD + strings + _BYTES_PER_GROUP * len(reg.block_ids)
+            + _BYTES_PER_BLOCK_ID * ids)
 
 
 class PushRegistry:
@@ -270,8 +326,15 @@ class PushRegistry:
         self.config = config
         self._transfers: dict[TransferId, _Transfer] = {}  # live and COMPLETING records
         self._completing = 0  # records in COMPLETING (not live)
-        self._tombstones: dict[TransferId, tuple[_Tombstone, float]] = {}  # cause, deadline
+        # Cause and deadline, oldest first (what max_tombstones evicts).
+        self._tombstones: dict[Grave, tuple[_Tombstone, float]] = {}
         self._pending_by_peer: dict[PeerId, int] = {}  # live registrations per owner
+        self._pending = 0  # live registrations of all owners together
+        self._pending_bytes = 0  # the footprints of the owned records
+        # (deadline, sequence, key): a record's transfer id, or a tombstone's Grave. Lazy:
+        # an entry counts only while its record or tombstone still has that deadline.
+        self._deadlines: list[tuple[float, int, TransferId | Grave]] = []
+        self._sequence = itertools.count()  # orders equal deadlines; keys never compared
         self._counters = RegistryCounters()
 
     # --- events from D and the router (side channel) -------------------------------------
@@ -279,8 +342,9 @@ class PushRegistry:
     def register(self, reg: RegisterBlocks, *, now: float, peer: PeerId = b"") -> Outcome:
         """D's registration, from `peer`. Ready or Waiting: send Ack. Rejected: send Nack."""
         tid = reg.transfer_id
-        if self._tombstones.get(tid, (None,))[0] is _Tombstone.PREFILL_ABORTED:
-            del self._tombstones[tid]
+        grave = _grave(tid)
+        if self._tombstones.get(grave, (None,))[0] is _Tombstone.PREFILL_ABORTED:
+            del self._tombstones[grave]
             self._counters.rejected += 1
             return Rejected(tid, NackReason.PREFILL_ABORTED,
                             f"P's request for transfer {tid!r} ended without its KV")
@@ -289,7 +353,9 @@ class PushRegistry:
                                                        TransferState.COMPLETING):
             self._counters.duplicates += 1
             return Rejected(tid, NackReason.DUPLICATE, f"transfer {tid!r} is already registered")
-        refusal = self._check_limits(reg, peer) or self._check_layout(reg)
+        # Its size first, so that a degenerate one costs nothing more (not even a footprint).
+        refusal = (self._check_size(reg) or self._check_limits(peer, footprint(reg))
+                   or self._check_layout(reg))
         if refusal is not None:
             if refusal[0] is NackReason.OVER_LIMIT:
                 self._counters.over_limit += 1
@@ -313,10 +379,11 @@ class PushRegistry:
             deadline = now + min(self.config.registration_ttl, reg.ttl_s)
             record = _Transfer(tid, TransferState.AWAITING_PREFILL, deadline, registration=reg)
             self._transfers[tid] = record
-            self._own(record, peer)
+            self._schedule(tid, deadline)
+            self._own(record, peer, reg)
             return Waiting(tid, TransferState.AWAITING_PREFILL)
         record.registration = reg
-        self._own(record, peer)
+        self._own(record, peer, reg)
         return self._match(record)
 
     def abort(self, transfer_id: TransferId, *, now: float,
@@ -382,8 +449,10 @@ class PushRegistry:
                 fail_on_purpose=fail_on_purpose,
             )
             self._transfers[transfer_id] = record
-            if self._tombstones.pop(transfer_id, (None,))[0] is _Tombstone.D_ABORTED:
+            if self._tombstones.pop(_grave(transfer_id), (None,))[0] is _Tombstone.D_ABORTED:
                 return self._end(record, TransferState.ABORTED)
+            assert record.deadline is not None
+            self._schedule(transfer_id, record.deadline)
             return Waiting(transfer_id, TransferState.AWAITING_REGISTRATION)
         record.block_ids = block_ids
         record.request_id = request_id
@@ -399,7 +468,7 @@ class PushRegistry:
         pass. None: not now (with no registration yet, the record is COMPLETING, for one
         that comes before `prefill_finished`, which follows the step)."""
         record = self._transfers.get(transfer_id)
-        if record is None and transfer_id not in self._tombstones:
+        if record is None and _grave(transfer_id) not in self._tombstones:
             record = self._transfers[transfer_id] = _Transfer(transfer_id,
                                                               TransferState.COMPLETING, None)
             self._completing += 1
@@ -459,17 +528,26 @@ class PushRegistry:
     # --- time ----------------------------------------------------------------------------
 
     def expire(self, now: float) -> list[Release]:
-        """End every waiting transfer whose deadline is <= `now`."""
-        for tid in [t for t, (_, deadline) in self._tombstones.items() if now >= deadline]:
-            del self._tombstones[tid]
-        due = [r for r in self._transfers.values() if r.deadline is not None and now >= r.deadline]
-        return [self._end(record, TransferState.EXPIRED, FailReason.EXPIRED) for record in due]
+        """End every waiting transfer whose deadline is <= `now`, and drop every tombstone
+        whose deadline is; in the order of their deadlines."""
+        releases = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            entry = heapq.heappop(self._deadlines)
+            key = entry[2]
+            if not self._holds(*entry):
+                continue
+            if isinstance(key, bytes):
+                del self._tombstones[key]
+            else:
+                record = self._transfers[key]
+                releases.append(self._end(record, TransferState.EXPIRED, FailReason.EXPIRED))
+        return releases
 
     def next_deadline(self) -> float | None:
         """The earliest deadline, for the owner's wake-up timer; None when none is set."""
-        deadlines = [r.deadline for r in self._transfers.values() if r.deadline is not None]
-        deadlines.extend(deadline for _, deadline in self._tombstones.values())
-        return min(deadlines, default=None)
+        while self._deadlines and not self._holds(*self._deadlines[0]):
+            heapq.heappop(self._deadlines)  # stale: drop it, the answer is unchanged
+        return self._deadlines[0][0] if self._deadlines else None
 
     # --- inspection ----------------------------------------------------------------------
 
@@ -487,6 +565,14 @@ class PushRegistry:
     def tombstones(self) -> int:
         return len(self._tombstones)
 
+    def pending(self) -> tuple[int, int]:
+        """Live registrations of all peers, and their footprints' sum (the global caps)."""
+        return self._pending, self._pending_bytes
+
+    def deadlines_held(self) -> int:
+        """Entries in the deadline heap, stale ones included (bounded: see `_schedule`)."""
+        return len(self._deadlines)
+
     def counters(self) -> RegistryCounters:
         """A copy of the counts so far (cheap: no walk over the live transfers)."""
         return dataclasses.replace(self._counters)
@@ -500,28 +586,74 @@ class PushRegistry:
 
     # --- internals -----------------------------------------------------------------------
 
-    def _check_limits(self, reg: RegisterBlocks, peer: PeerId) -> tuple[NackReason, str] | None:
-        limit = self.config.max_pending_per_peer
-        if self._pending_by_peer.get(peer, 0) >= limit:
-            return NackReason.OVER_LIMIT, (
-                f"this peer already holds {limit} pending registrations on this P "
-                "(kv_connector_extra_config.max_pending_per_peer)")
-        count, most = sum(len(group) for group in reg.block_ids), self.config.num_blocks
-        if most is not None and count > most:
+    def _check_size(self, reg: RegisterBlocks) -> tuple[NackReason, str] | None:
+        """Could P hold what `reg` names: its KV-cache groups, and as many block ids?"""
+        local = self.config
+        groups = len(reg.block_ids)
+        if local.num_groups is not None and groups != local.num_groups:
             return NackReason.TOO_MANY_BLOCKS, (
-                f"{count} block ids in one registration; this P has {most} blocks in all")
+                f"{groups} KV-cache groups in one registration; this P has "
+                f"{local.num_groups}: serve the same model on P and D")
+        count = sum(len(group) for group in reg.block_ids)
+        if local.num_blocks is not None and count > local.num_blocks:
+            return NackReason.TOO_MANY_BLOCKS, (
+                f"{count} block ids in one registration; this P has {local.num_blocks} "
+                "blocks in all")
         return None
 
-    def _own(self, record: _Transfer, peer: PeerId) -> None:
-        """`peer` registered `record`: only it may abort it; it counts to its limit."""
+    def _check_limits(self, peer: PeerId, size: int) -> tuple[NackReason, str] | None:
+        """May `peer` hold one more live registration, of `size` bytes?"""
+        local = self.config
+        if self._pending_by_peer.get(peer, 0) >= local.max_pending_per_peer:
+            return NackReason.OVER_LIMIT, (
+                f"this peer already holds {local.max_pending_per_peer} pending registrations "
+                "on this P (kv_connector_extra_config.max_pending_per_peer)")
+        count, held = self.pending()
+        if count >= local.max_pending:
+            return NackReason.OVER_LIMIT, (
+                f"all peers together hold {local.max_pending} pending registrations on this "
+                "P already (kv_connector_extra_config.max_pending)")
+        if held + size > local.max_pending_bytes:
+            return NackReason.OVER_LIMIT, (
+                f"pending registrations hold {held} bytes on this P; this one's {size} "
+                f"would pass the limit of {local.max_pending_bytes}")
+        return None
+
+    def _own(self, record: _Transfer, peer: PeerId, reg: RegisterBlocks) -> None:
+        """`peer` registered `record`: only it may abort it; it counts to the limits."""
         record.owner = peer
+        record.footprint = footprint(reg)
         self._pending_by_peer[peer] = self._pending_by_peer.get(peer, 0) + 1
+        self._pending += 1
+        self._pending_bytes += record.footprint
 
     def _bury(self, transfer_id: TransferId, cause: _Tombstone, now: float) -> None:
-        """Leave a tombstone until `unclaimed_ttl`; past MAX_TOMBSTONES, the oldest goes."""
-        if transfer_id not in self._tombstones and len(self._tombstones) >= MAX_TOMBSTONES:
-            del self._tombstones[next(iter(self._tombstones))]
-        self._tombstones[transfer_id] = (cause, now + self.config.unclaimed_ttl)
+        """Leave a tombstone until `unclaimed_ttl`; past max_tombstones, the oldest goes."""
+        grave, deadline = _grave(transfer_id), now + self.config.unclaimed_ttl
+        if self._tombstones.pop(grave, None) is None \
+                and len(self._tombstones) >= self.config.max_tombstones:
+            del self._tombstones[next(iter(self._tombstones))]  # its heap entry goes stale
+            self._counters.tombstones_dropped += 1
+        self._tombstones[grave] = (cause, deadline)  # the newest, last
+        self._schedule(grave, deadline)
+
+    def _schedule(self, key: TransferId | Grave, deadline: float) -> None:
+        """Put `key`'s deadline in the heap. Entries for records and tombstones that are
+        gone, or have another deadline now, stay until they come up (`_holds`), unless
+        they outnumber the live ones: then the heap is rebuilt, so it holds at most twice
+        the live records and tombstones (plus _HEAP_SLACK), whatever a peer sends."""
+        heapq.heappush(self._deadlines, (deadline, next(self._sequence), key))
+        live = len(self._transfers) + len(self._tombstones)
+        if len(self._deadlines) > 2 * live + _HEAP_SLACK:
+            self._deadlines = [entry for entry in self._deadlines if self._holds(*entry)]
+            heapq.heapify(self._deadlines)
+
+    def _holds(self, deadline: float, _sequence: int, key: TransferId | Grave) -> bool:
+        """Whether this heap entry is still its record's or its tombstone's deadline."""
+        if isinstance(key, bytes):
+            return self._tombstones.get(key, (None, None))[1] == deadline
+        record = self._transfers.get(key)
+        return record is not None and record.deadline == deadline
 
     def _check_layout(self, reg: RegisterBlocks) -> tuple[NackReason, str] | None:
         local = self.config
@@ -565,8 +697,10 @@ class PushRegistry:
         self, record: _Transfer, state: TransferState, reason: FailReason | None = None
     ) -> Release:
         """Remove the record and say what to release; the one exit of every transfer."""
-        del self._transfers[record.transfer_id]
+        del self._transfers[record.transfer_id]  # its heap entry, if any, goes stale
         if record.owner is not None:
+            self._pending -= 1
+            self._pending_bytes -= record.footprint
             left = self._pending_by_peer[record.owner] - 1
             if left:
                 self._pending_by_peer[record.owner] = left

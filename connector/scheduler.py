@@ -132,7 +132,8 @@ class DualScheduler(NixlPullConnectorScheduler):
             engine_id=EngineId(engine_id), block_size=self.block_size,
             tp_size=self.transfer_tp_size, registration_ttl=config.registration_ttl,
             unclaimed_ttl=config.unclaimed_ttl, num_blocks=kv_cache_config.num_blocks or None,
-            max_pending_per_peer=config.max_pending_per_peer,
+            num_groups=len(kv_cache_config.kv_cache_groups) or None,
+            max_pending_per_peer=config.max_pending_per_peer, max_pending=config.max_pending,
             kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
             mla=vllm_config.model_config.use_mla))
         self.prefill_channel = PrefillChannel(
@@ -159,7 +160,7 @@ class DualScheduler(NixlPullConnectorScheduler):
         self._next_step_jobs: list[PushJob] = []
         self.stats = PushStats()
         self._logged = (PushStats(), time.monotonic())
-        self._refused: tuple[int, ...] = (0,) * 7  # the drop counts last logged
+        self._refused: tuple[int, ...] = (0,) * 9  # the drop counts last logged
         logger.info("dual connector: modes %s; push side channel on %s:%d (%s); idle steps "
                     "while waiting for pushes pause %.1f ms; early WRITEs %s",
                     ",".join(wire.TRANSFER_MODE_VALUES), self.push_host, self.push_port,
@@ -399,7 +400,8 @@ class DualScheduler(NixlPullConnectorScheduler):
         channel = self.prefill_channel
         s, r = self.stats, channel.counters
         refused = (r.over_limit, r.too_many_blocks, r.foreign_aborts, r.abandoned,
-                   r.abandons_ignored, channel.refused_handshakes, channel.unidentified)
+                   r.abandons_ignored, r.tombstones_dropped, channel.refused_handshakes,
+                   channel.unidentified, channel.bad_messages)
         if now - at < self.stats_interval or (self.stats == last and refused == self._refused):
             return
         self._logged = (dataclasses.replace(self.stats), now)
@@ -410,14 +412,16 @@ class DualScheduler(NixlPullConnectorScheduler):
             "(%d blocks, mean %.1f ms, early %d), offered for pull %d; registry matched %d "
             "expired %d+%d aborted %d refused %d; D registered %d received %d pulled instead "
             "%d fell back %d aborted %d; abandoned %d (ignored %d); dropped: over the "
-            "per-peer limit %d, too many blocks %d, aborts not from the registrant %d, "
-            "peers refused by CURVE %d, unidentified messages %d",
+            "pending limits %d, too many blocks or groups %d, aborts not from the registrant "
+            "%d, oldest tombstones %d, peers refused by CURVE %d, unidentified messages %d, "
+            "undecodable messages %d",
             s.pull_prefills, s.push_prefills, s.probes, s.writes_done, s.writes_failed,
             s.blocks_written, mean_ms, r.early, s.pull_offers, r.matched,
             r.expired_registrations, r.expired_unclaimed, r.aborted, r.rejected + r.duplicates,
             s.registrations, s.received, s.pulled_instead, s.fell_back, s.aborted,
             r.abandoned, r.abandons_ignored, r.over_limit, r.too_many_blocks,
-            r.foreign_aborts, channel.refused_handshakes, channel.unidentified)
+            r.foreign_aborts, r.tombstones_dropped, channel.refused_handshakes,
+            channel.unidentified, channel.bad_messages)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)

@@ -42,6 +42,7 @@ from connector.messages import (
     decode,
     encode,
 )
+from connector.prefill_channel import _BATCH_MESSAGES
 from connector.registry import PushRegistry, RegistryConfig
 from tests.conftest import until_sync
 
@@ -694,10 +695,126 @@ def test_garbage_and_another_version_are_refused_and_p_keeps_serving(
     sock.send(encode(Ping()))
     assert receive(sock) == Pong()
     refused = [r.getMessage() for r in caplog.records if "refused a message" in r.getMessage()]
-    assert len(refused) == 2, refused
+    assert len(refused) == 3, refused
     assert "malformed side-channel message" in refused[0], refused
     assert "protocol version mismatch" in refused[1], refused
     assert f"version {PROTOCOL_VERSION + 1}" in refused[1], refused
+    assert "2 frames, not one" in refused[2], refused
+    assert p.bad_messages == 3
+
+
+# --- a flood on P's push port --------------------------------------------------------------
+
+
+@pytest.fixture
+def unstarted() -> Iterator[Callable[..., PrefillChannel]]:
+    """P's channel without its thread: the test runs its passes (`_wake`) one by one."""
+    made: list[PrefillChannel] = []
+
+    def make(**config: Any) -> PrefillChannel:
+        values: dict[str, Any] = {"engine_id": P_ENGINE, "block_size": BLOCK_SIZE, **config}
+        made.append(PrefillChannel(PushRegistry(RegistryConfig(**values)), HOST, free_port()))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for channel in made:
+            channel.stop()
+
+
+def one_pass(p: PrefillChannel) -> int:
+    """Run one pass of P's thread as if its socket polled readable; what it read."""
+    before = p.received
+    p._wake({p._socket: zmq.POLLIN})
+    return p.received - before
+
+
+def test_a_flood_of_garbage_holds_up_engine_events_and_expiry_by_one_batch_at_most(
+    unstarted: Callable[..., PrefillChannel],
+    raw_dealer: Callable[[str, bytes], zmq.Socket[Any]],
+) -> None:
+    """Deterministic: the flood and a Ping behind it are queued on D's one connection, so
+    P answers the Ping only once it has read the whole flood. Each pass reads at most a
+    batch; the first already starts the WRITE the engine's event asks for, and an
+    unclaimed prefill expires in a later pass, while most of the flood is still unread."""
+    p = unstarted(unclaimed_ttl=0.05)
+    identity = b"engine-d-raw"
+    sock = raw_dealer(p.address, identity)
+    reg = RegisterBlocks(
+        transfer_id=TransferId("t-1"), engine_id=EngineId(identity.decode()),
+        request_id="d-req-1", tp_size=1, tp_rank=0, block_ids=D_BLOCKS,
+        block_size=BLOCK_SIZE, host=HOST, port=5601, ttl_s=30.0)
+    sock.send(encode(reg))
+    wait_for(lambda: (one_pass(p), sock.poll(0))[1], 2.0, "P read the registration, answered")
+    assert isinstance(receive(sock), Ack)
+
+    flood = 4 * _BATCH_MESSAGES
+    for _ in range(flood):
+        sock.send(b"\x00garbage")
+    sock.send(encode(Ping()))
+    p.prefill_finished(reg.transfer_id, P_REQ, P_BLOCKS)
+    p.prefill_finished(TransferId("t-unclaimed"), "p-req-2", P_BLOCKS)
+    assert one_pass(p) <= _BATCH_MESSAGES
+    (write,) = p.take_actions()
+    assert isinstance(write, StartWrite) and write.transfer_id == reg.transfer_id
+    deadline = p.registry.next_deadline()
+    assert deadline is not None
+    wait_for(lambda: time.monotonic() >= deadline, 1.0, "the unclaimed prefill is due")
+    assert one_pass(p) <= _BATCH_MESSAGES
+    assert p.take_actions() == [FreeBlocks(TransferId("t-unclaimed"), "p-req-2", "expired")]
+    assert not sock.poll(0), "no Pong yet: most of the flood is still unread"
+
+    passes = [0]
+
+    def answered() -> bool:
+        got = one_pass(p)
+        assert got <= _BATCH_MESSAGES, got
+        passes[0] += 1
+        return bool(sock.poll(0))
+
+    wait_for(answered, 5.0, "P read through the flood and answered the Ping")
+    assert receive(sock) == Pong()
+    assert passes[0] + 2 >= (flood + 1) / _BATCH_MESSAGES
+    assert p.bad_messages == flood
+
+
+def test_a_flood_of_garbage_from_one_peer_does_not_starve_a_push(
+    channels: Channels, raw_dealer: Callable[[str, bytes], zmq.Socket[Any]],
+) -> None:
+    """P's thread, running: garbage as fast as a peer can send it, for as long as the
+    test waits. A D's registration and P's finished prefill still start their WRITE, and
+    an unclaimed prefill still expires, while the flood goes on."""
+    p = channels.prefill(unclaimed_ttl=0.2)
+    flooder = raw_dealer(p.address, b"flooder")
+    d = channels.decode()
+    stop, sent = threading.Event(), [0]
+
+    def flood() -> None:
+        deadline = time.monotonic() + 30.0  # the test's waits end long before
+        while not stop.is_set() and time.monotonic() < deadline:
+            try:
+                flooder.send(b"\x00garbage", zmq.NOBLOCK)
+                sent[0] += 1
+            except zmq.Again:
+                pass
+
+    thread = threading.Thread(target=flood, name="test-flood", daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: p.bad_messages > 10 * _BATCH_MESSAGES, 5.0, "P reads the flood")
+        reg = registration(d, "t-1")
+        d.register(p.address, reg)
+        wait_for(lambda: len(p.registry) == 1, 5.0, "P holds the registration")
+        p.prefill_finished(reg.transfer_id, P_REQ, P_BLOCKS)
+        p.prefill_finished(TransferId("t-unclaimed"), "p-req-2", P_BLOCKS)
+        actions = wait_actions(p, timeout=5.0, count=2)
+        assert thread.is_alive(), "the flood went on all along"
+    finally:
+        stop.set()
+        thread.join(5.0)
+    assert sorted(type(a).__name__ for a in actions) == ["FreeBlocks", "StartWrite"], actions
+    assert FreeBlocks(TransferId("t-unclaimed"), "p-req-2", "expired") in actions
 
 
 # --- stopping -----------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """Who may use P's push side channel, over real ZMQ on 127.0.0.1 (no vLLM): CURVE keys
 admit known peers only (the others are counted), without keys P works as before and
-warns, an abort counts only from the transfer's registrant, and per-peer and per-message
-limits are answered with a NACK."""
+warns, an abort counts only from the transfer's registrant, and per-peer, global and
+per-message limits are answered with a NACK (a registration of more KV-cache groups than
+any model has is not even decoded)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,25 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 import zmq
 import zmq.auth
 
 from connector.channel import DecodeChannel, PrefillChannel, StartWrite
 from connector.keys import ClientKeys, KeyPair, ServerKeys, load_key_pair, load_public_key
-from connector.messages import Abort, EngineId, Ping, Pong, RegisterBlocks, TransferId, encode
+from connector.messages import (
+    Abort,
+    Ack,
+    EngineId,
+    Nack,
+    NackReason,
+    Ping,
+    Pong,
+    RegisterBlocks,
+    TransferId,
+    encode,
+)
 from connector.registry import PushRegistry, RegistryConfig
 from tests.integration.test_push_channel import (
     BLOCK_SIZE,
@@ -261,3 +274,44 @@ def test_a_registration_naming_more_blocks_than_p_has_is_nacked(made: Made) -> N
     d.register(p.address, registration(d, "t-2", block_ids=[list(range(8))]))
     wait_for(lambda: len(p.registry) == 1, 3.0, "a registration within P's blocks is held")
     assert_serves(p, made)
+
+
+def test_registrations_over_the_limit_of_all_peers_together_are_nacked(made: Made) -> None:
+    """Without CURVE, each new ZMQ identity is a new peer: the per-peer limit alone would
+    let a flood of identities make P hold anything."""
+    p = made.prefill(max_pending_per_peer=2, max_pending=3)
+    answers = []
+    for i in range(6):
+        identity = f"engine-d-{i}".encode()
+        sock = made.dealer(p.address, identity)
+        sock.send(encode(raw_registration(f"t-{i}", identity)))
+        answers.append(receive(sock))
+    assert [type(a) for a in answers] == [Ack] * 3 + [Nack] * 3, answers
+    for nack in answers[3:]:
+        assert nack.reason is NackReason.OVER_LIMIT and "all peers together" in nack.message
+    assert len(p.registry) == 3 and p.registry.counters().over_limit == 3
+    assert_serves(p, made)
+
+
+def test_degenerate_registrations_are_refused_and_nothing_of_them_is_kept(made: Made) -> None:
+    """Checked against P's layout (1 KV-cache group, 8 blocks) before anything is kept:
+    another number of groups, or more block ids than P has, is NACKed with the reason; a
+    million empty groups (one byte each: within the frame cap) is dropped undecoded."""
+    p = made.prefill(num_groups=1, num_blocks=8)
+    identity = b"engine-d-raw"
+    sock = made.dealer(p.address, identity)
+    for tid, block_ids, says in [("t-groups", [[0], [1]], "2 KV-cache groups"),
+                                 ("t-blocks", [list(range(9))], "9 block ids")]:
+        sock.send(encode(raw_registration(tid, identity, block_ids=block_ids)))
+        nack = receive(sock)
+        assert isinstance(nack, Nack) and nack.transfer_id == tid, nack
+        assert nack.reason is NackReason.TOO_MANY_BLOCKS and says in nack.message, nack
+    million = msgspec.to_builtins(raw_registration("t-million", identity))
+    million["block_ids"] = [[]] * 1_000_000
+    sock.send(msgspec.msgpack.encode(million))
+    sock.send(encode(Ping()))
+    assert receive(sock) == Pong(), "dropped, not answered: it is no valid message"
+    assert p.bad_messages == 1 and p.registry.counters().too_many_blocks == 2
+    assert len(p.registry) == 0 and p.registry.pending() == (0, 0)
+    sock.send(encode(raw_registration("t-fits", identity, block_ids=[list(range(8))])))
+    assert isinstance(receive(sock), Ack)

@@ -1,17 +1,25 @@
 """P's push registry: who may end a transfer, and the limits that bound what a peer can
 make P hold. Aborts count only from the registrant; the router's abandon only before any
-D registered; per-peer pending registrations and block ids per registration are capped;
-tombstones are bounded."""
+D registered; registrations are checked against P's layout (KV-cache groups, blocks) before anything
+of them is kept; pending registrations are capped per peer and for all peers together
+(count and bytes); tombstones are bounded, and cheap whatever their ids."""
 
 from __future__ import annotations
 
+import tracemalloc
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-import connector.registry as registry_module
-from connector.messages import EngineId, FailReason, NackReason, RegisterBlocks, TransferId
+from connector.messages import (
+    MAX_KV_GROUPS,
+    EngineId,
+    FailReason,
+    NackReason,
+    RegisterBlocks,
+    TransferId,
+)
 from connector.registry import (
     Ignored,
     PushRegistry,
@@ -21,6 +29,7 @@ from connector.registry import (
     Release,
     TransferState,
     Waiting,
+    footprint,
 )
 
 S = TransferState
@@ -188,17 +197,116 @@ def test_a_registration_naming_more_blocks_than_p_has_is_refused(
     assert isinstance(r.register(reg(block_ids=[[0, 1], [2, 3]]), now=0.0, peer=D1), Waiting)
 
 
-def test_tombstones_are_bounded_oldest_first(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(registry_module, "MAX_TOMBSTONES", 3)
-    r = registry()
+@pytest.mark.parametrize(("num_groups", "block_ids"), [
+    pytest.param(1, [[0, 1], [2]], id="more-groups"),
+    pytest.param(2, [[0, 1, 2]], id="fewer-groups"),
+    pytest.param(1, [[] for _ in range(MAX_KV_GROUPS)], id="the-most-empty-groups"),
+])
+def test_a_registration_with_another_number_of_kv_groups_is_refused_and_not_kept(
+    num_groups: int, block_ids: list[list[int]],
+) -> None:
+    r = registry(num_groups=num_groups, num_blocks=64)
+    refused = r.register(reg(block_ids=block_ids), now=0.0, peer=D1)
+    assert isinstance(refused, Rejected) and refused.reason is NackReason.TOO_MANY_BLOCKS
+    assert f"{len(block_ids)} KV-cache groups" in refused.message, refused
+    assert f"this P has {num_groups}" in refused.message, refused
+    assert r.counters().too_many_blocks == 1 and r.counters().registered == 0
+    assert r.pending() == (0, 0) and r.state_of(T1) is None
+    assert_empty(r, D1)
+    fits = [[0]] * num_groups
+    assert isinstance(r.register(reg(block_ids=fits), now=0.0, peer=D1), Waiting)
+
+
+def test_a_refused_layout_for_a_finished_prefill_returns_ps_blocks() -> None:
+    r = registry(num_groups=1)
+    finish(r)
+    refused = r.register(reg(block_ids=[[0], [1]]), now=0.0, peer=D1)
+    assert isinstance(refused, Rejected) and refused.reason is NackReason.TOO_MANY_BLOCKS
+    assert (refused.block_ids, refused.request_id) == (P_BLOCKS, P_REQ)
+    assert_empty(r, D1)
+
+
+def test_pending_registrations_are_limited_for_all_peers_together() -> None:
+    """Without CURVE every ZMQ identity is a peer of its own: the global cap holds."""
+    r = registry(max_pending_per_peer=2, max_pending=3)
+    peers = [f"identity-{i}".encode() for i in range(6)]
+    outcomes = [r.register(reg(f"t{i}"), now=0.0, peer=peer) for i, peer in enumerate(peers)]
+    assert [type(o) for o in outcomes] == [Waiting] * 3 + [Rejected] * 3, outcomes
+    for over in outcomes[3:]:
+        assert isinstance(over, Rejected) and over.reason is NackReason.OVER_LIMIT
+        assert "all peers together hold 3" in over.message, over
+    assert r.pending()[0] == 3 and r.counters().over_limit == 3 and len(r) == 3
+    assert all(r.pending_of(peer) == 0 for peer in peers[3:]), "nothing kept of the refused"
+
+    assert isinstance(r.abort(TransferId("t0"), now=1.0, peer=peers[0]), Release)
+    assert isinstance(r.register(reg("t9"), now=1.0, peer=b"identity-9"), Waiting)
+    r.expire(1e9)
+    assert r.pending() == (0, 0)
+    assert_empty(r, *peers, b"identity-9")
+
+
+def test_what_pending_registrations_hold_is_limited_for_all_peers_together() -> None:
+    one = footprint(reg("t0"))
+    r = registry(max_pending_bytes=2 * one + one // 2)
+    assert isinstance(r.register(reg("t0"), now=0.0, peer=D1), Waiting)
+    assert isinstance(r.register(reg("t1"), now=0.0, peer=D2), Waiting)
+    assert r.pending() == (2, 2 * one)
+    over = r.register(reg("t2"), now=0.0, peer=b"d-three")
+    assert isinstance(over, Rejected) and over.reason is NackReason.OVER_LIMIT
+    assert f"hold {2 * one} bytes" in over.message, over
+    big = footprint(reg("t3", block_ids=[list(range(1000))]))
+    assert big > one + 1000 * 8, "block ids count in a registration's footprint"
+
+    assert isinstance(r.abort(TransferId("t0"), now=1.0, peer=D1), Release)
+    assert r.pending() == (1, one)
+    assert isinstance(r.register(reg("t2"), now=1.0, peer=b"d-three"), Waiting)
+    r.expire(1e9)
+    assert_empty(r, D1, D2, b"d-three")
+
+
+def test_tombstones_are_bounded_oldest_first() -> None:
+    r = registry(max_tombstones=3)
     for tid in ("a", "b", "c", "d"):
         assert r.abort(TransferId(tid), now=0.0, peer=D1) is None
-    assert r.tombstones() == 3
+    assert r.tombstones() == 3 and r.counters().tombstones_dropped == 1
     assert isinstance(finish(r, "d"), Release), "the newest tombstone holds"
     assert isinstance(finish(r, "a"), Waiting), "the oldest was evicted"
 
 
-@pytest.mark.parametrize("overrides", [{"num_blocks": 0}, {"max_pending_per_peer": 0}])
+def test_a_tombstone_buried_again_is_the_newest() -> None:
+    r = registry(max_tombstones=2)
+    for tid in ("a", "b", "a", "c"):  # "a" again: "b" is now the oldest
+        r.abort(TransferId(tid), now=0.0, peer=D1)
+    assert isinstance(finish(r, "a"), Release) and isinstance(finish(r, "b"), Waiting)
+
+
+def test_a_flood_of_aborts_leaves_a_bounded_heap_and_cheap_tombstones() -> None:
+    """Aborts of ids P never saw, as anyone may send: at most max_tombstones are kept,
+    the deadline heap stays bounded although every eviction leaves an entry behind, and
+    a tombstone costs the same whatever its id's length."""
+    r = registry(max_tombstones=100, unclaimed_ttl=1e6)
+    for i in range(20_000):
+        assert r.abort(TransferId(f"flood-{i}"), now=i * 1e-3, peer=D2) is None
+    assert r.tombstones() == 100 and r.counters().tombstones_dropped == 19_900
+    assert r.deadlines_held() <= 2 * 100 + 1024, r.deadlines_held()
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(100):  # each a 64 KiB id, none kept by the test
+            r.abort(TransferId(f"{i:04}" + "x" * (64 << 10)), now=30.0, peer=D2)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 256 << 10, f"100 tombstones of 64 KiB ids hold {held} bytes"
+    long_id = "0042" + "x" * (64 << 10)
+    assert isinstance(finish(r, long_id, now=31.0), Release), "still matched by its id"
+
+
+@pytest.mark.parametrize("overrides", [
+    {"num_blocks": 0}, {"num_groups": 0}, {"max_pending_per_peer": 0}, {"max_pending": 0},
+    {"max_pending_bytes": 0}, {"max_tombstones": 0},
+])
 def test_bad_limits_are_refused_when_built(overrides: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=next(iter(overrides))):
         registry(**overrides)

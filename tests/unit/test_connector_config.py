@@ -95,6 +95,8 @@ def test_push_port_is_required(extra: dict[str, Any] | None) -> None:
                  id="pause-too-long"),
     pytest.param({"push_port": 5700, "max_pending_per_peer": 0}, "max_pending_per_peer",
                  id="pending-limit-zero"),
+    pytest.param({"push_port": 5700, "max_pending": 0}, "max_pending must",
+                 id="global-pending-limit-zero"),
     pytest.param({"push_port": 5700, "curve_secret_key_file": "/k"},
                  "missing: curve_allowed_keys, curve_server_key_file", id="curve-partial"),
     pytest.param({"push_port": 5700, "curve_allowed_keys": 5}, "curve_allowed_keys",
@@ -110,7 +112,7 @@ def test_a_bad_value_fails_the_start_naming_the_key(extra: dict[str, Any], named
 
 def test_without_keys_the_side_channel_is_unauthenticated() -> None:
     config = DualConfig.from_extra_config({"push_port": 5700})
-    assert config.max_pending_per_peer == 4096
+    assert config.max_pending_per_peer == 4096 and config.max_pending == 16384
     assert not config.authenticated and config.curve_keys() is None
 
 

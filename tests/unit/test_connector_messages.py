@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+import tracemalloc
 from typing import Any
 
 import msgspec
 import pytest
 
 from connector.messages import (
+    MAX_KV_GROUPS,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Abandon,
@@ -179,6 +181,8 @@ INVALID_REGISTER_FIELDS = [
     pytest.param({"tp_rank": -1}, "tp_rank", id="negative-rank"),
     pytest.param({"tp_rank": 2}, "tp_rank", id="rank-equals-tp-size"),
     pytest.param({"block_ids": []}, "block_ids", id="no-kv-groups"),
+    pytest.param({"block_ids": [[]] * (MAX_KV_GROUPS + 1)}, "block_ids",
+                 id="too-many-kv-groups"),
     pytest.param({"block_ids": [[1, -1]]}, "block ids", id="negative-block-id"),
     pytest.param({"block_size": 0}, "block_size", id="block-size-0"),
     pytest.param({"port": 0}, "port", id="port-0"),
@@ -209,6 +213,7 @@ def test_each_invalid_field_is_refused_when_built_here_too(
 PULL_OFFERS_BAD: list[tuple[str, dict[str, object]]] = [
     ("empty-request-id", {"request_id": ""}),
     ("no-groups", {"block_ids": []}),
+    ("too-many-groups", {"block_ids": [[]] * (MAX_KV_GROUPS + 1)}),
     ("negative-block", {"block_ids": [[1, -1]]}),
     ("ttl-0", {"ttl_s": 0}),
     ("no-ttl", {"ttl_s": None}),
@@ -247,6 +252,20 @@ PULL_OFFERS_BAD: list[tuple[str, dict[str, object]]] = [
 def test_mistyped_missing_or_invalid_fields_are_a_protocol_error(data: bytes) -> None:
     with pytest.raises(ProtocolError, match="invalid '"):
         decode(data)
+
+
+def test_a_million_empty_kv_groups_are_refused_before_they_are_built() -> None:
+    """One byte a group: a million fit in a frame P accepts. Built, they would take tens
+    of MB and most of a second on P's side channel thread."""
+    data = raw(block_ids=[[]] * 1_000_000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ProtocolError, match=f"length <= {MAX_KV_GROUPS}"):
+            decode(data)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, f"decoding it allocated {peak} bytes"
 
 
 def test_protocol_error_is_a_value_error_chained_to_its_cause() -> None:

@@ -3,6 +3,7 @@ tombstones, WRITE results, and that every path leaves nothing behind."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -396,6 +397,64 @@ def test_expiry_ends_only_the_transfers_that_are_due() -> None:
     assert r.next_deadline() == REG_TTL + UNCLAIMED_TTL
     assert [x.transfer_id for x in r.expire(1e9)] == ["late"]
     assert r.state_of(T1) is S.WRITING and r.next_deadline() is None
+
+
+def scanned(r: PushRegistry, now: float) -> tuple[set[TransferId], int, float | None]:
+    """What a scan of every record and tombstone finds: the transfers due at `now`, the
+    tombstones left after `now`, and the earliest deadline (what the heap replaced)."""
+    records = {x.transfer_id: x.deadline for x in r._transfers.values()
+               if x.deadline is not None}
+    graves = [deadline for _, deadline in r._tombstones.values()]
+    due = {tid for tid, deadline in records.items() if now >= deadline}
+    left = sum(1 for deadline in graves if now < deadline)
+    return due, left, min([*records.values(), *graves], default=None)
+
+
+def churn(r: PushRegistry, rng: random.Random, now: float) -> None:
+    """One random event, of any kind, for one of a few dozen transfers."""
+    tid = TransferId(f"t{rng.randrange(40)}")
+    peer = rng.choice([b"d1", b"d2"])
+    kind = rng.randrange(8)
+    outcome: object = None
+    if kind == 0:
+        outcome = r.register(reg(tid, ttl_s=rng.uniform(1.0, 90.0)), now=now, peer=peer)
+    elif kind == 1:
+        outcome = finish(r, tid, now=now, request_id=f"p-{tid}")
+    elif kind == 2:
+        outcome = r.prefill_completing(tid, P_BLOCKS, request_id=f"p-{tid}",
+                                       step=rng.randrange(9))
+    elif kind == 3:
+        outcome = r.abort(tid, now=now, peer=peer)
+    elif kind == 4:
+        outcome = r.abandon(tid, now=now)
+    elif kind == 5:
+        outcome = r.prefill_aborted(tid, now=now)
+    elif r.state_of(tid) is S.WRITING:
+        (r.write_done(tid) if kind == 6 else r.write_failed(tid, FailReason.WRITE_ERROR))
+    if isinstance(outcome, Ready):
+        r.write_started(tid)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_expiry_from_the_heap_ends_exactly_what_a_scan_finds_due(seed: int) -> None:
+    """Random events, tombstones evicted at a small cap, and time that moves on: every
+    expire ends just the transfers a scan finds due and keeps just the tombstones a scan
+    keeps; next_deadline is the scan's earliest; stale heap entries stay bounded."""
+    rng = random.Random(seed)
+    r = registry(max_tombstones=8)
+    now = 0.0
+    for _ in range(3000):
+        churn(r, rng, now)
+        if rng.random() < 0.2:
+            now += rng.uniform(0.0, 15.0)
+            due, left, earliest = scanned(r, now)
+            assert r.next_deadline() == earliest
+            assert {x.transfer_id for x in r.expire(now)} == due
+            assert r.tombstones() == left
+            assert all(r.state_of(TransferId(tid)) is None for tid in due)
+        assert r.deadlines_held() <= 2 * (len(r._transfers) + r.tombstones()) + 1024
+    r.expire(1e9)
+    assert r.next_deadline() is None and r.tombstones() == 0
 
 
 # --- aborts and WRITE results ---------------------------------------------------------------
