@@ -125,12 +125,18 @@ class Backends:
 # --- routers ------------------------------------------------------------------------
 
 
+def vllm_router() -> str | None:
+    """vllm-router's command: on the PATH, or beside this Python (a venv's bin)."""
+    beside = Path(sys.executable).parent / "vllm-router"
+    return shutil.which("vllm-router") or (str(beside) if beside.exists() else None)
+
+
 @contextlib.contextmanager
 def router(name: str, backends: Backends, log_dir: Path) -> Iterator[str]:
     port = free_port()
     p_urls, d_urls = backends.urls[:2], backends.urls[2:]
     if name == PEER:
-        command = [shutil.which("vllm-router") or "vllm-router", "--vllm-pd-disaggregation",
+        command = [vllm_router() or "vllm-router", "--vllm-pd-disaggregation",
                    *[x for u in p_urls for x in ("--prefill", u)],
                    *[x for u in d_urls for x in ("--decode", u)],
                    "--prefill-policy", "cache_aware", "--decode-policy", "cache_aware",
@@ -141,7 +147,7 @@ def router(name: str, backends: Backends, log_dir: Path) -> Iterator[str]:
                   "host": "127.0.0.1", "log_level": "info",
                   "balance": {"prefill": policy,
                               "decode": "kv_aware" if policy == "kv_aware" else "least_outstanding",
-                              "kv_aware": {"discovery_interval": 0.5}}}
+                              "kv_aware": {"discovery_interval": 0.5, **backends.args.kv}}}
         path = log_dir / f"{policy}.yaml"
         path.write_text(yaml.safe_dump(config))
         command = [sys.executable, "-m", "proxy", "serve", "--config", str(path)]
@@ -158,7 +164,7 @@ def words(rng: random.Random, n: int) -> str:
 
 
 def tenants_requests(args: argparse.Namespace, rng: random.Random) -> list[dict[str, Any]]:
-    header = words(rng, args.block_size * 2)
+    header = words(rng, args.header_tokens)
     documents = [words(rng, args.document_tokens) for _ in range(args.tenants)]
     order = [rng.randrange(args.tenants) for _ in range(args.requests)]
     return [{"prompt": f"{header} {documents[t]} question {words(rng, 12)}"} for t in order]
@@ -323,28 +329,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--p-blocks", type=int, default=96, help="each P's cache, in blocks")
     parser.add_argument("--d-blocks", type=int, default=96, help="each D's cache, in blocks")
     parser.add_argument("--tenants", type=int, default=6)
+    parser.add_argument("--header-tokens", type=int, default=48,
+                        help="tenants: the shared header (48 words: longer than "
+                             "prefix_affinity's 256 characters, so the header decides its hash)")
     parser.add_argument("--document-tokens", type=int, default=320)
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--conversations", type=int, default=6)
+    parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--turn-tokens", type=int, default=48)
+    parser.add_argument("--turn-tokens", type=int, default=64)
     parser.add_argument("--token-ms", type=float, default=0.25,
                         help="emulated prefill time per computed prompt token (ms)")
     parser.add_argument("--settle", type=float, default=1.5,
                         help="seconds between a router's start and the first request")
+    parser.add_argument("--kv", action="append", default=[], metavar="NAME=VALUE",
+                        help="a balance.kv_aware setting for our kv_aware runs (repeatable), "
+                             "e.g. --kv queue_weight=0.5")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=REPO / "bench-results" / "bench_cache.json")
     parser.add_argument("--plots", type=Path, default=REPO / "bench-results")
     parser.add_argument("--logs", type=Path, default=REPO / "bench-results" / "cache-logs",
                         help="the routers' configs and logs")
     args = parser.parse_args(argv)
+    try:
+        args.kv = {name: yaml.safe_load(value) for name, value in
+                   (item.split("=", 1) for item in args.kv)}
+    except ValueError:
+        parser.error("--kv takes NAME=VALUE")
     args.workloads = [w for w in args.workloads.split(",") if w]
     if set(args.workloads) - set(WORKLOADS):
         parser.error(f"workloads are {', '.join(WORKLOADS)}")
     if args.routers is None:
         routers = [f"ours:{p}" for p in OUR_POLICIES]
-        if shutil.which("vllm-router"):
+        if vllm_router():
             routers.append(PEER)
         else:
             say("vllm-router is not installed (pip install vllm-router): no peer in this run")
