@@ -35,6 +35,7 @@ from proxy.protocol import ClientRequest
 
 logger = logging.getLogger("pdproxy.access")
 T = TypeVar("T")
+MODE_HEADER = b"x-kv-transfer-mode"  # the mode a request ran as, in its answer's head
 
 
 class Exchange:
@@ -58,12 +59,29 @@ class Exchange:
         self.bucket = bucket  # the prompt-length bucket auto mode learns in (streamed requests)
         self.prefix = prefix  # the prompt's prefix key (prefix affinity), for a retry's pick
         self.prompt = prompt  # its token blocks (kv_aware), for a retry's pick and the log
+        # The mode the request actually ran as: the decision's, until a flow falls back
+        # (an unpinned push run as a pull, a failed push recovered by a pull or by D).
+        self.used = decision.used
         self.mode = decision.used.value
         self.upstream_headers = {wire.REQUEST_ID_HEADER: request.request_id}
         self.started_at = time.perf_counter()
         self.prefill_seconds: float | None = None
         self.decode_first_byte_seconds: float | None = None
-        self.note = ""  # a short remark for the access log (fallback, recompute, ...)
+        self.notes: list[str] = []  # remarks for the access log (fallback, recompute, ...)
+
+    def remark(self, note: str) -> None:
+        """One more remark for the access log line (all are kept, in order)."""
+        self.notes.append(note)
+
+    def ran_as(self, mode: Mode, down: Downstream, note: str) -> None:
+        """The request runs as `mode`, not as decided: the `X-KV-Transfer-Mode` header
+        (not sent yet: the head goes with the first byte), the metrics' mode label and the
+        access log say so, and auto's learner does not learn from it."""
+        self.used = mode
+        self.mode = mode.value
+        down.headers[:] = [(name, mode.value.encode() if name == MODE_HEADER else value)
+                           for name, value in down.headers]
+        self.remark(note)
 
     # --- the legs ---------------------------------------------------------------------
 
@@ -90,7 +108,7 @@ class Exchange:
                 metrics.child(metrics.retries_refused, cluster.value, reason).inc()
                 raise
             metrics.child(metrics.retries, cluster.value, reason).inc()
-            self.note = f"retried_{cluster.value}:{reason}:{failed.url}->{other.url}"
+            self.remark(f"retried_{cluster.value}:{reason}:{failed.url}->{other.url}")
             if cluster is ClusterName.PREFILL:
                 self.prefill_endpoint = other
             else:
@@ -215,8 +233,9 @@ class Exchange:
             ttfb = down.first_byte_at - self.started_at
             metrics.child(metrics.time_to_first_byte, self.mode).observe(ttfb)
             learner = self.context.learner
-            if learner and self.bucket is not None and self.request.stream and down.status == 200:
-                learner.observe(self.decision.used, self.bucket, ttfb)
+            if (learner and self.bucket is not None and self.request.stream
+                    and down.status == 200 and self.used is self.decision.used):
+                learner.observe(self.used, self.bucket, ttfb)
         local = self.prefill_endpoint is None  # no P leg: D computed the prompt
         if client_left:
             for cluster in ("decode",) if local else ("prefill", "decode"):
@@ -238,7 +257,7 @@ class Exchange:
             _ms(self.prefill_seconds),
             _ms(self.decode_first_byte_seconds),
             (time.perf_counter() - self.started_at) * 1000,
-            f" note={self.note}" if self.note else "",
+            f" note={','.join(self.notes)}" if self.notes else "",
             _predicted(self.prompt),
             f" error={error.message!r}" if error else "",
         )

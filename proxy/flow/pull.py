@@ -39,7 +39,7 @@ def decode_body(exchange: Exchange, p_answer: dict[str, Any]) -> dict[str, Any]:
     metrics = exchange.context.metrics.missing_kv_params
     if exchange.context.config.missing_kv_params is MissingKVParams.RECOMPUTE:
         metrics.labels("recompute").inc()
-        exchange.note = "recompute_on_decode"
+        exchange.remark("recompute_on_decode")
         return dict(exchange.request.body)
     metrics.labels("error").inc()
     raise KVTransferError(

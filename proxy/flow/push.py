@@ -66,7 +66,7 @@ async def run_push(exchange: Exchange, down: Downstream, coordinates: PrefillCoo
     rank = ranks.pick()
     pinned = None if rank is None else p.rank_coordinates(rank)
     if rank is None or pinned is None:  # no rank known (a probe learns one first): pull
-        exchange.note = "push_unpinned:pull"
+        exchange.ran_as(Mode.PULL, down, "push_unpinned:pull")
         await run_pull(exchange, down)
         return
     with ranks.lease(rank):
@@ -150,7 +150,8 @@ def recoverable(failure: UpstreamError) -> bool:
 def _recovering(exchange: Exchange, down: Downstream, how: str, where: str,
                 failure: UpstreamError) -> None:
     exchange.context.metrics.child(exchange.context.metrics.push_recoveries, how).inc()
-    exchange.note = f"push_recovered:{how}:{failure.kind}:{where}"
+    exchange.ran_as(Mode.PULL if how == "pull" else Mode.LOCAL, down,
+                    f"push_recovered:{how}:{failure.kind}:{where}")
     down.headers.append((RECOVERY_HEADER, how.encode()))
     logger.info("request %s: P failed before D's first byte (%s); answering by %s",
                 exchange.request.request_id, failure, how)

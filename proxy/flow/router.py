@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from proxy.config import ConfigSource, Mode, Policy, RouterConfig, resolve_secret
 from proxy.errors import NoHealthyEndpoint
 from proxy.flow.context import FlowContext
-from proxy.flow.exchange import Exchange
+from proxy.flow.exchange import MODE_HEADER, Exchange
 from proxy.flow.learn import ModeLearner
 from proxy.flow.local import ItlWatchedResponse, run_local
 from proxy.flow.modes import ModeDecision, decide_mode
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("pdproxy.router")
 
-MODE_HEADER = b"x-kv-transfer-mode"
 REQUEST_ID_HEADER = b"x-request-id"
 MODE_REASON_HEADER = b"x-kv-transfer-mode-reason"  # only when the asked mode was impossible
 
@@ -276,7 +275,7 @@ class Router:
             self.metrics.mode_fallbacks.labels(
                 decision.requested.value, decision.used.value, decision.reason
             ).inc()
-            exchange.note = f"mode_fallback:{decision.reason}"
+            exchange.remark(f"mode_fallback:{decision.reason}")
 
         async def flow(down: Downstream) -> None:
             if decision.used is Mode.PUSH:

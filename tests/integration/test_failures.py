@@ -223,6 +223,10 @@ async def test_a_push_whose_prefill_fails_is_redone_as_a_pull_on_another_prefill
         await runner.cleanup()
     assert r.status_code == 200, r.text
     assert r.headers["x-kv-transfer-recovery"] == "pull"
+    # it ran as a pull: the header, the request count and the log say so, not push
+    assert r.headers["x-kv-transfer-mode"] == "pull"
+    assert 'pdproxy_requests_total{mode="pull",route="/v1/completions",status="200"} 1.0' \
+        in metrics
     assert [s.outcome for s in pair.prefill.seen] == ["failed"]
     assert [s.outcome for s in fabric_p.seen] == ["ok"], "the pull went to the other P"
     assert [s.outcome for s in pair.decode.seen] == ["cancelled", "ok"]
@@ -241,6 +245,9 @@ async def test_a_push_whose_only_prefill_drops_is_computed_by_decode(pair: Pair)
     assert r.status_code == 200, r.text
     assert r.text.rstrip().endswith("data: [DONE]")
     assert r.headers["x-kv-transfer-recovery"] == "recompute"
+    assert r.headers["x-kv-transfer-mode"] == "local"  # D computed the prompt
+    assert 'pdproxy_requests_total{mode="local",route="/v1/completions",status="200"} 1.0' \
+        in metrics
     assert [s.outcome for s in pair.decode.seen] == ["cancelled", "ok"]
     assert "kv_transfer_params" not in pair.decode.seen[1].body
     assert 'pdproxy_push_recoveries_total{how="recompute"} 1.0' in metrics
