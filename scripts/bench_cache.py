@@ -18,7 +18,8 @@ Workloads, each run against fresh caches for every router:
             document, asked questions in random order by --concurrency clients; the
             documents fit in the two P's caches together but not in one (pressure).
   chat      multi-turn conversations, each turn sent with the whole history (the answers
-            fed back), conversations in parallel.
+            fed back), conversations in parallel; their final histories fit in the two
+            P's caches together but not in one.
   noreuse   prompts that share nothing.
 
 Routers: ours with each policy on P (round_robin, least_outstanding, prefix_affinity,
@@ -205,7 +206,9 @@ async def run_workload(workload: str, url: str, args: argparse.Namespace,
                 local = random.Random(seed * 1000 + c)
                 messages = [{"role": "system", "content": words(local, args.block_size * 2)}]
                 for _ in range(args.turns):
-                    messages.append({"role": "user", "content": words(local, args.turn_tokens)})
+                    # turns of different lengths, so conversations do not move in lockstep
+                    length = local.randint(args.turn_tokens // 2, args.turn_tokens * 3 // 2)
+                    messages.append({"role": "user", "content": words(local, length)})
                     answer = await send("/v1/chat/completions", {"messages": list(messages)})
                     messages.append({"role": "assistant", "content": answer or "ok"})
             await asyncio.gather(*(conversation(c) for c in range(args.conversations)))
@@ -337,7 +340,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--conversations", type=int, default=8)
     parser.add_argument("--turns", type=int, default=6)
-    parser.add_argument("--turn-tokens", type=int, default=64)
+    parser.add_argument("--turn-tokens", type=int, default=48,
+                        help="chat: a user turn's mean length (half to 1.5 times this)")
     parser.add_argument("--token-ms", type=float, default=0.25,
                         help="emulated prefill time per computed prompt token (ms)")
     parser.add_argument("--settle", type=float, default=1.5,
