@@ -185,6 +185,14 @@ class RouterMetrics:
             buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
             registry=r,
         )
+        self.kv_actual_hits = Histogram(
+            "pdproxy_kv_actual_hit_ratio",
+            "Share of the prompt P says it found in its prefix cache (its usage's "
+            "prompt_tokens_details.cached_tokens: vLLM's --enable-prompt-tokens-details)",
+            ["cluster"],
+            buckets=(0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0),
+            registry=r,
+        )
         self.kv_tokenize_seconds = Histogram(
             "pdproxy_kv_tokenize_seconds",
             "Time to get a prompt's token ids from a server's /tokenize (kv_aware)",

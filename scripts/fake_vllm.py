@@ -301,7 +301,7 @@ class FakeVLLM:
         if self.kv_cache is not None:
             await self._through_cache(body, params, seen, b)
         if self.role == "prefill":
-            return self._prefill_answer(request, params, b, rank)
+            return self._prefill_answer(request, params, b, rank, seen)
         return await self._decode_answer(request, body, params, seen, b)
 
     async def _through_cache(self, body: dict[str, Any], params: dict[str, Any], seen: Seen,
@@ -340,10 +340,15 @@ class FakeVLLM:
         return min(b.tokens, int(body.get("max_tokens") or b.tokens))
 
     def _prefill_answer(self, request: web.Request, params: dict[str, Any], b: Behavior,
-                        rank: int) -> web.Response:
+                        rank: int, seen: Seen) -> web.Response:
         rid = request.headers.get("X-Request-Id", "none")
         prefix = "chatcmpl-" if request.path.endswith("chat/completions") else "cmpl-"
         answer: dict[str, Any] = _completion(request.path, ["p"], rid, self.model)
+        if seen.prompt_tokens is not None:  # as vLLM with --enable-prompt-tokens-details
+            answer["usage"] = {
+                "prompt_tokens": seen.prompt_tokens, "completion_tokens": 1,
+                "total_tokens": seen.prompt_tokens + 1,
+                "prompt_tokens_details": {"cached_tokens": seen.cached_tokens}}
         if not b.omit_kv_params and params.get("do_remote_decode"):
             answer["kv_transfer_params"] = {
                 "do_remote_prefill": True,

@@ -151,6 +151,12 @@ ROWS: list[tuple[str, list[Panel]]] = [
                 f"pdproxy_kv_predicted_hit_ratio_bucket{{{SELECT}}}[{WINDOW}])))",
                 f"p{round(q * 100)} {{{{cluster}}}}") for q in (0.5, 0.9)],
               "percentunit"),
+        Panel("Actual prefix hits", "p50/p90 of the share of the prompt P says it found in "
+              "its prefix cache (vLLM's --enable-prompt-tokens-details).",
+              [(f"histogram_quantile({q}, sum by (le, cluster) (rate("
+                f"pdproxy_kv_actual_hit_ratio_bucket{{{SELECT}}}[{WINDOW}])))",
+                f"p{round(q * 100)} {{{{cluster}}}}") for q in (0.5, 0.9)],
+              "percentunit"),
         Panel("Index blocks per server", "Blocks of each server's prefix cache the KV index "
               "holds, per data-parallel rank.",
               [(f"sum by (endpoint, rank) (pdproxy_kv_index_blocks{{{SELECT}}})",

@@ -66,6 +66,7 @@ class Exchange:
         self.upstream_headers = {wire.REQUEST_ID_HEADER: request.request_id}
         self.started_at = time.perf_counter()
         self.prefill_seconds: float | None = None
+        self.prefill_cached: int | None = None  # prompt tokens P says its cache held
         self.decode_first_byte_seconds: float | None = None
         self.notes: list[str] = []  # remarks for the access log (fallback, recompute, ...)
 
@@ -160,7 +161,22 @@ class Exchange:
         if not isinstance(answer, dict):
             raise RouterError(f"prefill server {p.url} answered with non-object JSON")
         self.context.prober.observe(p, answer.get(wire.KV_TRANSFER_PARAMS))
+        self._observe_cached(answer)
         return answer
+
+    def _observe_cached(self, answer: dict[str, Any]) -> None:
+        """What P says it hit in its prefix cache, when its answer tells (vLLM's
+        --enable-prompt-tokens-details), for the metrics and the access log."""
+        usage = answer.get("usage")
+        details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        if type(cached) is not int or type(prompt) is not int or prompt <= 0:
+            return
+        self.prefill_cached = cached
+        metrics = self.context.metrics
+        metrics.child(metrics.kv_actual_hits, ClusterName.PREFILL.value).observe(
+            min(1.0, cached / prompt))
 
     def prefill_work(self) -> int:
         """The prompt tokens P's leg computes, by kv_aware's prediction (0 without it)."""
@@ -244,7 +260,7 @@ class Exchange:
             return
         logger.info(
             "request_id=%s route=%s mode=%s requested=%s why=%s prefill=%s decode=%s status=%s "
-            "ttfb_ms=%s prefill_ms=%s decode_ttfb_ms=%s total_ms=%.1f%s%s%s",
+            "ttfb_ms=%s prefill_ms=%s decode_ttfb_ms=%s total_ms=%.1f%s%s%s%s",
             self.request.request_id,
             self.request.route.value,
             self.mode,
@@ -259,6 +275,7 @@ class Exchange:
             (time.perf_counter() - self.started_at) * 1000,
             f" note={','.join(self.notes)}" if self.notes else "",
             _predicted(self.prompt),
+            "" if self.prefill_cached is None else f" prefill_cached={self.prefill_cached}",
             f" error={error.message!r}" if error else "",
         )
 

@@ -103,6 +103,9 @@ async def test_prompts_go_to_the_servers_that_cache_their_prefix(pools: Pools) -
         assert hits == [8 * BLOCK] * 6  # each found the whole document in P1's cache
         text = (await client.get(f"{url}/metrics")).text
         assert 'pdproxy_kv_predicted_hit_ratio_count{cluster="prefill"} 6.0' in text
+        # what P itself says it hit (its usage's cached_tokens) agrees with the prediction
+        assert 'pdproxy_kv_actual_hit_ratio_count{cluster="prefill"} 6.0' in text
+        assert 'pdproxy_kv_actual_hit_ratio_bucket{cluster="prefill",le="0.75"} 0.0' in text
         assert f'pdproxy_kv_index_blocks{{endpoint="{pools.p_urls[1]}",rank="0"}}' in text
         admin = (await client.get(f"{url}/admin/kv", headers={"Authorization": "Bearer t"})).json()
         p1 = next(s for s in admin["sources"] if s["url"] == pools.p_urls[1])
