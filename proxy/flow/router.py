@@ -30,7 +30,7 @@ from proxy.pool.endpoints import Cluster, ClusterName, Endpoint
 from proxy.pool.health import HealthChecker
 from proxy.pool.kv.blocks import PromptBlocks
 from proxy.pool.kv.index import KvIndex
-from proxy.pool.kv.score import KvScorer
+from proxy.pool.kv.score import KvContext
 from proxy.pool.kv.tokens import PromptTokenizer
 from proxy.pool.membership import ConfigWatcher, Membership
 from proxy.pool.models import ModelCatalog
@@ -161,16 +161,16 @@ class Router:
             self.watcher = ConfigWatcher(source.path, source.load, self.membership, config,
                                          interval=config.config_watch_interval)
 
-    def _kv_scorer(self, cluster: ClusterName) -> KvScorer | None:
-        """kv_aware's scorer for a cluster that balances by it (None otherwise)."""
+    def _kv_scorer(self, cluster: ClusterName) -> KvContext | None:
+        """What kv_aware scores a cluster with, when it balances by it (None otherwise)."""
         balance = self.config.balance
         policy = balance.prefill if cluster is ClusterName.PREFILL else balance.decode
         if self.kv_index is None or policy is not Policy.KV_AWARE:
             return None
-        weight = 1.0 if cluster is ClusterName.PREFILL else balance.kv_aware.decode_token_weight
-        return KvScorer(self.kv_index, balance.kv_aware, cluster=cluster.value,
-                        token_weight=weight, tracks_work=cluster is ClusterName.PREFILL,
-                        metrics=self.metrics)
+        prefill = cluster is ClusterName.PREFILL
+        return KvContext(self.kv_index, balance.kv_aware, cluster.value,
+                         token_weight=1.0 if prefill else balance.kv_aware.decode_token_weight,
+                         tracks_work=prefill, metrics=self.metrics)
 
     def all_endpoints(self) -> list[Endpoint]:
         return self.prefill.endpoints + self.decode.endpoints

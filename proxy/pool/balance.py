@@ -1,30 +1,35 @@
 """Choosing one endpoint of a cluster for a request: filter, then score, then pick.
 
-- **filter** (in `Cluster.pick`): healthy, not draining, serving the model, not ejected,
-  able to do the mode, and not a retry's failed server.
-- **score and pick**, by the cluster's policy:
-  - `round_robin`: each in turn.
-  - `least_outstanding`: fewest requests in flight; ties in turn (the default).
-  - `power_of_two`: two distinct endpoints at random, the one with fewer in flight
-    (close to least outstanding, without every router herding onto the same server).
-  - `prefix_affinity`: requests whose prompts start alike go to the same endpoint, so its
-    prefix cache hits: consistent hashing of the prompt's first `prefix_chars` characters
-    onto a ring of virtual nodes, with bounded load (an endpoint already over
-    `load_factor` times the mean in flight is skipped for the next one on the ring), so
-    one hot prefix cannot swamp a server. Adding or removing a server moves only the
-    prefixes that hashed to it.
-  - `load_aware`: the lowest score from what each server's vLLM says of itself (its
-    /metrics, scraped in the background by `proxy.pool.load`): requests in flight from
-    this router + `waiting_weight` x its waiting queue + `kv_cache_weight` x its KV cache
-    usage; a server whose last scrape failed, or is older than 3 scrape intervals (and
-    2 s), is scored by in flight alone.
-    Ties in turn.
-  - `kv_aware`: the lowest cost in prompt tokens of work: the prompt's tokens the server's
-    prefix cache lacks (by its vLLM KV events, `proxy.pool.kv`) plus load_aware's load
-    in tokens (`proxy.pool.kv.score`). Ties in turn.
+- **filter** (`Cluster.pick` in `proxy.pool.endpoints`): healthy, not draining, serving
+  the model, not ejected, able to do the mode, and not a retry's failed server.
+- **score**: each of the policy's scorers gives every candidate a cost (lower is
+  better); a candidate's total is the weighted sum.
+- **pick**: the policy's chooser picks by the totals; hooks then hear of the choice.
 
-A `Balancer` holds one cluster's policy state (its turn counter, its ring); the endpoints
-and their counts live on the `Endpoint` objects.
+A policy is one `Pipeline` of these (their protocols in `proxy.pool.pick`), built by its
+entry in `POLICIES`:
+
+| policy | scorers (weight) | chooser |
+| --- | --- | --- |
+| `round_robin` | none | `InTurn`: each in turn |
+| `least_outstanding` (default) | `InFlight` | `Lowest`: ties to the one picked longest ago |
+| `power_of_two` | `InFlight` | `LowerOfTwo`: two distinct at random, the lower (close to least outstanding, without every router herding onto the same server) |
+| `prefix_affinity` | `PrefixRing` | `Lowest` |
+| `load_aware` | `LoadScore` | `Lowest` |
+| `kv_aware` | `PrefixCacheScorer` (1 for P, `decode_token_weight` for D), `QueuedWork` (1) | `Lowest`, then the cache scorer credits the chosen server |
+
+- `PrefixRing`: requests whose prompts start alike go to the same endpoint, so its
+  prefix cache hits: consistent hashing of the prompt's first `prefix_chars` characters
+  onto a ring of virtual nodes, with bounded load (an endpoint already at `load_factor`
+  times the mean in flight scores behind every one under it), so one hot prefix cannot
+  swamp a server. Adding or removing a server moves only the prefixes that hashed to it.
+  Without a prefix it scores by in flight.
+- `LoadScore`: what each server's vLLM says of itself (its /metrics, scraped by
+  `proxy.pool.scrape`), folded by `proxy.pool.load.load_score`.
+- The KV scorers are in `proxy.pool.kv.score`.
+
+A `Balancer` holds one cluster's pipeline and its state (turns, ring); the endpoints and
+their counts live on the `Endpoint` objects.
 """
 
 from __future__ import annotations
@@ -39,108 +44,184 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from proxy.config import Balance, Policy
-from proxy.pool.load import load_score
+from proxy.pool.kv.score import KvContext, PrefixCacheScorer, QueuedWork
+from proxy.pool.load import endpoint_load
+from proxy.pool.pick import AfterPick, Chooser, PickRequest, Scorer
 
 if TYPE_CHECKING:
     from proxy.pool.endpoints import Endpoint
     from proxy.pool.kv.blocks import PromptBlocks
-    from proxy.pool.kv.score import KvScorer
 
 VIRTUAL_NODES = 64  # ring points per endpoint: spreads prefixes evenly across servers
-# A load report is ignored once older than this many scrape intervals, and at least
-# STALE_AFTER_S (a busy router's scrapes may run late by a moment).
-STALE_SCRAPES = 3
-STALE_AFTER_S = 2.0
+
+
+# --- choosers -------------------------------------------------------------------------
+
+
+class Lowest:
+    """The lowest cost; among equals, the one picked longest ago."""
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+        self._last_pick: dict[str, int] = {}  # url -> turn of its last pick
+
+    def choose(self, candidates: Sequence[Endpoint], costs: list[float]) -> Endpoint:
+        last = self._last_pick
+        best = min(range(len(candidates)),
+                   key=lambda i: (costs[i], last.get(candidates[i].url, -1)))
+        chosen = candidates[best]
+        last[chosen.url] = next(self._turn)
+        return chosen
+
+
+class InTurn:
+    """Each in turn, whatever the costs."""
+
+    def __init__(self) -> None:
+        self._turn = itertools.count()
+
+    def choose(self, candidates: Sequence[Endpoint], costs: list[float]) -> Endpoint:
+        return candidates[next(self._turn) % len(candidates)]
+
+
+class LowerOfTwo:
+    """Two distinct candidates at random, the lower cost (the first drawn on a tie)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def choose(self, candidates: Sequence[Endpoint], costs: list[float]) -> Endpoint:
+        first, second = self._rng.sample(range(len(candidates)), 2)
+        return candidates[second] if costs[second] < costs[first] else candidates[first]
+
+
+# --- scorers --------------------------------------------------------------------------
+
+
+class InFlight:
+    """Requests this router has in flight on each."""
+
+    def scores(self, candidates: Sequence[Endpoint], request: PickRequest,
+               now: float) -> list[float]:
+        return [float(e.in_flight) for e in candidates]
+
+
+class LoadScore:
+    """load_aware's score: in flight plus what each server's /metrics report."""
+
+    def __init__(self, settings: Balance) -> None:
+        self._settings = settings
+
+    def scores(self, candidates: Sequence[Endpoint], request: PickRequest,
+               now: float) -> list[float]:
+        load = endpoint_load(self._settings, now)
+        return [load(e) for e in candidates]
 
 
 def _hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
+class PrefixRing:
+    """Consistent hashing of the prompt's prefix, with bounded load (module docstring):
+    the first candidate met on the ring from the prefix's point that is under the bound
+    scores 0, the next 1, and so on; those at the bound score after all of them."""
+
+    def __init__(self, settings: Balance) -> None:
+        self._settings = settings
+        self._ring: list[tuple[int, str]] = []  # (point, endpoint url), sorted
+        self._ring_urls: frozenset[str] = frozenset()
+
+    def scores(self, candidates: Sequence[Endpoint], request: PickRequest,
+               now: float) -> list[float]:
+        if request.key is None:
+            return [float(e.in_flight) for e in candidates]
+        position = {e.url: i for i, e in enumerate(candidates)}
+        self._build_ring(frozenset(position))
+        # Bounded load: at most ceil(load_factor * mean), counting this request.
+        total = sum(e.in_flight for e in candidates) + 1
+        bound = max(1, math.ceil(self._settings.load_factor * total / len(candidates)))
+        costs = [float(len(candidates) + e.in_flight) for e in candidates]  # at the bound
+        start = bisect.bisect(self._ring, (_hash(request.key), ""))
+        order = 0
+        for offset in range(len(self._ring)):
+            _, url = self._ring[(start + offset) % len(self._ring)]
+            i = position[url]
+            if costs[i] >= len(candidates) and candidates[i].in_flight < bound:
+                costs[i] = float(order)
+                order += 1
+        return costs
+
+    def _build_ring(self, urls: frozenset[str]) -> None:
+        if urls == self._ring_urls:
+            return
+        self._ring = sorted((_hash(f"{url}#{i}"), url) for url in urls for i in range(VIRTUAL_NODES))
+        self._ring_urls = urls
+
+
+# --- the pipeline ---------------------------------------------------------------------
+
+
+class Pipeline:
+    """Weighted scorers, a chooser, and the hooks told of each choice."""
+
+    def __init__(self, scorers: list[tuple[Scorer, float]], chooser: Chooser,
+                 after: Sequence[AfterPick] = ()) -> None:
+        self.scorers = scorers
+        self.chooser = chooser
+        self.after = after
+
+    def pick(self, candidates: Sequence[Endpoint], request: PickRequest) -> Endpoint:
+        now = time.monotonic()
+        if len(candidates) == 1:
+            chosen = candidates[0]
+        else:
+            costs = [0.0] * len(candidates)
+            for scorer, weight in self.scorers:
+                for i, cost in enumerate(scorer.scores(candidates, request, now)):
+                    costs[i] += weight * cost
+            chosen = self.chooser.choose(candidates, costs)
+        for hook in self.after:
+            hook.picked(chosen, request, now)
+        return chosen
+
+
+def _kv_aware(settings: Balance, rng: random.Random, kv: KvContext | None) -> Pipeline:
+    if kv is None:  # no KV index to score with: load alone
+        return Pipeline([(LoadScore(settings), 1.0)], Lowest())
+    cache = PrefixCacheScorer(kv)
+    return Pipeline([(cache, kv.token_weight), (QueuedWork(kv, settings), 1.0)], Lowest(),
+                    after=[cache])
+
+
+POLICIES: dict[Policy, Callable[[Balance, random.Random, KvContext | None], Pipeline]] = {
+    Policy.ROUND_ROBIN: lambda s, rng, kv: Pipeline([], InTurn()),
+    Policy.LEAST_OUTSTANDING: lambda s, rng, kv: Pipeline([(InFlight(), 1.0)], Lowest()),
+    Policy.POWER_OF_TWO: lambda s, rng, kv: Pipeline([(InFlight(), 1.0)], LowerOfTwo(rng)),
+    Policy.PREFIX_AFFINITY: lambda s, rng, kv: Pipeline([(PrefixRing(s), 1.0)], Lowest()),
+    Policy.LOAD_AWARE: lambda s, rng, kv: Pipeline([(LoadScore(s), 1.0)], Lowest()),
+    Policy.KV_AWARE: _kv_aware,
+}
+
+
 class Balancer:
+    """One cluster's policy: its pipeline, built once (`kv`: the KV index and how this
+    cluster weighs it, for kv_aware)."""
+
     def __init__(
         self,
         policy: Policy,
         settings: Balance | None = None,
         *,
         rng: random.Random | None = None,
-        kv: KvScorer | None = None,
+        kv: KvContext | None = None,
     ) -> None:
         self.policy = policy
-        self.kv = kv  # kv_aware's scorer (with the router's KV index)
         self.settings = settings or Balance()
-        self._turn = itertools.count()
-        self._last_pick: dict[str, int] = {}  # url -> turn of its last least-outstanding pick
-        self._rng = rng or random.Random()
-        self._ring: list[tuple[int, str]] = []  # (point, endpoint url), sorted
-        self._ring_urls: frozenset[str] = frozenset()
+        self.pipeline = POLICIES[policy](self.settings, rng or random.Random(), kv)
 
     def pick(self, candidates: Sequence[Endpoint], key: str | None = None,
              prompt: PromptBlocks | None = None) -> Endpoint:
         """One of `candidates` (already filtered, not empty). `key`: the prompt's prefix,
-        for prefix affinity; without it, that policy acts as least outstanding. `prompt`:
-        its token blocks, for kv_aware."""
-        if self.policy is Policy.KV_AWARE and self.kv is not None:
-            return self._by_cache(candidates, prompt)
-        if len(candidates) == 1:
-            return candidates[0]
-        if self.policy is Policy.ROUND_ROBIN:
-            return candidates[next(self._turn) % len(candidates)]
-        if self.policy is Policy.POWER_OF_TWO:
-            first, second = self._rng.sample(range(len(candidates)), 2)
-            a, b = candidates[first], candidates[second]
-            return b if b.in_flight < a.in_flight else a
-        if self.policy is Policy.PREFIX_AFFINITY and key is not None:
-            return self._by_prefix(candidates, key)
-        if self.policy is Policy.LOAD_AWARE:
-            return self._least_loaded(candidates)
-        return self._least_outstanding(candidates)
-
-    def _least(self, candidates: Sequence[Endpoint], score: Callable[[Endpoint], float]) -> Endpoint:
-        """The lowest `score`; among equals, the one picked longest ago."""
-        chosen = min(candidates, key=lambda e: (score(e), self._last_pick.get(e.url, -1)))
-        self._last_pick[chosen.url] = next(self._turn)
-        return chosen
-
-    def _least_outstanding(self, candidates: Sequence[Endpoint]) -> Endpoint:
-        return self._least(candidates, lambda e: e.in_flight)
-
-    def _load(self, now: float) -> Callable[[Endpoint], float]:
-        s = self.settings
-        max_age = max(STALE_SCRAPES * s.scrape_interval, STALE_AFTER_S)
-        return lambda e: load_score(
-            e.in_flight, e.load, now=now, max_age=max_age, waiting_weight=s.waiting_weight,
-            kv_cache_weight=s.kv_cache_weight)
-
-    def _least_loaded(self, candidates: Sequence[Endpoint]) -> Endpoint:
-        return self._least(candidates, self._load(time.monotonic()))
-
-    def _by_cache(self, candidates: Sequence[Endpoint], prompt: PromptBlocks | None) -> Endpoint:
-        assert self.kv is not None
-        now = time.monotonic()
-        costs, hits = self.kv.costs(candidates, prompt, self._load(now), now)
-        position = {id(e): i for i, e in enumerate(candidates)}
-        chosen = self._least(candidates, lambda e: costs[position[id(e)]])
-        self.kv.picked(chosen, prompt, hits[position[id(chosen)]], now)
-        return chosen
-
-    def _by_prefix(self, candidates: Sequence[Endpoint], key: str) -> Endpoint:
-        by_url = {e.url: e for e in candidates}
-        self._build_ring(by_url)
-        # Bounded load: at most ceil(load_factor * mean), counting this request.
-        total = sum(e.in_flight for e in candidates) + 1
-        bound = max(1, math.ceil(self.settings.load_factor * total / len(candidates)))
-        start = bisect.bisect(self._ring, (_hash(key), ""))
-        for offset in range(len(self._ring)):
-            _, url = self._ring[(start + offset) % len(self._ring)]
-            endpoint = by_url[url]
-            if endpoint.in_flight < bound:
-                return endpoint
-        return self._least_outstanding(candidates)  # cannot happen: someone is under the mean
-
-    def _build_ring(self, by_url: dict[str, Endpoint]) -> None:
-        urls = frozenset(by_url)
-        if urls == self._ring_urls:
-            return
-        self._ring = sorted((_hash(f"{url}#{i}"), url) for url in urls for i in range(VIRTUAL_NODES))
-        self._ring_urls = urls
+        for prefix affinity; `prompt`: its token blocks, for kv_aware."""
+        return self.pipeline.pick(candidates, PickRequest(key, prompt))

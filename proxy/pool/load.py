@@ -11,6 +11,8 @@ reports; this module knows nothing of endpoints, so `endpoints` can hold a repor
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
@@ -21,6 +23,13 @@ _WAITING = "num_requests_waiting"
 _RUNNING = "num_requests_running"
 _KV_CACHE = ("kv_cache_usage_perc", "gpu_cache_usage_perc")  # the second: older vLLM
 _PREFIXES = ("vllm:", "vllm_")
+# A load report is ignored once older than this many scrape intervals, and at least
+# STALE_AFTER_S (a busy router's scrapes may run late by a moment).
+STALE_SCRAPES = 3
+STALE_AFTER_S = 2.0
+
+if TYPE_CHECKING:
+    from proxy.config import Balance
 
 
 class LoadReport(msgspec.Struct, frozen=True):
@@ -95,3 +104,18 @@ def load_score(
     if report is None or now - report.at > max_age:
         return float(in_flight)
     return in_flight + waiting_weight * report.waiting + kv_cache_weight * report.kv_cache_usage
+
+
+class Loaded(Protocol):
+    """What `endpoint_load` reads of a server (an `Endpoint`)."""
+
+    in_flight: int
+    load: LoadReport | None
+
+
+def endpoint_load(settings: Balance, now: float) -> Callable[[Loaded], float]:
+    """`load_score` of a server, with the balance settings' weights and staleness."""
+    max_age = max(STALE_SCRAPES * settings.scrape_interval, STALE_AFTER_S)
+    waiting, kv_cache = settings.waiting_weight, settings.kv_cache_weight
+    return lambda e: load_score(e.in_flight, e.load, now=now, max_age=max_age,
+                                waiting_weight=waiting, kv_cache_weight=kv_cache)

@@ -1,6 +1,8 @@
-"""kv_aware's cost of sending a prompt to each candidate, in prompt tokens of work.
+"""kv_aware's two scorers: the cost of sending a prompt to each candidate, in prompt
+tokens of work (`proxy.pool.balance` weighs and adds them, and picks the lowest):
 
-    cost = token_weight x (prompt tokens the server does not hold) + queued work
+    cost = token_weight x PrefixCacheScorer (prompt tokens the server does not hold)
+           + QueuedWork (the work already queued on it)
 
 The queued work of a P is the prompt tokens its legs from this router are computing
 (each leg's lease carries its predicted miss), plus `tokens_per_request` per unit of
@@ -24,13 +26,16 @@ there before the server's events say so.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from proxy.config import KvAware
+from proxy.config import Balance, KvAware
 from proxy.metrics import RouterMetrics
 from proxy.pool.kv.blocks import PromptBlocks
 from proxy.pool.kv.index import KvIndex, SourceState
+from proxy.pool.load import endpoint_load
+from proxy.pool.pick import PickRequest
 
 if TYPE_CHECKING:
     from proxy.pool.endpoints import Endpoint
@@ -38,20 +43,31 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pdproxy.kv")
 
 
-class KvScorer:
-    def __init__(self, index: KvIndex, settings: KvAware, *, cluster: str, token_weight: float,
-                 tracks_work: bool = False, metrics: RouterMetrics | None = None) -> None:
-        self.index = index
-        self.tracks_work = tracks_work  # P: its queue is counted in prompt tokens
-        self.settings = settings
-        self.cluster = cluster
-        self.token_weight = token_weight
-        self._metrics = metrics
+@dataclass(frozen=True, slots=True)
+class KvContext:
+    """What one cluster's kv_aware scorers share: the router's index and how this cluster
+    weighs it (P: `token_weight` 1, its queue counted in prompt tokens; D:
+    `decode_token_weight`, its queue in requests)."""
+
+    index: KvIndex
+    settings: KvAware
+    cluster: str
+    token_weight: float
+    tracks_work: bool
+    metrics: RouterMetrics | None = None
+
+
+class PrefixCacheScorer:
+    """The prompt's tokens each candidate lacks; after the pick, the chosen server is
+    credited with the prompt's blocks and the prediction is recorded."""
+
+    def __init__(self, kv: KvContext) -> None:
+        self.kv = kv
         self._fallback_logged: set[str] = set()
 
     def hit_tokens(self, url: str, prompt: PromptBlocks, now: float) -> int | None:
         """The prompt's tokens, from its start, that the server holds; None: unknown."""
-        sources = [s for s in self.index.sources(url) if s.state is SourceState.SYNCED]
+        sources = [s for s in self.kv.index.sources(url) if s.state is SourceState.SYNCED]
         if not sources:
             return None
         best = 0
@@ -63,58 +79,63 @@ class KvScorer:
     def default_block_size(self) -> int:
         """The block size of a server whose events have stored nothing yet (so a burst's
         credit counts before its first events): another server's, else the config's."""
-        return next((s.block_size for s in self.index.all_sources() if s.block_size),
-                    self.settings.block_size)
+        return next((s.block_size for s in self.kv.index.all_sources() if s.block_size),
+                    self.kv.settings.block_size)
 
-    def costs(
-        self, candidates: Sequence[Endpoint], prompt: PromptBlocks | None,
-        load: Callable[[Endpoint], float], now: float,
-    ) -> tuple[list[float], list[int | None]]:
-        """Each candidate's cost, and the hit tokens it was scored with (None: unknown)."""
-        hits: list[int | None] = (
-            [self.hit_tokens(e.url, prompt, now) for e in candidates] if prompt is not None
-            else [None] * len(candidates))
+    def scores(self, candidates: Sequence[Endpoint], request: PickRequest,
+               now: float) -> list[float]:
+        prompt = request.prompt
+        if prompt is None:
+            self._fell_back("no_tokens")
+            return [0.0] * len(candidates)
+        hits = [self.hit_tokens(e.url, prompt, now) for e in candidates]
         known = [h for h in hits if h is not None]
         if not known:
-            self._fell_back("no_tokens" if prompt is None else "not_synced")
-            return [self.queued(e, load) for e in candidates], hits
-        best = max(known)
-        total = len(prompt) if prompt is not None else 0
-        return [
-            self.token_weight * (total - (best if h is None else h)) + self.queued(e, load)
-            for e, h in zip(candidates, hits, strict=True)
-        ], hits
+            self._fell_back("not_synced")
+            return [0.0] * len(candidates)
+        best = max(known)  # an unknown server is scored as the best known: not as empty
+        return [float(len(prompt) - (best if h is None else h)) for h in hits]
 
-    def queued(self, endpoint: Endpoint, load: Callable[[Endpoint], float]) -> float:
-        """The work ahead of a request on `endpoint`, in prompt tokens. A P's own queue is
-        known token by token: the prompt tokens its legs from this router compute
-        (`pending_tokens`); what only its /metrics show (other routers' requests waiting,
-        a full KV cache) counts `tokens_per_request` per unit of load_aware's score. D's
-        work is decoding: every request in flight counts `tokens_per_request`."""
-        per_request = self.settings.tokens_per_request
-        if self.tracks_work:
-            return endpoint.pending_tokens + per_request * (load(endpoint) - endpoint.in_flight)
-        return per_request * load(endpoint)
-
-    def picked(self, endpoint: Endpoint, prompt: PromptBlocks | None, hit: int | None,
-               now: float) -> None:
-        """The chosen server: credit it with the prompt's blocks, record the prediction."""
+    def picked(self, chosen: Endpoint, request: PickRequest, now: float) -> None:
+        prompt = request.prompt
         if prompt is None:
             return
-        prompt.predicted[self.cluster] = hit
-        if self._metrics is not None and hit is not None and len(prompt):
-            self._metrics.child(self._metrics.kv_predicted_hits, self.cluster).observe(
-                hit / len(prompt))
-        if self.settings.credit_s > 0:
-            for source in self.index.sources(endpoint.url):
+        kv = self.kv
+        hit = self.hit_tokens(chosen.url, prompt, now)
+        prompt.predicted[kv.cluster] = hit
+        if kv.metrics is not None and hit is not None and len(prompt):
+            kv.metrics.child(kv.metrics.kv_predicted_hits, kv.cluster).observe(hit / len(prompt))
+        if kv.settings.credit_s > 0:
+            for source in kv.index.sources(chosen.url):
                 size = source.block_size or self.default_block_size()
-                source.credit(prompt.keys(size), now + self.settings.credit_s)
+                source.credit(prompt.keys(size), now + kv.settings.credit_s)
 
     def _fell_back(self, reason: str) -> None:
-        if self._metrics is not None:
-            self._metrics.child(self._metrics.kv_fallbacks, self.cluster, reason).inc()
+        kv = self.kv
+        if kv.metrics is not None:
+            kv.metrics.child(kv.metrics.kv_fallbacks, kv.cluster, reason).inc()
         if reason not in self._fallback_logged:
             self._fallback_logged.add(reason)
             logger.warning("kv_aware (%s): no server's KV events known for a request (%s); "
                            "picking by load alone (logged once; counted in "
-                           "pdproxy_kv_fallbacks_total)", self.cluster, reason)
+                           "pdproxy_kv_fallbacks_total)", kv.cluster, reason)
+
+
+class QueuedWork:
+    """The work ahead of a request on each candidate, in prompt tokens. A P's own queue
+    is known token by token: the prompt tokens its legs from this router compute
+    (`pending_tokens`); what only its /metrics show (other routers' requests waiting, a
+    full KV cache) counts `tokens_per_request` per unit of load_aware's score. D's work
+    is decoding: every unit of its load_aware score counts `tokens_per_request`."""
+
+    def __init__(self, kv: KvContext, balance: Balance) -> None:
+        self.kv = kv
+        self.balance = balance
+
+    def scores(self, candidates: Sequence[Endpoint], request: PickRequest,
+               now: float) -> list[float]:
+        load = endpoint_load(self.balance, now)
+        per_request = self.kv.settings.tokens_per_request
+        if self.kv.tracks_work:
+            return [e.pending_tokens + per_request * (load(e) - e.in_flight) for e in candidates]
+        return [per_request * load(e) for e in candidates]
