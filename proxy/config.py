@@ -174,6 +174,11 @@ class AutoSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # local_itl_budget x its latency measured with no local prompt in flight there.
     local: bool = False
     local_itl_budget: float = 1.25
+    # With local and kv_aware on D: a request whose D already holds all but at most this
+    # many of its prompt's tokens (by the KV index) goes local at once, unless that D is
+    # over its ITL budget: computing a short rest on D beats P plus the hand-off
+    # (conditional disaggregation by cache). 0: off.
+    local_cached_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.local and not self.learn:
@@ -181,6 +186,8 @@ class AutoSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if not self.local_itl_budget >= 1.0:
             raise ValueError(
                 f"auto.local_itl_budget must be >= 1 (a ratio), got {self.local_itl_budget!r}")
+        if self.local_cached_tokens < 0:
+            raise ValueError("auto.local_cached_tokens must be >= 0")
         if not 0.0 <= self.explore <= 1.0:
             raise ValueError(f"auto.explore must be within 0..1, got {self.explore!r}")
         if self.min_samples < 1:

@@ -236,6 +236,13 @@ class LocalBudget:
             return False
         return streams.recent_itl <= self.ratio * streams.clean_itl
 
+    def over(self, decode: Endpoint) -> bool:
+        """True when this D's recent ITL is measured and over the budget (unknown: not)."""
+        streams = self._by_decode.get(decode)
+        if streams is None or streams.clean_itl is None or streams.recent_itl is None:
+            return False
+        return streams.recent_itl > self.ratio * streams.clean_itl
+
     def snapshot(self) -> list[dict[str, object]]:
         """Per D: its ITLs in ms (None before a sample), the ratio, and whether auto may
         send it a local request now."""

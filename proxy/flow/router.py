@@ -18,7 +18,7 @@ from proxy.config import ConfigSource, Mode, Policy, RouterConfig, resolve_secre
 from proxy.errors import NoHealthyEndpoint
 from proxy.flow.context import FlowContext
 from proxy.flow.exchange import MODE_HEADER, Exchange
-from proxy.flow.learn import ModeLearner
+from proxy.flow.learn import LocalBudget, ModeLearner
 from proxy.flow.local import ItlWatchedResponse, run_local
 from proxy.flow.modes import ModeDecision, decide_mode
 from proxy.flow.pull import run_pull
@@ -227,12 +227,23 @@ class Router:
                   if learner and (requested is Mode.AUTO or request.stream) else None)
         budget = learner.local_budget if learner else None  # only with auto.local
         if requested is Mode.LOCAL:  # no P: D computes the prompt
-            decode = self.decode.pick(key=key, model=request.model, prompt=prompt)
             decision = decide_mode(requested, None)
-            return self._respond(request, None, decode, decision, bucket, key, prompt)
+            return self._respond(request, None,
+                                 self.decode.pick(key=key, model=request.model, prompt=prompt),
+                                 decision, bucket, key, prompt)
         # Prefer a P and a D that can do the mode asked (auto: push), so fewer requests
         # fall back; only servers of the request's model.
         wanted = Mode.PULL if requested is Mode.PULL else Mode.PUSH
+        decode: Endpoint | None = None
+        if requested is Mode.AUTO and budget is not None and prompt is not None \
+                and self.config.auto.local_cached_tokens > 0:
+            # auto.local by cache: D first; if it holds nearly all the prompt, no P at all
+            decode = self.decode.pick(key=key, mode=wanted, model=request.model, prompt=prompt)
+            if self._local_by_cache(prompt, decode, budget):
+                decision = ModeDecision(requested=requested, used=Mode.LOCAL,
+                                        reason="auto_local_cached")
+                self.metrics.child(self.metrics.auto_decisions, "local", decision.reason).inc()
+                return self._respond(request, None, decode, decision, bucket, key, prompt)
         try:
             prefill = self.prefill.pick(key=key, mode=wanted, model=request.model,
                                         prompt=prompt)
@@ -240,11 +251,12 @@ class Router:
             if requested is not Mode.AUTO or budget is None:
                 raise
             # auto may go local: with no P to be had, D computes the prompt
-            decode = self.decode.pick(key=key, model=request.model, prompt=prompt)
+            decode = decode or self.decode.pick(key=key, model=request.model, prompt=prompt)
             decision = ModeDecision(requested=requested, used=Mode.LOCAL, reason="auto_no_prefill")
             self.metrics.child(self.metrics.auto_decisions, "local", decision.reason).inc()
             return self._respond(request, None, decode, decision, bucket, key, prompt)
-        decode = self.decode.pick(key=key, mode=wanted, model=request.model, prompt=prompt)
+        if decode is None:
+            decode = self.decode.pick(key=key, mode=wanted, model=request.model, prompt=prompt)
         coordinates = prefill.coordinates
         if requested is not Mode.PULL and coordinates is None:
             coordinates = await self.prober.coordinates(prefill, request.model)
@@ -261,6 +273,13 @@ class Router:
                                decision.reason).inc()
         return self._respond(request, prefill, decode, decision, bucket, key, prompt,
                              coordinates)
+
+    def _local_by_cache(self, prompt: PromptBlocks, decode: Endpoint, budget: LocalBudget) -> bool:
+        """D holds all but `auto.local_cached_tokens` of the prompt (kv_aware's prediction)
+        and is not over its ITL budget."""
+        held = prompt.predicted.get(ClusterName.DECODE.value)
+        return (held is not None and len(prompt) - held <= self.config.auto.local_cached_tokens
+                and not budget.over(decode))
 
     def _respond(
         self, request: ClientRequest, prefill: Endpoint | None, decode: Endpoint,

@@ -80,7 +80,9 @@ async def complete(client: httpx.AsyncClient, url: str, **body: Any) -> httpx.Re
 
 
 def served_by(fakes: list[FakeVLLM]) -> list[int]:
-    return [len(f.seen) for f in fakes]
+    """Requests each server served (a push probe of P's coordinates is not one)."""
+    return [sum(1 for s in f.seen if not (s.body.get("kv_transfer_params") or {}).get("probe"))
+            for f in fakes]
 
 
 async def test_prompts_go_to_the_servers_that_cache_their_prefix(pools: Pools) -> None:
@@ -219,3 +221,28 @@ async def test_a_server_that_leaves_takes_its_index_with_it(pools: Pools) -> Non
         await until(lambda: len(index.sources(pools.p_urls[1])[0]) == 1, "P1's block indexed")
         router.membership.remove(ClusterName.PREFILL, pools.p_urls[1])
         await until(lambda: not index.sources(pools.p_urls[1]), "P1's index dropped")
+
+
+async def test_auto_goes_local_when_decode_already_holds_the_prompt(pools: Pools) -> None:
+    """Conditional disaggregation by cache: D holds all but a few tokens of the prompt,
+    so D computes the rest itself and no P is asked; a prompt D lacks goes through P."""
+    config = pools.config()
+    config.update(mode="auto", auto={"local": True, "local_cached_tokens": 2 * BLOCK})
+    document = words("doc", 6 * BLOCK)
+    async with serve_router(**config) as (url, app), httpx.AsyncClient(timeout=10) as client:
+        router = router_of(app)
+        await synced(router, pools.p_urls + pools.d_urls)
+        pools.cache(pools.decode[0]).serve(fake_tokenize(document))
+        assert router.kv_index is not None
+        index = router.kv_index
+        await until(lambda: len(index.sources(pools.d_urls[0])[0]) == 6, "D0's blocks indexed")
+        r = await complete(client, url, prompt=f"{document} and a short question")
+        assert r.headers["x-kv-transfer-mode"] == "local"
+        assert served_by(pools.prefill) == [0, 0]
+        assert served_by(pools.decode) == [1, 0]
+        assert "kv_transfer_params" not in pools.decode[0].seen[0].body
+        r = await complete(client, url, prompt=words("fresh", 6 * BLOCK))
+        assert r.headers["x-kv-transfer-mode"] != "local"
+        assert sum(served_by(pools.prefill)) == 1
+        text = (await client.get(f"{url}/metrics")).text
+    assert 'pdproxy_auto_mode_decisions_total{mode="local",reason="auto_local_cached"} 1.0' in text
