@@ -71,6 +71,7 @@ class FakePrefixCache:
         self.replay_port = self._replay.bind_to_random_port("tcp://127.0.0.1")
         self._replays: asyncio.Task[None] | None = None
         self.replay_requests = 0
+        self.answer_replays = True  # False: replay requests are read and never answered
 
     @property
     def endpoint(self) -> str:
@@ -203,6 +204,8 @@ class FakePrefixCache:
             if len(frames) != 3:
                 continue
             self.replay_requests += 1
+            if not self.answer_replays:
+                continue
             client, _, start = frames
             first = int.from_bytes(start, "big")
             for seq, payload in list(self._buffer):

@@ -246,3 +246,27 @@ async def test_auto_goes_local_when_decode_already_holds_the_prompt(pools: Pools
         assert sum(served_by(pools.prefill)) == 1
         text = (await client.get(f"{url}/metrics")).text
     assert 'pdproxy_auto_mode_decisions_total{mode="local",reason="auto_local_cached"} 1.0' in text
+
+
+async def test_a_publisher_whose_replay_does_not_answer_stays_unknown_until_it_is_heard(
+        pools: Pools) -> None:
+    """Blocks it cached before the router came are unknown, so it is not taken as empty
+    until a live batch arrives; then what cannot be replayed is given up, and it counts
+    what it hears from there."""
+    cache = pools.cache(pools.prefill[0])
+    cache.answer_replays = False
+    config = pools.config(kv_aware={"discovery_interval": 0.2, "replay_timeout": 0.2})
+    async with serve_router(**config) as (url, app):
+        router = router_of(app)
+        await synced(router, pools.p_urls[1:])
+        assert router.kv_index is not None
+        index = router.kv_index
+        await until(lambda: cache.replay_requests >= 1, "the catch-up asked")
+        source = index.sources(pools.p_urls[0])[0]
+        await until(lambda: source.state is SourceState.UNKNOWN and source.last_seq is None
+                    and index.hits(pools.p_urls[0], [1], now=0) is None, "P0 still unknown")
+        cache.seq = 5  # it published 0-4 before the router came
+        cache.serve(list(range(1, BLOCK + 1)))
+        await until(lambda: source.state is SourceState.SYNCED and len(source) == 1,
+                    "P0 in sync from its first live batch")
+        assert source.counts.wipes == {"joined_late": 1} and cache.replay_requests >= 2

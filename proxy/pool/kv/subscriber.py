@@ -253,10 +253,19 @@ class KvEventSubscriber:
     async def _catch_up(self, source: SourceIndex, publisher: Publisher) -> None:
         """At subscription: replay what the publisher still has from its first batch, so
         blocks stored before the router started are known. Live batches queued meanwhile
-        are recognised as duplicates. Without a replay socket only later blocks are known."""
-        batches = await self._fetch_replay(source, publisher, 0) if publisher.replay else []
-        if not batches:
+        are recognised as duplicates. Without a replay socket only later blocks are known
+        (said once in the log). A replay that did not answer leaves the server unknown:
+        its next live batch asks again."""
+        if publisher.replay is None:
+            logger.warning("%s rank %d: its KV events have no replay socket, so blocks it "
+                           "cached before now are unknown to the router (set vLLM's "
+                           "replay_endpoint)", source.url, source.rank)
             source.start_empty()
+            return
+        batches, complete = await self._fetch_replay(source, publisher, 0)
+        if not batches:
+            if complete:  # the publisher has published nothing yet
+                source.start_empty()
             return
         self._metrics.kv_replays.labels(source.url).inc()
         if batches[0][0] > 0:
@@ -268,7 +277,8 @@ class KvEventSubscriber:
         """Fetch batches from `start` from the replay socket and apply them; what it
         cannot give before `upto` (the live message's number) is lost."""
         self._metrics.kv_replays.labels(source.url).inc()
-        batches = await self._fetch_replay(source, publisher, start) if publisher.replay else []
+        batches = (await self._fetch_replay(source, publisher, start))[0] if publisher.replay \
+            else []
         first = batches[0][0] if batches else upto
         if first > start:
             logger.warning("%s rank %d: KV event batches %d-%d could not be replayed",
@@ -278,12 +288,15 @@ class KvEventSubscriber:
             self._count(source, source.accept(seq, batch, replayed=True))
 
     async def _fetch_replay(self, source: SourceIndex, publisher: Publisher,
-                            start: int) -> list[tuple[int, EventBatch]]:
+                            start: int) -> tuple[list[tuple[int, EventBatch]], bool]:
+        """The batches from `start` in order without holes, and whether the publisher
+        said it had no more (False: the replay timed out)."""
         assert publisher.replay is not None
         socket = self._context.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, self._settings.max_event_bytes)
         batches: list[tuple[int, EventBatch]] = []
+        complete = False
         try:
             socket.connect(publisher.replay)
             await socket.send_multipart([b"", start.to_bytes(8, "big")])
@@ -292,6 +305,7 @@ class KvEventSubscriber:
                     frames = await socket.recv_multipart()
                     if len(frames) == 4 and len(frames[2]) == 8 and int.from_bytes(
                             frames[2], "big", signed=True) == END_SEQ:
+                        complete = True
                         break
                     message = self._parse(source, frames[1:]) if len(frames) == 4 else None
                     if message is not None and message[0] >= start:
@@ -311,4 +325,4 @@ class KvEventSubscriber:
                 run.append((seq, batch))
             elif seq > run[-1][0] + 1:
                 break
-        return run
+        return run, complete
