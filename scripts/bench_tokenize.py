@@ -48,14 +48,20 @@ def say(message: str) -> None:
 
 
 def text_of(tokenizer: Any, tokens: int, rng: random.Random) -> str:
-    """Words until the text is `tokens` tokens long (by the model's own tokenizer)."""
+    """The fewest words whose text is at least `tokens` tokens long (by the model's own
+    tokenizer)."""
     words: list[str] = []
-    while True:
+    while len(tokenizer.encode(" ".join(words))) < tokens:
         words += ["".join(rng.choice(SYLLABLES) for _ in range(rng.randint(1, 3)))
                   for _ in range(max(16, tokens // 4))]
-        text = " ".join(words)
-        if len(tokenizer.encode(text)) >= tokens:
-            return text
+    low, high = 1, len(words)  # bisect on the number of words
+    while low < high:
+        middle = (low + high) // 2
+        if len(tokenizer.encode(" ".join(words[:middle]))) >= tokens:
+            high = middle
+        else:
+            low = middle + 1
+    return " ".join(words[:low])
 
 
 def median_ms(values: list[float]) -> float:
@@ -88,7 +94,7 @@ async def measure(url: str, model_dir: Path, lengths: list[int], repeats: int) -
                     if shape == "chat":
                         local_ids = hf.apply_chat_template(messages, add_generation_prompt=True,
                                                            tokenize=True)
-                        if isinstance(local_ids, dict):  # newer transformers: a BatchEncoding
+                        if hasattr(local_ids, "keys"):  # newer transformers: a BatchEncoding
                             local_ids = local_ids["input_ids"]
                     else:
                         local_ids = hf.encode(text)
@@ -97,7 +103,11 @@ async def measure(url: str, model_dir: Path, lengths: list[int], repeats: int) -
                        "server_ms": median_ms(server_wall),
                        "server_router_cpu_ms": median_ms(server_cpu),
                        "local_ms": median_ms(local_wall),
-                       "same_ids": list(local_ids) == server_ids}
+                       "same_ids": list(local_ids) == server_ids,
+                       "local_minus_server_ids": len(local_ids) - len(server_ids),
+                       "first_difference": next(
+                           (i for i, (a, b) in enumerate(zip(local_ids, server_ids, strict=False))
+                            if a != b), None)}
                 say(str(row))
                 rows.append(row)
     return rows
