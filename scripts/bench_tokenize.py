@@ -92,10 +92,11 @@ async def measure(url: str, model_dir: Path, lengths: list[int], repeats: int) -
                     server_cpu.append(time.process_time() - cpu)
                     wall = time.perf_counter()
                     if shape == "chat":
-                        local_ids = hf.apply_chat_template(messages, add_generation_prompt=True,
-                                                           tokenize=True)
-                        if hasattr(local_ids, "keys"):  # newer transformers: a BatchEncoding
-                            local_ids = local_ids["input_ids"]
+                        rendered: Any = hf.apply_chat_template(
+                            messages, add_generation_prompt=True, tokenize=True)
+                        if hasattr(rendered, "keys"):  # newer transformers: a BatchEncoding
+                            rendered = rendered["input_ids"]
+                        local_ids = list(rendered)
                     else:
                         local_ids = hf.encode(text)
                     local_wall.append(time.perf_counter() - wall)
