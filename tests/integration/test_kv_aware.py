@@ -270,3 +270,37 @@ async def test_a_publisher_whose_replay_does_not_answer_stays_unknown_until_it_i
         await until(lambda: source.state is SourceState.SYNCED and len(source) == 1,
                     "P0 in sync from its first live batch")
         assert source.counts.wipes == {"joined_late": 1} and cache.replay_requests >= 2
+
+
+async def test_an_oversized_message_is_dropped_and_later_events_still_apply(pools: Pools) -> None:
+    config = pools.config(kv_aware={"discovery_interval": 0.2, "max_event_bytes": 4096})
+    async with serve_router(**config) as (url, app):
+        router = router_of(app)
+        await synced(router, pools.p_urls)
+        assert router.kv_index is not None
+        source = router.kv_index.sources(pools.p_urls[0])[0]
+        cache = pools.cache(pools.prefill[0])
+        cache.send_raw([b"", (0).to_bytes(8, "big"), b"\x00" * 100_000])  # over the cap
+        cache.serve(list(range(1, 2 * BLOCK + 1)))
+        # ZMQ drops the oversized message (and the connection, which it makes again); the
+        # batch sent meanwhile comes back by the gap's replay if the live copy was lost
+        cache.serve(list(range(1000, 1000 + BLOCK)))
+        await until(lambda: len(source) == 3, "the batches after the oversized one applied",
+                    timeout=10)
+
+
+async def test_a_flood_of_garbage_does_not_starve_requests(pools: Pools) -> None:
+    async with serve_router(**pools.config()) as (url, app), httpx.AsyncClient(timeout=10) as client:
+        router = router_of(app)
+        await synced(router, pools.p_urls)
+        cache = pools.cache(pools.prefill[0])
+        for _ in range(20_000):  # as fast as this process can send
+            cache.send_raw([b"", (7).to_bytes(8, "big"), b"\xc1"])
+        await complete(client, url, prompt=words("during", 3 * BLOCK))  # served meanwhile
+        text = (await client.get(f"{url}/metrics")).text
+        assert f'pdproxy_kv_events_dropped_total{{endpoint="{pools.p_urls[0]}",reason="malformed"}}' \
+            in text
+        cache.serve(list(range(1, BLOCK + 1)))
+        assert router.kv_index is not None
+        source = router.kv_index.sources(pools.p_urls[0])[0]
+        await until(lambda: len(source) >= 1, "events after the flood applied", timeout=20)

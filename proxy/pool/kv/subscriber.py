@@ -18,6 +18,11 @@ replay socket (a DEALER to vLLM's ROUTER: `["", start]`, answered by
 `["", topic, seq, payload]` frames up to a `seq` of -1) within `replay_timeout`;
 what a replay cannot deliver is `lost`.
 
+A lost connection (a restarted server, a network blink, or ZMQ dropping the publisher
+for an oversized message, after which ZMQ itself never reconnects) ends that
+subscription; the task subscribes again after a backoff (0.1 s, doubled up to 5 s) and
+replays what it missed.
+
 Bad input costs the sender, never the router: a message over `max_event_bytes` is
 dropped by ZMQ itself (`MAXMSGSIZE`), the socket queues at most `RECEIVE_HWM`
 messages, garbage is counted and dropped, and the task yields to the event loop every
@@ -50,6 +55,8 @@ logger = logging.getLogger("pdproxy.kv")
 BATCH = 64  # messages handled before the task yields to the event loop
 RECEIVE_HWM = 10_000  # messages a SUB socket queues before ZMQ drops (then: a gap)
 END_SEQ = -1  # the replay's last frame
+RESUBSCRIBE_MIN_S = 0.1  # after a lost connection, the first wait before subscribing again
+RESUBSCRIBE_MAX_S = 5.0  # ... doubled each time it is lost again at once, up to this
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
 
 
@@ -189,27 +196,60 @@ class KvEventSubscriber:
     # --- one source -------------------------------------------------------------------
 
     async def _run(self, source: SourceIndex, publisher: Publisher) -> None:
+        """Subscribe, and subscribe again whenever the connection is lost: ZMQ does not
+        reconnect after it dropped a peer for an oversized message, and what the
+        publisher sent meanwhile is replayed (an idle publisher would send nothing that
+        shows the gap)."""
+        backoff = RESUBSCRIBE_MIN_S
+        while True:
+            started = time.monotonic()
+            await self._subscribe(source, publisher)
+            if time.monotonic() - started > RESUBSCRIBE_MAX_S:
+                backoff = RESUBSCRIBE_MIN_S  # it held a while: not a loop of failures
+            logger.warning("%s rank %d: lost the KV event publisher %s; subscribing again "
+                           "in %.1f s", source.url, source.rank, publisher.endpoint, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, RESUBSCRIBE_MAX_S)
+
+    async def _subscribe(self, source: SourceIndex, publisher: Publisher) -> None:
+        """One subscription, until its connection drops."""
         socket = self._context.socket(zmq.SUB)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.MAXMSGSIZE, self._settings.max_event_bytes)
         socket.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         socket.setsockopt(zmq.SUBSCRIBE, publisher.topic.encode())
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         socket.connect(publisher.endpoint)
-        handled = 0
+        lock = asyncio.Lock()  # the live loop and a replay, one at a time
+        live = asyncio.create_task(self._live(source, publisher, socket, lock))
         try:
-            await self._catch_up(source, publisher)
-            while True:
-                frames = await socket.recv_multipart()
+            async with lock:  # blocks cached before (or while it was away) from the replay
+                if source.last_seq is None or source.last_seq < 0:
+                    await self._catch_up(source, publisher)
+                else:
+                    await self._replay(source, publisher, source.last_seq + 1, upto=None)
+            await monitor.recv_multipart()  # until the connection drops
+        finally:
+            live.cancel()
+            await asyncio.gather(live, return_exceptions=True)
+            socket.disable_monitor()
+            monitor.close(linger=0)
+            socket.close(linger=0)
+
+    async def _live(self, source: SourceIndex, publisher: Publisher,
+                    socket: zmq.asyncio.Socket, lock: asyncio.Lock) -> None:
+        handled = 0
+        while True:
+            frames = await socket.recv_multipart()
+            async with lock:
                 try:
                     await self._handle(source, publisher, frames)
                 except Exception:  # one bad message never ends the subscription
                     logger.exception("%s rank %d: a KV event batch failed", source.url,
                                      source.rank)
-                handled += 1
-                if handled % BATCH == 0:
-                    await asyncio.sleep(0)  # a flood must not starve requests
-        finally:
-            socket.close(linger=0)
+            handled += 1
+            if handled % BATCH == 0:
+                await asyncio.sleep(0)  # a flood must not starve requests
 
     async def _handle(self, source: SourceIndex, publisher: Publisher, frames: list[bytes]) -> None:
         message = self._parse(source, frames)
@@ -273,13 +313,18 @@ class KvEventSubscriber:
         for seq, batch in batches:
             self._count(source, source.accept(seq, batch, replayed=True))
 
-    async def _replay(self, source: SourceIndex, publisher: Publisher, start: int, *, upto: int) -> None:
+    async def _replay(self, source: SourceIndex, publisher: Publisher, start: int, *,
+                      upto: int | None) -> None:
         """Fetch batches from `start` from the replay socket and apply them; what it
-        cannot give before `upto` (the live message's number) is lost."""
+        cannot give before `upto` (the live message's number; None: after a reconnect,
+        none known missing) is lost."""
         self._metrics.kv_replays.labels(source.url).inc()
         batches = (await self._fetch_replay(source, publisher, start))[0] if publisher.replay \
             else []
+        if not batches and upto is None:
+            return
         first = batches[0][0] if batches else upto
+        assert first is not None
         if first > start:
             logger.warning("%s rank %d: KV event batches %d-%d could not be replayed",
                            source.url, source.rank, start, first - 1)
