@@ -57,6 +57,9 @@ class KvAware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     score (its work is decoding)."""
 
     tokens_per_request: float = 1024.0  # one request queued ahead, in prompt tokens of time
+    # true: tokens_per_request is only the start: it follows the moving average of the
+    # prompt tokens the requests this router sends to P compute (their predicted misses).
+    calibrate: bool = True
     decode_token_weight: float = 0.25
     # After a request is routed, its servers count its blocks as held this long (s), so a
     # burst of one prefix goes to one place before the events arrive.

@@ -181,8 +181,9 @@ def _auto(router: Router, call: AdminCall) -> Answer:
 
 
 def _kv(router: Router, call: AdminCall) -> Answer:
-    index = router.kv_index
+    index, calibration = router.kv_index, router.kv_calibration
     return 200, {"kv_aware": index is not None,
+                 "tokens_per_request": calibration.tokens_per_request if calibration else None,
                  "sources": [s.snapshot() for s in index.all_sources()] if index else []}
 
 

@@ -30,7 +30,7 @@ from proxy.pool.endpoints import Cluster, ClusterName, Endpoint
 from proxy.pool.health import HealthChecker
 from proxy.pool.kv.blocks import PromptBlocks
 from proxy.pool.kv.index import KvIndex
-from proxy.pool.kv.score import KvContext
+from proxy.pool.kv.score import Calibration, KvContext
 from proxy.pool.kv.tokens import PromptTokenizer
 from proxy.pool.membership import ConfigWatcher, Membership
 from proxy.pool.models import ModelCatalog
@@ -87,8 +87,10 @@ class Router:
         kv_clusters = [name for name, policy in ((ClusterName.PREFILL, balance.prefill),
                                                   (ClusterName.DECODE, balance.decode))
                        if policy is Policy.KV_AWARE]
+        self.kv_calibration: Calibration | None = None
         if kv_clusters:
             self.kv_index = KvIndex(max_blocks=balance.kv_aware.max_blocks_per_server)
+            self.kv_calibration = Calibration(balance.kv_aware)
         def credentials(endpoint: Endpoint) -> None:  # every call to it carries its key
             self.client.set_api_key(endpoint.url, endpoint.api_key)
 
@@ -168,9 +170,11 @@ class Router:
         if self.kv_index is None or policy is not Policy.KV_AWARE:
             return None
         prefill = cluster is ClusterName.PREFILL
+        assert self.kv_calibration is not None
         return KvContext(self.kv_index, balance.kv_aware, cluster.value,
                          token_weight=1.0 if prefill else balance.kv_aware.decode_token_weight,
-                         tracks_work=prefill, metrics=self.metrics)
+                         tracks_work=prefill, calibration=self.kv_calibration,
+                         metrics=self.metrics)
 
     def all_endpoints(self) -> list[Endpoint]:
         return self.prefill.endpoints + self.decode.endpoints

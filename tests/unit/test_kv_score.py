@@ -11,7 +11,7 @@ from proxy.pool.endpoints import ClusterName, Endpoint
 from proxy.pool.kv.blocks import PromptBlocks
 from proxy.pool.kv.events import BlockStored, EventBatch
 from proxy.pool.kv.index import KvIndex
-from proxy.pool.kv.score import KvContext
+from proxy.pool.kv.score import Calibration, KvContext
 
 BS = 16
 TOKENS = list(range(1, 8 * BS + 1))  # 8 blocks
@@ -26,7 +26,8 @@ def balancer(index: KvIndex, *, prefill: bool = True, **settings: float) -> Bala
     kv = KvAware(**settings)  # type: ignore[arg-type]
     context = KvContext(index, kv, "prefill" if prefill else "decode",
                         token_weight=1.0 if prefill else kv.decode_token_weight,
-                        tracks_work=prefill, metrics=RouterMetrics())
+                        tracks_work=prefill, calibration=Calibration(kv),
+                        metrics=RouterMetrics())
     return Balancer(Policy.KV_AWARE, Balance(kv_aware=kv), kv=context)
 
 
@@ -57,7 +58,7 @@ def test_what_only_metrics_show_counts_tokens_per_request() -> None:
     eps = endpoints(2)
     holds(index, eps[0].url, 8)
     holds(index, eps[1].url, 0)
-    b = balancer(index, credit_s=0, tokens_per_request=100)
+    b = balancer(index, credit_s=0, tokens_per_request=100, calibrate=False)
     eps[0].in_flight = 2  # counted by pending_tokens (0 here), not per request, for a P
     assert b.pick(eps, prompt=PromptBlocks(TOKENS)) is eps[0]
 
@@ -68,7 +69,7 @@ def test_decode_weighs_missing_tokens_less_and_counts_requests() -> None:
     holds(index, eps[0].url, 8)
     holds(index, eps[1].url, 0)
     b = balancer(index, prefill=False, credit_s=0, tokens_per_request=16,
-                 decode_token_weight=0.25)
+                 decode_token_weight=0.25, calibrate=False)
     eps[0].in_flight = 1  # 16 > 0.25 x 128 = 32? no: 16 < 32, stays
     assert b.pick(eps, prompt=PromptBlocks(TOKENS)) is eps[0]
     eps[0].in_flight = 3  # 48 > 32: the other
@@ -122,3 +123,18 @@ def test_one_candidate_is_still_credited() -> None:
     prompt = PromptBlocks(TOKENS)
     assert b.pick([only], prompt=prompt) is only
     assert index.sources(only.url)[0].hits(prompt.keys(BS), now=0) == 8
+
+
+def test_a_requests_weight_follows_what_routed_requests_compute() -> None:
+    index = KvIndex()
+    eps = endpoints(2)
+    holds(index, eps[0].url, 0)
+    holds(index, eps[1].url, 0)
+    b = balancer(index, credit_s=0, tokens_per_request=1024)
+    calibration = b.pipeline.scorers[1][0].kv.calibration  # type: ignore[attr-defined]
+    for _ in range(200):  # 128-token prompts nobody holds: 128 computed each
+        b.pick(eps, prompt=PromptBlocks(TOKENS))
+    assert abs(calibration.tokens_per_request - 128) < 1
+    fixed = balancer(index, credit_s=0, tokens_per_request=1024, calibrate=False)
+    fixed.pick(eps, prompt=PromptBlocks(TOKENS))
+    assert fixed.pipeline.scorers[1][0].kv.calibration.tokens_per_request == 1024  # type: ignore[attr-defined]

@@ -5,8 +5,9 @@ tokens of work (`proxy.pool.balance` weighs and adds them, and picks the lowest)
            + QueuedWork (the work already queued on it)
 
 The queued work of a P is the prompt tokens its legs from this router are computing
-(each leg's lease carries its predicted miss), plus `tokens_per_request` per unit of
-what only its /metrics show (requests waiting there from other routers, a full KV
+(each leg's lease carries its predicted miss), plus `tokens_per_request` (calibrated:
+the moving average of what routed requests compute on P) per unit of what only its
+/metrics show (requests waiting there from other routers, a full KV
 cache). A D's queued work is `tokens_per_request` per unit of load_aware's score
 (requests in flight, waiting, KV cache usage): its work is decoding. `token_weight` is 1
 for a P (each missing token is computed) and `decode_token_weight` for a D (a missing
@@ -43,6 +44,24 @@ if TYPE_CHECKING:
 logger = logging.getLogger("pdproxy.kv")
 
 
+CALIBRATION_SMOOTHING = 0.05  # weight of one routed request in the moving average
+
+
+class Calibration:
+    """What one request queued ahead costs, in prompt tokens: `tokens_per_request` at
+    first, then (with `calibrate`) the moving average of the prompt tokens the requests
+    routed to P compute, as predicted when they were routed. Shared by both clusters."""
+
+    def __init__(self, settings: KvAware) -> None:
+        self.tokens_per_request = settings.tokens_per_request
+        self._enabled = settings.calibrate
+
+    def observe(self, computed_tokens: int) -> None:
+        if self._enabled:
+            self.tokens_per_request += CALIBRATION_SMOOTHING * (
+                computed_tokens - self.tokens_per_request)
+
+
 @dataclass(frozen=True, slots=True)
 class KvContext:
     """What one cluster's kv_aware scorers share: the router's index and how this cluster
@@ -54,6 +73,7 @@ class KvContext:
     cluster: str
     token_weight: float
     tracks_work: bool
+    calibration: Calibration
     metrics: RouterMetrics | None = None
 
 
@@ -103,6 +123,8 @@ class PrefixCacheScorer:
         kv = self.kv
         hit = self.hit_tokens(chosen.url, prompt, now)
         prompt.predicted[kv.cluster] = hit
+        if kv.tracks_work:  # P: the tokens it will compute calibrate a request's weight
+            kv.calibration.observe(len(prompt) - (hit or 0))
         if kv.metrics is not None and hit is not None and len(prompt):
             kv.metrics.child(kv.metrics.kv_predicted_hits, kv.cluster).observe(hit / len(prompt))
         if kv.settings.credit_s > 0:
@@ -135,7 +157,7 @@ class QueuedWork:
     def scores(self, candidates: Sequence[Endpoint], request: PickRequest,
                now: float) -> list[float]:
         load = endpoint_load(self.balance, now)
-        per_request = self.kv.settings.tokens_per_request
+        per_request = self.kv.calibration.tokens_per_request
         if self.kv.tracks_work:
             return [e.pending_tokens + per_request * (load(e) - e.in_flight) for e in candidates]
         return [per_request * load(e) for e in candidates]
