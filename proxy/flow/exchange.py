@@ -6,9 +6,13 @@ lease the endpoint, call it, record latency and errors, and relay D's answer dow
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -36,6 +40,40 @@ from proxy.protocol import ClientRequest
 logger = logging.getLogger("pdproxy.access")
 T = TypeVar("T")
 MODE_HEADER = b"x-kv-transfer-mode"  # the mode a request ran as, in its answer's head
+
+
+class LegState(str, enum.Enum):
+    RUNNING = "running"
+    DONE = "done"  # the server answered (any status it chose to; errors are FAILED)
+    FAILED = "failed"  # a transport error, or an answer the router counts as a failure
+    CANCELLED = "cancelled"  # the client left, or the other leg failed first
+
+
+@dataclass(slots=True)
+class Leg:
+    """One call to one server for this request: P's or D's leg, a retry's second try."""
+
+    cluster: ClusterName
+    server: str  # its URL
+    attempt: int  # 1, then 2 for a retry or a recovery on this cluster
+    state: LegState = LegState.RUNNING
+
+    def __str__(self) -> str:
+        return f"{self.cluster.value}#{self.attempt}={self.state.value}"
+
+
+@contextlib.contextmanager
+def _running(leg: Leg) -> Iterator[Leg]:
+    """The leg's state follows how its block ends, whatever the path."""
+    try:
+        yield leg
+    except asyncio.CancelledError:
+        leg.state = LegState.CANCELLED
+        raise
+    except BaseException:
+        leg.state = LegState.FAILED
+        raise
+    leg.state = LegState.DONE
 
 
 class Exchange:
@@ -69,6 +107,14 @@ class Exchange:
         self.prefill_cached: int | None = None  # prompt tokens P says its cache held
         self.decode_first_byte_seconds: float | None = None
         self.notes: list[str] = []  # remarks for the access log (fallback, recompute, ...)
+        self.legs: list[Leg] = []  # every call to a server for it, in the order made
+
+    def leg(self, endpoint: Endpoint) -> Leg:
+        """A new leg to `endpoint`, its attempt counted within its cluster."""
+        attempt = 1 + sum(1 for leg in self.legs if leg.cluster is endpoint.cluster)
+        leg = Leg(endpoint.cluster, endpoint.url, attempt)
+        self.legs.append(leg)
+        return leg
 
     def remark(self, note: str) -> None:
         """One more remark for the access log line (all are kept, in order)."""
@@ -139,7 +185,7 @@ class Exchange:
         headers for P's leg alone (a push's data-parallel rank)."""
         p = self.prefill_server
         started = time.perf_counter()
-        with p.lease(self.prefill_work()):
+        with p.lease(self.prefill_work()), _running(self.leg(p)):
             try:
                 answer = await self.context.client.post_json(
                     f"{p.url}{self.request.route.value}",
@@ -190,7 +236,7 @@ class Exchange:
         """D's leg: send D its request and pass its answer to the client as it comes."""
         d = self.decode_endpoint
         sent_at = time.perf_counter()
-        with d.lease():
+        with d.lease(), _running(self.leg(d)):
             try:
                 async with self.context.client.stream(
                     f"{d.url}{self.request.route.value}",
@@ -260,7 +306,7 @@ class Exchange:
             return
         logger.info(
             "request_id=%s route=%s mode=%s requested=%s why=%s prefill=%s decode=%s status=%s "
-            "ttfb_ms=%s prefill_ms=%s decode_ttfb_ms=%s total_ms=%.1f%s%s%s%s",
+            "ttfb_ms=%s prefill_ms=%s decode_ttfb_ms=%s total_ms=%.1f legs=%s%s%s%s%s",
             self.request.request_id,
             self.request.route.value,
             self.mode,
@@ -273,6 +319,7 @@ class Exchange:
             _ms(self.prefill_seconds),
             _ms(self.decode_first_byte_seconds),
             (time.perf_counter() - self.started_at) * 1000,
+            ",".join(map(str, self.legs)) or "-",
             f" note={','.join(self.notes)}" if self.notes else "",
             _predicted(self.prompt),
             "" if self.prefill_cached is None else f" prefill_cached={self.prefill_cached}",

@@ -127,7 +127,9 @@ async def test_local_is_served_while_every_p_is_down_and_is_the_configured_defau
     assert requests[("mode", "local"), ("route", "/v1/completions"), ("status", "200")] == 2.0
 
 
-async def test_a_local_request_whose_d_refuses_is_retried_on_another_d(servers: Servers) -> None:
+async def test_a_local_request_whose_d_refuses_is_retried_on_another_d(
+        servers: Servers, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="pdproxy.access")
     p = await servers.add("prefill")
     gone, d = await servers.add("decode"), await servers.add("decode")
     await servers.stop(gone)
@@ -141,6 +143,10 @@ async def test_a_local_request_whose_d_refuses_is_retried_on_another_d(servers: 
         retries = samples(await metrics_of(client, url), "pdproxy_retries_total")
     assert retries == {(("cluster", "decode"), ("reason", "connect")): 1.0}
     assert len(d.seen) == 3 and p.seen == []
+    # each request's legs, in the access log: the refused first try and its retry
+    legs = [r.getMessage().split(" legs=")[1].split()[0]
+            for r in caplog.records if r.name == "pdproxy.access"]
+    assert legs == ["decode#1=failed,decode#2=done", "decode#1=done", "decode#1=done"]
 
 
 AUTO_LOCAL: dict[str, Any] = {"mode": "auto", "admin_token": TOKEN,
