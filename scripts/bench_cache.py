@@ -348,7 +348,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds between a router's start and the first request")
     parser.add_argument("--kv", action="append", default=[], metavar="NAME=VALUE",
                         help="a balance.kv_aware setting for our kv_aware runs (repeatable), "
-                             "e.g. --kv queue_weight=0.5")
+                             "e.g. --kv tokens_per_request=512")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--out", type=Path, default=REPO / "bench-results" / "bench_cache.json")
     parser.add_argument("--plots", type=Path, default=REPO / "bench-results")
