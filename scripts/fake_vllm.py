@@ -229,6 +229,11 @@ class FakeVLLM:
         for name, help_text, value in gauges:
             lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge",
                       f"{name}{labels} {float(value)}"]  # fmt: skip
+        if self.kv_cache is not None:  # vLLM's info gauge of its cache config
+            lines += ["# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+                      "# TYPE vllm:cache_config_info gauge",
+                      f'vllm:cache_config_info{{block_size="{self.kv_cache.block_size}",'
+                      f'engine="0",num_gpu_blocks="{self.kv_cache.num_blocks}"}} 1.0']
         return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
 
     async def _tokenize(self, request: web.Request) -> web.Response:

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 _WAITING = "num_requests_waiting"
 _RUNNING = "num_requests_running"
 _KV_CACHE = ("kv_cache_usage_perc", "gpu_cache_usage_perc")  # the second: older vLLM
+_CACHE_CONFIG = "cache_config_info"  # an info gauge: its num_gpu_blocks label
 _PREFIXES = ("vllm:", "vllm_")
 # A load report is ignored once older than this many scrape intervals, and at least
 # STALE_AFTER_S (a busy router's scrapes may run late by a moment).
@@ -39,6 +40,9 @@ class LoadReport(msgspec.Struct, frozen=True):
     running: float  # requests the server is running
     kv_cache_usage: float  # 0..1: the fullest engine's KV cache
     at: float  # time.monotonic() when scraped
+    # An engine's KV cache blocks (vllm:cache_config_info's num_gpu_blocks, the largest
+    # engine's); None when not reported. kv_aware bounds its index of the server by it.
+    num_blocks: int | None = None
 
 
 def _vllm_name(name: str) -> str | None:
@@ -57,6 +61,7 @@ def parse_vllm_metrics(text: str, at: float) -> LoadReport | None:
     waiting: float | None = None
     running: float | None = None
     kv_cache = 0.0
+    num_blocks: int | None = None
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
@@ -70,13 +75,16 @@ def parse_vllm_metrics(text: str, at: float) -> LoadReport | None:
                     running = (running or 0.0) + max(value, 0.0)
                 elif name in _KV_CACHE:
                     kv_cache = max(kv_cache, min(value, 1.0))
+                elif name == _CACHE_CONFIG:
+                    blocks = sample.labels.get("num_gpu_blocks", "")
+                    if blocks.isdigit():
+                        num_blocks = max(num_blocks or 0, int(blocks))
     except Exception:  # the parser raises ValueError and others on malformed text
         return None
     if waiting is None and running is None:
         return None
-    return LoadReport(
-        waiting=waiting or 0.0, running=running or 0.0, kv_cache_usage=kv_cache, at=at
-    )
+    return LoadReport(waiting=waiting or 0.0, running=running or 0.0, kv_cache_usage=kv_cache,
+                      at=at, num_blocks=num_blocks)
 
 
 def load_score(

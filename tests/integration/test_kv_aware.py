@@ -304,3 +304,23 @@ async def test_a_flood_of_garbage_does_not_starve_requests(pools: Pools) -> None
         assert router.kv_index is not None
         source = router.kv_index.sources(pools.p_urls[0])[0]
         await until(lambda: len(source) >= 1, "events after the flood applied", timeout=20)
+
+
+async def test_a_servers_index_is_bounded_by_its_kv_cache_blocks(pools: Pools) -> None:
+    """Its /metrics say how many blocks it has (vllm:cache_config_info): more blocks in
+    its events than that is a lie, and wipes only its own entries."""
+    async with serve_router(**pools.config()) as (url, app):
+        router = router_of(app)
+        await synced(router, pools.p_urls)
+        assert router.kv_index is not None
+        liar = router.kv_index.sources(pools.p_urls[0])[0]
+        honest = router.kv_index.sources(pools.p_urls[1])[0]
+        await until(lambda: liar.max_blocks == 64 and honest.max_blocks == 64,
+                    "the bound learned from /metrics")
+        pools.cache(pools.prefill[1]).serve(list(range(1, 4 * BLOCK + 1)))
+        cache = pools.cache(pools.prefill[0])
+        tokens = list(range(1, 65 * BLOCK + 1))
+        cache.publish([cache.stored_event(cache.hashes(tokens), None, tokens)])  # 65 > 64
+        await until(lambda: liar.counts.wipes.get("over_capacity") == 1, "the liar wiped")
+        assert len(liar) == 0
+        await until(lambda: len(honest) == 4, "the other server's index untouched")

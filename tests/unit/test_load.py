@@ -51,7 +51,8 @@ vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blo
 
 def test_a_vllm_answer_sums_engines_and_takes_the_fullest_kv_cache() -> None:
     report = parse_vllm_metrics(VLLM_METRICS, at=12.5)
-    assert report == LoadReport(waiting=5.0, running=5.0, kv_cache_usage=0.5, at=12.5)
+    assert report == LoadReport(waiting=5.0, running=5.0, kv_cache_usage=0.5, at=12.5,
+                                num_blocks=9001)  # from cache_config_info's label
 
 
 def test_older_vllm_kv_cache_gauge_name_is_read() -> None:

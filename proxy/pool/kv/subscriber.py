@@ -145,11 +145,17 @@ class KvEventSubscriber:
         return {s.url for s in self.index.all_sources() if s.state.value == "synced"}
 
     async def reconcile(self) -> None:
-        """One round: follow new servers, drop those that left."""
+        """One round: follow new servers, drop those that left, and bound each server's
+        index by its KV cache's blocks once its /metrics said how many."""
         endpoints = {e.url: e for e in self._endpoints()}
         for url in list(self._publishers):
             if url not in endpoints:
                 self._drop(url)
+        for endpoint in endpoints.values():
+            blocks = endpoint.load.num_blocks if endpoint.load is not None else None
+            if blocks:
+                for source in self.index.sources(endpoint.url):
+                    source.max_blocks = min(self._settings.max_blocks_per_server, blocks)
         await asyncio.gather(*(self._follow(e) for e in endpoints.values()
                                if e.url not in self._publishers))
 
