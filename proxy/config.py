@@ -13,10 +13,10 @@ import itertools
 import os
 import re
 import tomllib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 import msgspec
@@ -41,6 +41,38 @@ class Policy(str, enum.Enum):
     PREFIX_AFFINITY = "prefix_affinity"
     LOAD_AWARE = "load_aware"
     KV_AWARE = "kv_aware"
+
+
+MASK = "***"  # how a secret shows in a config's repr
+
+
+def _masked(value: Any) -> Any:
+    """A secret as a repr shows it: an "env:NAME" reference as it is (it names a
+    variable, not the secret), any other value masked."""
+    if isinstance(value, list):
+        return [_masked(item) for item in value]
+    if value is None or (isinstance(value, str) and value.startswith("env:")):
+        return value
+    return MASK
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A config type whose repr (and str, and rich's pretty print) masks the fields named
+    in `secret_fields`: a config printed in a log, a traceback or a debugger shows no key."""
+
+    secret_fields: ClassVar[frozenset[str]] = frozenset()
+
+    def _shown(self) -> Iterator[tuple[str, Any]]:
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            yield name, _masked(value) if name in self.secret_fields else value
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{name}={value!r}" for name, value in self._shown())
+        return f"{type(self).__name__}({fields})"
+
+    def __rich_repr__(self) -> list[tuple[str, Any]]:
+        return list(self._shown())
 
 
 class KvAware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -218,8 +250,10 @@ class PushRecovery(str, enum.Enum):
     ERROR = "error"  # answer the client with P's error (502/504)
 
 
-class Auth(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Auth(Settings, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Credentials. A value "env:NAME" is read from the environment variable NAME."""
+
+    secret_fields = frozenset({"prefill_api_key", "decode_api_key", "client_api_keys"})
 
     # Sent to every P / D as "Authorization: Bearer <key>" (vLLM's --api-key); an
     # endpoint's own api_key wins. Env PDPROXY_PREFILL_API_KEY / PDPROXY_DECODE_API_KEY.
@@ -337,9 +371,11 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                              f"{self.max_upstream_header_bytes!r}")
 
 
-class EndpointConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class EndpointConfig(Settings, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """One vLLM server. For a P, its KV coordinates may be given here; they win over
     what a probe learns (a probe is then not needed)."""
+
+    secret_fields = frozenset({"api_key"})
 
     url: str
     # The model names it serves; None: learned from its /v1/models.
@@ -441,7 +477,9 @@ class Discovery(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     kubernetes: KubernetesDiscoveryConfig | None = None
 
 
-class RouterConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+class RouterConfig(Settings, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    secret_fields = frozenset({"admin_token"})
+
     prefill: list[EndpointConfig] = []
     decode: list[EndpointConfig] = []
     # Servers found in Kubernetes, joining the static lists (which may then be empty).
