@@ -17,8 +17,9 @@ server (D) and hands the prompt's KV cache from P to D in one of two modes:
   push  P and D get the request at the same time; P writes the KV into D's blocks.
   auto  push when the chosen P can push, else pull (the faster, once measured).
   local no P: D computes the prompt itself (auto may choose it with auto.local).
-A request may pick its own mode with the header X-KV-Transfer-Mode: pull|push|auto|local;
-every answer says the mode used in the same header.
+A request may pick its own mode with the header X-KV-Transfer-Mode: pull|push|auto
+(local too where --client-modes allows it); every answer says the mode used in the
+same header.
 """
 
 EPILOG = """\
@@ -50,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--mode", choices=[m.value for m in Mode],
                        help="KV hand-over mode when a request does not choose (default pull); "
                             "local: no P, D computes the prompt itself")
+    serve.add_argument("--client-modes", type=_modes, metavar="MODE,...",
+                       help="the modes a client may ask for with X-KV-Transfer-Mode, "
+                            "comma-separated (default pull,push,auto; add local to let "
+                            "clients skip P)")
     serve.add_argument("--model", action="append", dest="models", metavar="NAME",
                        help="served model name (repeatable; default: ask the upstreams)")
     serve.add_argument("--missing-kv-params", choices=["error", "recompute"],
@@ -74,6 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how a decode server is picked (default least_outstanding; "
                             "load_aware weighs each D's queue and KV cache usage)")
     return parser
+
+
+def _modes(value: str) -> list[str]:
+    """--client-modes: comma-separated mode names."""
+    modes = [name.strip().lower() for name in value.split(",") if name.strip()]
+    known = {m.value for m in Mode}
+    unknown = [name for name in modes if name not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown mode {unknown[0]!r} (modes: {', '.join(sorted(known))})")
+    return modes
 
 
 def main(argv: list[str] | None = None) -> int:

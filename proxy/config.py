@@ -477,6 +477,10 @@ class Discovery(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     kubernetes: KubernetesDiscoveryConfig | None = None
 
 
+def _default_client_modes() -> list[Mode]:
+    return [Mode.PULL, Mode.PUSH, Mode.AUTO]
+
+
 class RouterConfig(Settings, frozen=True, kw_only=True, forbid_unknown_fields=True):
     secret_fields = frozenset({"admin_token"})
 
@@ -487,6 +491,10 @@ class RouterConfig(Settings, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     host: str = "127.0.0.1"
     port: int = 8000
     mode: Mode = Mode.PULL
+    # The modes a client may ask for with X-KV-Transfer-Mode; another is refused with 400
+    # naming these (asking for `mode` itself is always allowed). Not local by default: a
+    # local prompt skips P and is computed on D, between its other streams' tokens.
+    client_modes: list[Mode] = msgspec.field(default_factory=_default_client_modes)
     # Served model names. Empty: learn them from the upstreams' /v1/models.
     models: list[str] = []
     missing_kv_params: MissingKVParams = MissingKVParams.ERROR

@@ -38,6 +38,7 @@ def load_config(args: argparse.Namespace) -> RouterConfig:
         "host": args.host,
         "port": args.port,
         "mode": args.mode,
+        "client_modes": args.client_modes,
         "models": args.models,
         "missing_kv_params": args.missing_kv_params,
         "health.interval": args.health_interval,

@@ -49,7 +49,7 @@ def router(prefill_url: str, decode_url: str, mode: str) -> Iterator[str]:
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "proxy", "serve", "--prefill", prefill_url, "--decode", decode_url,
-         "--port", str(port), "--mode", mode],
+         "--port", str(port), "--mode", mode, "--client-modes", "pull,push,auto,local"],
         cwd=REPO_ROOT, process_group=0,
     )
     url = f"http://127.0.0.1:{port}"

@@ -171,11 +171,11 @@ def _drain(router: Router, call: AdminCall) -> Answer:
 
 
 def _auto(router: Router, call: AdminCall) -> Answer:
-    learner = router.learner
-    budget = learner.local_budget if learner else None
+    learner, budget = router.learner, router.local_budget
     return 200, {"learning": learner is not None,
                  "buckets": learner.snapshot() if learner else [],
-                 # auto.local: each D's inter-token latency, which local's budget weighs
+                 # wherever local may be used: each D's inter-token latency, which the
+                 # budget of local requests weighs
                  "local_budget": None if budget is None else {
                      "ratio": budget.ratio, "decode": budget.snapshot()}}
 

@@ -215,7 +215,10 @@ class LocalBudget:
     budget it gets no local request, so its streams are clean, its recent ITL returns to
     the clean one and local resumes; it settles where local costs about the budget. A
     D with no clean stream measured yet takes no local request from auto (the first
-    streams give it one). Entries go with their D (weak references)."""
+    streams give it one). A request that asks for local itself (its client, or `mode:
+    local`) is held to the same budget (`over`: a D measured over it runs the request as
+    a pull), but a D not measured yet takes it. Entries go with their D (weak
+    references)."""
 
     def __init__(self, settings: AutoSettings) -> None:
         self.ratio = settings.local_itl_budget

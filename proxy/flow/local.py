@@ -9,10 +9,12 @@ that refuses the connection or fails with a 5xx other than 503 before the client
 byte is replaced by another D of the model, once, within the retry budget.
 
 Local is cheapest for a short prompt (no hand-over at all), but D's prompt compute runs
-between the decode steps of every stream D is answering, and slows them. So with
-`auto.local`, `ItlWatchedResponse` measures the inter-token latency of the streams each
-D answers and marks the local prompts D is computing; `proxy.flow.learn.LocalBudget` reads
-both to decide where auto may still go local.
+between the decode steps of every stream D is answering, and slows them. So wherever
+local may be used (`auto.local`, `mode: local`, or `local` among `client_modes`),
+`ItlWatchedResponse` measures the inter-token latency of the streams each D answers and
+marks the local prompts D is computing; `proxy.flow.learn.LocalBudget` reads both to
+decide where auto may still go local, and which D is over its budget for any local
+request (the router then runs it as a pull).
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ class ItlWatchedResponse(FlowResponse):
     the last body message. The stream's ITL is (last - first) / (its token events - 1),
     `data: [DONE]` not counted as a token. Only streams that end with `data: [DONE]`
     count: one cut short or ended by an error event may have waited out a time limit,
-    which says nothing of D's pace. Used only with `auto.local`, for streamed and local
-    requests."""
+    which says nothing of D's pace. Used only where local may be used, for streamed and
+    local requests."""
 
     def __init__(
         self,

@@ -1,7 +1,9 @@
 """Which KV hand-over a request gets: the mode policy.
 
-The request's `X-KV-Transfer-Mode` header wins over the configured mode. `local` is
-always possible: any D can compute a prompt itself, and no P is used. `auto` picks pull
+The request's `X-KV-Transfer-Mode` header wins over the configured mode, for the modes
+`client_modes` lets clients ask for (`Router.handle` refuses others with 400). `local`
+is always possible: any D can compute a prompt itself, and no P is used (a D over its
+inter-token latency budget gets it as a pull instead: `Router.handle`). `auto` picks pull
 when the chosen pair cannot push; when it can do both, the router's `ModeLearner`
 (`proxy.flow.learn`) picks the one measured faster for prompts of this length, and without
 one (`auto.learn: false`) push. With `auto.local`, local is a third candidate of the

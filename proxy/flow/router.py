@@ -14,8 +14,9 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from connector import wire
 from proxy.config import ConfigSource, Mode, Policy, RouterConfig, resolve_secret
-from proxy.errors import NoHealthyEndpoint
+from proxy.errors import InvalidRequest, NoHealthyEndpoint
 from proxy.flow.context import FlowContext
 from proxy.flow.exchange import MODE_HEADER, Exchange
 from proxy.flow.learn import LocalBudget, ModeLearner
@@ -78,6 +79,14 @@ class Router:
             server_key_file=channel.curve_server_key_file,
         ) if channel.abandon else None
         self.learner = ModeLearner(config.auto) if config.auto.learn else None
+        # A local prompt is computed on D between its other streams' tokens, and slows
+        # them: wherever a request may go local (auto.local, `mode: local`, or a client
+        # allowed to ask for it), each D's inter-token latency is measured, and a D over
+        # its budget (auto.local_itl_budget) takes no local request.
+        self.local_budget: LocalBudget | None = (
+            self.learner.local_budget if self.learner and self.learner.local_budget
+            else LocalBudget(config.auto)
+            if Mode.LOCAL in (config.mode, *config.client_modes) else None)
         balance = config.balance
         self._needs_prefix = Policy.PREFIX_AFFINITY in balance.uses
         # kv_aware: an index of every server's prefix cache, fed by its vLLM KV events
@@ -219,22 +228,19 @@ class Router:
 
     async def handle(self, request: ClientRequest) -> FlowResponse:
         """Choose P, D and the mode for a validated request, and return its response."""
+        requested = self._requested_mode(request)
         await self.catalog.require(request.model)
         self.retry_budget.request()
         key = prefix_key(request, self.config.balance.prefix_chars) if self._needs_prefix else None
         # kv_aware: the prompt's token ids, from the request or a server's /tokenize
         prompt = await self.tokenizer.blocks(request) if self.tokenizer is not None else None
-        requested = request.mode_override or self.config.mode
         # auto learns from streamed requests' time to first token, per prompt length
         learner = self.learner
         bucket = (learner.bucket(prompt_chars(request))
                   if learner and (requested is Mode.AUTO or request.stream) else None)
-        budget = learner.local_budget if learner else None  # only with auto.local
+        budget = learner.local_budget if learner else None  # auto may go local: auto.local
         if requested is Mode.LOCAL:  # no P: D computes the prompt
-            decision = decide_mode(requested, None)
-            return self._respond(request, None,
-                                 self.decode.pick(key=key, model=request.model, prompt=prompt),
-                                 decision, bucket, key, prompt)
+            return self._local(request, bucket, key, prompt)
         # Prefer a P and a D that can do the mode asked (auto: push), so fewer requests
         # fall back; only servers of the request's model.
         wanted = Mode.PULL if requested is Mode.PULL else Mode.PUSH
@@ -278,6 +284,42 @@ class Router:
         return self._respond(request, prefill, decode, decision, bucket, key, prompt,
                              coordinates)
 
+    def _requested_mode(self, request: ClientRequest) -> Mode:
+        """The mode a request asks for: its X-KV-Transfer-Mode where `client_modes` allows
+        it (or it names the router's own mode), else the router's `mode`."""
+        asked, mode = request.mode_override, self.config.mode
+        if asked is None or asked is mode:
+            return mode
+        if asked not in self.config.client_modes:
+            allowed = ", ".join(m.value for m in self.config.client_modes) or "no mode"
+            raise InvalidRequest(
+                f"{wire.TRANSFER_MODE_HEADER}: {asked.value} is not allowed on this router: "
+                f"a client may ask for {allowed} (client_modes), or send no "
+                f"{wire.TRANSFER_MODE_HEADER} to get the router's mode ({mode.value})",
+                param=wire.TRANSFER_MODE_HEADER)
+        return asked
+
+    def _local(self, request: ClientRequest, bucket: int | None, key: str | None,
+               prompt: PromptBlocks | None) -> FlowResponse:
+        """A request asked to be local (by its client or `mode: local`): D alone computes
+        the prompt, unless that D is over its ITL budget; then it runs as a pull
+        (`itl_budget`), when a P is to be had."""
+        decode = self.decode.pick(key=key, model=request.model, prompt=prompt)
+        if self.local_budget is not None and self.local_budget.over(decode):
+            try:
+                prefill = self.prefill.pick(key=key, mode=Mode.PULL, model=request.model,
+                                            prompt=prompt)
+            except NoHealthyEndpoint:
+                pass  # no P to be had: D computes the prompt after all
+            else:
+                if not decode.can(Mode.PULL):
+                    decode = self.decode.pick(key=key, mode=Mode.PULL, model=request.model,
+                                              prompt=prompt)
+                decision = ModeDecision(requested=Mode.LOCAL, used=Mode.PULL, reason="itl_budget")
+                return self._respond(request, prefill, decode, decision, bucket, key, prompt)
+        return self._respond(request, None, decode, decide_mode(Mode.LOCAL, None), bucket, key,
+                             prompt)
+
     def _local_by_cache(self, prompt: PromptBlocks, decode: Endpoint, budget: LocalBudget) -> bool:
         """D holds all but `auto.local_cached_tokens` of the prompt (kv_aware's prediction)
         and is not over its ITL budget."""
@@ -315,10 +357,10 @@ class Router:
         ]
         if decision.is_fallback:
             headers.append((MODE_REASON_HEADER, decision.reason.encode()))
-        budget = self.learner.local_budget if self.learner else None
+        budget = self.local_budget
         local = decision.used is Mode.LOCAL
         if budget is not None and (request.stream or local):
-            # auto.local: D's inter-token latency is measured, and its local prompts marked
+            # D's inter-token latency is measured, and its local prompts marked
             return ItlWatchedResponse(flow, streaming=request.stream, headers=headers,
                                       done=exchange.finish, exchange=exchange, budget=budget,
                                       local=local)

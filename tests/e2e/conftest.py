@@ -261,6 +261,7 @@ class RouterProcess:
             "--decode", decode_url,
             "--port", str(self.port),
             "--mode", mode,
+            "--client-modes", "pull,push,auto,local",  # the tests ask for every mode
             *extra_args,
         ]  # fmt: skip
         LOG_DIR.mkdir(parents=True, exist_ok=True)

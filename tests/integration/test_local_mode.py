@@ -22,6 +22,7 @@ from tests.conftest import serve_router
 TOKEN = "admin-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 LOCAL = {"X-KV-Transfer-Mode": "local"}
+CLIENT_MODES = ["pull", "push", "auto", "local"]  # local is not a client's by default
 
 
 class Servers:
@@ -75,7 +76,8 @@ async def test_a_local_request_goes_to_d_alone_with_the_clients_body(
         servers: Servers, stream: bool, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="pdproxy.access")
     p, d = await servers.add("prefill"), await servers.add("decode")
-    config = {"prefill": [servers.url(p)], "decode": [servers.url(d)], "mode": "pull"}
+    config = {"prefill": [servers.url(p)], "decode": [servers.url(d)], "mode": "pull",
+              "client_modes": CLIENT_MODES}
     async with serve_router(**config) as (url, _), httpx.AsyncClient(timeout=10) as client:
         sent = body(stream)
         r = await client.post(f"{url}/v1/completions", json=sent, headers=LOCAL)
@@ -134,7 +136,8 @@ async def test_a_local_request_whose_d_refuses_is_retried_on_another_d(
     gone, d = await servers.add("decode"), await servers.add("decode")
     await servers.stop(gone)
     config = {"prefill": [servers.url(p)], "decode": [servers.url(gone), servers.url(d)],
-              "balance": {"decode": "round_robin"}, "health": {"interval": 60}}
+              "balance": {"decode": "round_robin"}, "health": {"interval": 60},
+              "client_modes": CLIENT_MODES}
     async with serve_router(**config) as (url, _), httpx.AsyncClient(timeout=10) as client:
         for stream in (True, False, True):
             r = await client.post(f"{url}/v1/completions", json=body(stream), headers=LOCAL)
