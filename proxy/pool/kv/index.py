@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from proxy.pool.kv.blocks import ROOT, chain_key
+from proxy.pool.kv.blocks import ROOT, Key, chain_key
 from proxy.pool.kv.events import (
     ROUTED_MEDIA,
     AllBlocksCleared,
@@ -114,9 +114,9 @@ class SourceIndex:
         self.last_event_ts: float | None = None  # the publisher's clock, for event lag
         self.counts = EventCounts()
         self.lora_names: set[str] = set()  # adapters its events named (their blocks' key)
-        self._by_hash: dict[Hashable, tuple[int, int]] = {}  # vLLM hash -> (key, copies)
-        self._keys: dict[int, int] = {}  # key -> copies held under it
-        self._credits: OrderedDict[int, float] = OrderedDict()  # key -> until (monotonic)
+        self._by_hash: dict[Hashable, tuple[Key, int]] = {}  # vLLM hash -> (key, copies)
+        self._keys: dict[Key, int] = {}  # key -> copies held under it
+        self._credits: OrderedDict[Key, float] = OrderedDict()  # key -> until (monotonic)
 
     def __len__(self) -> int:
         return len(self._by_hash)
@@ -261,7 +261,7 @@ class SourceIndex:
                            "orphans": counts.orphans, "ignored": counts.ignored,
                            "gaps": counts.gaps, "wipes": dict(counts.wipes)}}
 
-    def credit(self, keys: Sequence[int], until: float) -> None:
+    def credit(self, keys: Sequence[Key], until: float) -> None:
         """Count `keys` as held until `until`: a request was just routed here with them,
         and its events have not arrived yet. Bounded: the oldest credits go first."""
         credits = self._credits
@@ -271,7 +271,7 @@ class SourceIndex:
         while len(credits) > MAX_CREDITS:
             credits.popitem(last=False)
 
-    def hits(self, keys: Sequence[int], now: float) -> int:
+    def hits(self, keys: Sequence[Key], now: float) -> int:
         """How many of `keys`, from the first, this source holds (or was credited)."""
         held, credits = self._keys, self._credits
         count = 0
@@ -318,7 +318,7 @@ class KvIndex:
     def block_size(self, url: str) -> int | None:
         return next((s.block_size for s in self.sources(url) if s.block_size), None)
 
-    def hits(self, url: str, keys: Sequence[int], now: float) -> int | None:
+    def hits(self, url: str, keys: Sequence[Key], now: float) -> int | None:
         """How many of `keys` (this server's block size), from the first, the server holds
         on its best rank; None while none of its sources is in sync (unknown, not 0)."""
         synced = [s for s in self.sources(url) if s.state is SourceState.SYNCED]
@@ -326,6 +326,6 @@ class KvIndex:
             return None
         return max(s.hits(keys, now) for s in synced)
 
-    def credit(self, url: str, keys: Sequence[int], until: float) -> None:
+    def credit(self, url: str, keys: Sequence[Key], until: float) -> None:
         for source in self.sources(url):
             source.credit(keys, until)
