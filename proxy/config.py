@@ -359,6 +359,15 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     max_in_flight: int = 0
     # An upstream answer's status line and headers larger than this are a broken answer.
     max_upstream_header_bytes: int = 64 * 1024
+    # A whole upstream answer (P's, a non-streamed D's, an error's body, a probe's, a
+    # model list) larger than this is a broken answer: 502, its connection closed.
+    max_upstream_body_bytes: int = 32 * 1024 * 1024
+    # One SSE event of D's stream larger than this (or one that never ends) ends the
+    # stream as a broken answer: 502 before the first byte, an SSE error event after.
+    max_upstream_event_bytes: int = 1024 * 1024
+    # The data-parallel ranks of one P the router probes and pushes to, at most: a P
+    # that says it has more is used through its first this many.
+    max_dp_ranks: int = 64
 
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0:
@@ -366,9 +375,12 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         for name in ("max_connections", "control_connections", "max_in_flight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"limits.{name} must be >= 0, got {getattr(self, name)!r}")
-        if self.max_upstream_header_bytes < 1024:
-            raise ValueError("limits.max_upstream_header_bytes must be >= 1024, got "
-                             f"{self.max_upstream_header_bytes!r}")
+        for name in ("max_upstream_header_bytes", "max_upstream_body_bytes",
+                     "max_upstream_event_bytes"):
+            if getattr(self, name) < 1024:
+                raise ValueError(f"limits.{name} must be >= 1024, got {getattr(self, name)!r}")
+        if self.max_dp_ranks < 1:
+            raise ValueError(f"limits.max_dp_ranks must be >= 1, got {self.max_dp_ranks!r}")
 
 
 class EndpointConfig(Settings, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -378,6 +390,10 @@ class EndpointConfig(Settings, frozen=True, kw_only=True, forbid_unknown_fields=
     secret_fields = frozenset({"api_key"})
 
     url: str
+    # How error messages name it to clients ("prefill server <name>"); None: its number
+    # in its cluster, in the order servers joined ("prefill server 2"). Never its URL,
+    # unless show_upstream_urls.
+    name: str | None = None
     # The model names it serves; None: learned from its /v1/models.
     models: list[str] | None = None
     # Takes no new request while true; running ones finish (a watched config file can
@@ -405,6 +421,10 @@ class EndpointConfig(Settings, frozen=True, kw_only=True, forbid_unknown_fields=
 
     def __post_init__(self) -> None:
         validate_url(self.url)
+        if self.name is not None and not (self.name.strip() and self.name.isprintable()
+                                          and len(self.name) <= 64):
+            raise ValueError(f"an endpoint's name must be 1-64 printable characters, got "
+                             f"{self.name!r}")
         for name in ("side_channel_port", "push_port"):
             port = getattr(self, name)
             if port is not None and not 0 < port < 65536:
@@ -524,6 +544,10 @@ class RouterConfig(Settings, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # The admin API refuses servers at link-local or cloud metadata addresses
     # (169.254.0.0/16, fe80::/10, metadata.google.internal) unless this is true.
     admin_allow_link_local: bool = False
+    # Error messages to clients name an upstream server ("decode server 2", or its
+    # `name`) and leave out the transport's detail; true: they show its URL and the
+    # detail, as the log does (which always has them).
+    show_upstream_urls: bool = False
     # With --config FILE: re-read the file this often (seconds) and apply its server
     # lists when it changed (0 = never).
     config_watch_interval: float = 2.0

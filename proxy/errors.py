@@ -13,10 +13,16 @@
         ├── UpstreamConnectError     502: could not connect
         ├── UpstreamTimeout          504: a configured time limit ran out
         ├── UpstreamProtocolError    502: the answer was cut or malformed
-        │   └── UpstreamConnectionLost  502: the connection broke during the exchange
+        │   ├── UpstreamConnectionLost  502: the connection broke during the exchange
+        │   └── UpstreamAnswerTooLarge  502: a body or an SSE event over its cap
         └── UpstreamStatusError      the upstream's own status and body
 
 `upstream.py` is the only module that turns the HTTP client's (`proxy.upstream.http11`) or asyncio errors into these.
+
+An `UpstreamError` has two texts: `message`, what the client is told, names the server
+as the operator allows (by its name, such as "decode server 2", unless
+`show_upstream_urls`), and `str()` of it, for logs, names its URL and the transport's
+detail.
 """
 
 from __future__ import annotations
@@ -108,16 +114,23 @@ class KVTransferError(RouterError):
 
 
 class UpstreamError(RouterError):
-    """A vLLM server failed. `endpoint` names it (its URL), `cluster` its role."""
+    """A vLLM server failed. `endpoint` names it (its URL), `cluster` its role.
+    `message` is the client's text; `log_message` (also `str()`) the log's, with the
+    server's URL (the same text when not given)."""
 
     status = 502
     error_type = "upstream_error"
     kind = "error"  # short label for metrics
 
-    def __init__(self, message: str, *, endpoint: str = "", cluster: str = "") -> None:
+    def __init__(self, message: str, *, endpoint: str = "", cluster: str = "",
+                 log_message: str | None = None) -> None:
         super().__init__(message)
         self.endpoint = endpoint
         self.cluster = cluster
+        self.log_message = message if log_message is None else log_message
+
+    def __str__(self) -> str:
+        return self.log_message
 
 
 class UpstreamConnectError(UpstreamError):
@@ -139,15 +152,27 @@ class UpstreamConnectionLost(UpstreamProtocolError):
     crashed, or something between us cut the connection): counts against its health."""
 
 
+class UpstreamAnswerTooLarge(UpstreamProtocolError):
+    """A whole answer's body over `limits.max_upstream_body_bytes` (kind
+    `body_too_large`), or one SSE event of a stream over `limits.max_upstream_event_bytes`
+    (`event_too_large`): the router keeps no more of it, and closes its connection."""
+
+    def __init__(self, message: str, *, kind: str, endpoint: str = "", cluster: str = "",
+                 log_message: str | None = None) -> None:
+        super().__init__(message, endpoint=endpoint, cluster=cluster, log_message=log_message)
+        self.kind = kind
+
+
 class UpstreamStatusError(UpstreamError):
     """The upstream answered with an error status: relay its status and body."""
 
     kind = "status"
 
     def __init__(
-        self, message: str, *, status: int, content: bytes, endpoint: str = "", cluster: str = ""
+        self, message: str, *, status: int, content: bytes, endpoint: str = "", cluster: str = "",
+        log_message: str | None = None,
     ) -> None:
-        super().__init__(message, endpoint=endpoint, cluster=cluster)
+        super().__init__(message, endpoint=endpoint, cluster=cluster, log_message=log_message)
         self.status = status
         self.content = content
 

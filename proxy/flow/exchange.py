@@ -26,7 +26,6 @@ from proxy.errors import (
     UpstreamConnectError,
     UpstreamConnectionLost,
     UpstreamError,
-    UpstreamProtocolError,
 )
 from proxy.flow.context import FlowContext
 from proxy.flow.modes import ModeDecision
@@ -36,6 +35,7 @@ from proxy.pool.kv.blocks import PromptBlocks
 from proxy.pool.outlier import counts_as_failure
 from proxy.pool.retry import retry_reason
 from proxy.protocol import ClientRequest
+from proxy.upstream.client import UpstreamClient
 
 logger = logging.getLogger("pdproxy.access")
 T = TypeVar("T")
@@ -205,7 +205,8 @@ class Exchange:
         metrics = self.context.metrics
         metrics.child(metrics.prefill_latency, self.mode).observe(self.prefill_seconds)
         if not isinstance(answer, dict):
-            raise RouterError(f"prefill server {p.url} answered with non-object JSON")
+            raise self.context.client.protocol_error(p.url, p.cluster.value,
+                                                     "answered with JSON that is not an object")
         self.context.prober.observe(p, answer.get(wire.KV_TRANSFER_PARAMS))
         self._observe_cached(answer)
         return answer
@@ -248,11 +249,11 @@ class Exchange:
                     if not self.request.stream:
                         content = await answer.read()
                         self._decode_first_byte(sent_at)
-                        _check_whole_answer(content, d)
+                        _check_whole_answer(content, d, self.context.client)
                         d.outlier.success()
                         await down.whole(answer.status, answer.content_type, content)
                         return
-                    _check_stream_answer(answer.content_type, d)
+                    _check_stream_answer(answer.content_type, d, self.context.client)
                     d.outlier.success()  # D answered a stream with a success status
                     await relay_events(answer, down, first_byte=lambda: self._decode_first_byte(sent_at))
             except UpstreamError as exc:
@@ -323,7 +324,7 @@ class Exchange:
             f" note={','.join(self.notes)}" if self.notes else "",
             _predicted(self.prompt),
             "" if self.prefill_cached is None else f" prefill_cached={self.prefill_cached}",
-            f" error={error.message!r}" if error else "",
+            f" error={str(error)!r}" if error else "",  # an upstream's: with its URL
         )
 
 
@@ -337,7 +338,7 @@ def _predicted(prompt: PromptBlocks | None) -> str:
     return f" prompt_tokens={len(prompt)} {legs}"
 
 
-def _check_whole_answer(content: bytes, d: Endpoint) -> None:
+def _check_whole_answer(content: bytes, d: Endpoint, client: UpstreamClient) -> None:
     """D's whole answer must be a JSON object: garbage is D's failure (502), never the
     client's 200. Decoding once costs microseconds next to a generation."""
     try:
@@ -345,17 +346,17 @@ def _check_whole_answer(content: bytes, d: Endpoint) -> None:
     except msgspec.DecodeError:
         ok = False
     if not ok:
-        raise UpstreamProtocolError(
-            f"decode server {d.url} answered 200 with a body that is not a JSON object: "
-            f"{content[:80]!r}", endpoint=d.url, cluster=d.cluster.value)
+        raise client.protocol_error(d.url, d.cluster.value,
+                                    "answered 200 with a body that is not a JSON object",
+                                    repr(content[:80]))
 
 
-def _check_stream_answer(content_type: str, d: Endpoint) -> None:
+def _check_stream_answer(content_type: str, d: Endpoint, client: UpstreamClient) -> None:
     """A streamed request must get an event stream (not, say, a JSON body with 200)."""
     if not content_type.startswith("text/event-stream"):
-        raise UpstreamProtocolError(
-            f"decode server {d.url} answered a streamed request with {content_type!r}, "
-            "not an event stream", endpoint=d.url, cluster=d.cluster.value)
+        raise client.protocol_error(
+            d.url, d.cluster.value,
+            f"answered a streamed request with {content_type!r}, not an event stream")
 
 
 def _ms(seconds: float | None) -> str:

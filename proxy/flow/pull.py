@@ -35,7 +35,9 @@ def decode_body(exchange: Exchange, p_answer: dict[str, Any]) -> dict[str, Any]:
     try:
         return pull_decode_body(exchange.request, params)
     except ValueError as exc:
-        why = f"prefill server {exchange.prefill_server.url} gave no usable kv_transfer_params ({exc})"
+        p = exchange.prefill_server
+        why = (f"{exchange.context.client.shown(p.url, p.cluster.value)} gave no usable "
+               f"kv_transfer_params ({exc})")
     metrics = exchange.context.metrics.missing_kv_params
     if exchange.context.config.missing_kv_params is MissingKVParams.RECOMPUTE:
         metrics.labels("recompute").inc()

@@ -25,34 +25,73 @@ from proxy.upstream.client import StreamedResponse
 logger = logging.getLogger("pdproxy.relay")
 
 
+class EventTooLarge(Exception):
+    """An SSE event grew past the framer's cap before it ended."""
+
+
 class EventFramer:
     """Cuts a relayed SSE byte stream at event boundaries, so only whole events go out.
 
     An upstream's chunks need not end where its events do. Holding back a trailing
     partial event costs nothing in the usual case (vLLM writes whole events) and means a
     stream that breaks off mid-event still ends with an error event the client can read,
-    never with half an event glued to it."""
+    never with half an event glued to it.
 
-    __slots__ = ("_partial",)
+    Linear in the bytes fed: a partial event is kept as its chunks, each new chunk is
+    searched alone (with the 3 bytes before it, where a boundary may begin), and the
+    chunks are joined once, when the event ends. An event that grows past `limit` bytes
+    before it ends raises EventTooLarge: the framer holds at most that much."""
 
-    def __init__(self) -> None:
-        self._partial = b""
+    __slots__ = ("_held", "_held_bytes", "_limit", "_tail")
+
+    def __init__(self, limit: int | None = None) -> None:
+        self._held: list[bytes] = []  # the partial event's chunks
+        self._held_bytes = 0
+        self._tail = b""  # the last 3 bytes held: where a boundary may begin
+        self._limit = limit
 
     def feed(self, chunk: bytes) -> bytes:
         """The whole events that `chunk` completes (b"" when none yet)."""
-        if self._partial:
-            chunk, self._partial = self._partial + chunk, b""
-        if chunk.endswith((b"\n\n", b"\r\n\r\n")):
-            return chunk
-        lf, crlf = chunk.rfind(b"\n\n"), chunk.rfind(b"\r\n\r\n")
-        cut = max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
-        self._partial = chunk[cut:]
-        return chunk[:cut]
+        if not self._held:
+            if chunk.endswith((b"\n\n", b"\r\n\r\n")):  # the usual case: whole events
+                return chunk
+            cut = _after_last_boundary(chunk)
+            if cut:
+                self._hold(chunk[cut:])
+                return chunk[:cut]
+            self._hold(chunk)
+            return b""
+        tail = self._tail
+        cut = _after_last_boundary(tail + chunk) - len(tail)
+        if cut <= 0:
+            self._hold(chunk)
+            return b""
+        events = b"".join([*self._held, chunk[:cut]])
+        self._held, self._held_bytes, self._tail = [], 0, b""
+        if cut < len(chunk):
+            self._hold(chunk[cut:])
+        return events
+
+    def _hold(self, part: bytes) -> None:
+        if not part:
+            return
+        self._held.append(part)
+        self._held_bytes += len(part)
+        self._tail = (self._tail + part[-3:])[-3:]
+        if self._limit is not None and self._held_bytes > self._limit:
+            raise EventTooLarge(f"an event over {self._limit} bytes")
 
     def rest(self) -> bytes:
         """What is held back (the stream's end: sent as it is)."""
-        rest, self._partial = self._partial, b""
+        rest = b"".join(self._held)
+        self._held, self._held_bytes, self._tail = [], 0, b""
         return rest
+
+
+def _after_last_boundary(data: bytes) -> int:
+    """Where the bytes after the last event boundary (a blank line) begin; 0: none."""
+    lf, crlf = data.rfind(b"\n\n"), data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 class Downstream:
@@ -108,10 +147,14 @@ async def relay_events(answer: StreamedResponse, down: Downstream, *,
                        first_byte: Callable[[], None]) -> None:
     """Pass a streamed answer to the client as it comes, in whole SSE events only: if D
     breaks off mid-event, the client's stream still ends with a readable error event.
-    `first_byte` is called once, just before the head goes out."""
-    framer = EventFramer()
+    `first_byte` is called once, just before the head goes out. An event over
+    `limits.max_upstream_event_bytes` ends it as D's broken answer."""
+    framer = EventFramer(answer.max_event_bytes)
     async for chunk in answer.chunks():
-        events = framer.feed(chunk)
+        try:
+            events = framer.feed(chunk)
+        except EventTooLarge as exc:
+            raise answer.event_too_large() from exc
         if answer.at_end:
             events += framer.rest()  # D's last bytes go out as they are
         if events and not down.started:

@@ -72,7 +72,8 @@ class Router:
         self.metrics = RouterMetrics()
         self.retry_budget = RetryBudget(config.retry_budget.ratio, config.retry_budget.min_per_window,
                                         config.retry_budget.window_s)
-        self.client = UpstreamClient(config.timeouts, config.limits)
+        self.client = UpstreamClient(config.timeouts, config.limits,
+                                     show_urls=config.show_upstream_urls)
         channel = config.push_channel
         self.push_channel = SideChannel(
             secret_key_file=channel.curve_secret_key_file,
@@ -102,6 +103,7 @@ class Router:
             self.kv_calibration = Calibration(balance.kv_aware)
         def credentials(endpoint: Endpoint) -> None:  # every call to it carries its key
             self.client.set_api_key(endpoint.url, endpoint.api_key)
+            self.client.set_name(endpoint.url, endpoint.name)  # what errors call it
 
         auth = config.auth
         self.prefill = Cluster(ClusterName.PREFILL, config.prefill,
@@ -122,6 +124,7 @@ class Router:
             self.metrics,
             timeout=config.timeouts.probe,
             retry_interval=config.probe_retry_interval,
+            max_ranks=config.limits.max_dp_ranks,
         )
         self.health = HealthChecker(
             self.all_endpoints,

@@ -40,11 +40,14 @@ class ClusterName(str, enum.Enum):
 class Endpoint:
     def __init__(
         self, config: EndpointConfig, cluster: ClusterName, ejection: Ejection = DEFAULT_EJECTION,
-        *, api_key: str | None = None,
+        *, api_key: str | None = None, number: int = 0,
     ) -> None:
         self.config = config
         self.url = config.url.rstrip("/")
         self.cluster = cluster
+        # How clients are told of it ("prefill server <name>"): its configured name, else
+        # its number in its cluster (never its URL: see show_upstream_urls).
+        self.name = config.name or str(number)
         # The bearer token this server wants (vLLM's --api-key): its own, else its
         # cluster's (unless its config says `cluster_key: false`).
         self.api_key = resolve_secret(config.api_key) or (api_key if config.cluster_key else None)
@@ -306,12 +309,15 @@ class Cluster:
         self.ejection = ejection
         self._api_key = api_key  # the cluster's bearer token for servers without their own
         self._on_add = on_add  # told of every member, first and added (credentials)
+        self._joined = 0  # members so far: the next one's number
         # Replaced, never changed in place: a reader holding the old list is unaffected.
         self.endpoints = [self._member(c) for c in configs]
         self.balancer = balancer
 
     def _member(self, config: EndpointConfig) -> Endpoint:
-        endpoint = Endpoint(config, self.name, self.ejection, api_key=self._api_key)
+        self._joined += 1
+        endpoint = Endpoint(config, self.name, self.ejection, api_key=self._api_key,
+                            number=self._joined)
         self._on_add(endpoint)
         return endpoint
 

@@ -17,6 +17,12 @@ data-parallel but not how wide (a dense model's engines do not know), ranks 1, 2
 are probed one at a time until P answers that the rank is out of range (vLLM's 400).
 Each rank's coordinates go to the P's `DataParallelRanks`; ranks a probe missed are
 probed again when a push finds them missing (`complete_ranks`).
+
+What a P says is not trusted to size the work: at most `limits.max_dp_ranks` ranks are
+used (a P that says it has more is used through its first ones, and answers from ranks
+beyond are not learned), and at most RANK_PROBES_AT_ONCE probes of one P run at once,
+so a P claiming thousands of ranks costs a few probes at a time, never a burst that
+fills the control lane.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import msgspec
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -41,8 +48,8 @@ from proxy.upstream.client import UpstreamClient
 logger = logging.getLogger("pdproxy.probe")
 
 PROBE_PROMPT = "ping"
-# The most ranks looked for on a data-parallel P that does not say how many it has.
-MAX_DP_RANKS = 64
+# Probes of one data-parallel P's ranks running at once, at most.
+RANK_PROBES_AT_ONCE = 4
 
 
 class _Outcome(enum.Enum):
@@ -58,9 +65,12 @@ class CoordinateProber:
         *,
         timeout: float,
         retry_interval: float,
+        max_ranks: int = 64,
     ) -> None:
         self._client = client
         self._metrics = metrics
+        self._max_ranks = max_ranks  # limits.max_dp_ranks
+        self._too_wide: set[str] = set()  # P's said to have more ranks (warned once)
         self._timeout = timeout
         self._retry_interval = retry_interval
         # One probe at a time per endpoint URL; later callers await the same task.
@@ -115,6 +125,7 @@ class CoordinateProber:
         endpoint.learned_ranks = None
         self._data_parallel.pop(endpoint.url, None)
         self._last_failure.pop(endpoint.url, None)
+        self._too_wide.discard(endpoint.url)
 
     def observe(self, endpoint: Endpoint, p_params: Any) -> None:
         """Refresh a P's coordinates (for a data-parallel P, those of the rank that
@@ -160,6 +171,16 @@ class CoordinateProber:
             endpoint.learned_coordinates = seen
             return
         assert seen.dp_rank is not None  # data_parallel
+        if seen.dp_size is not None and seen.dp_size > self._max_ranks:
+            if url not in self._too_wide:
+                self._too_wide.add(url)
+                logger.warning("prefill %s says it has %d data-parallel ranks; the router uses "
+                               "the first %d (limits.max_dp_ranks)", url, seen.dp_size,
+                               self._max_ranks)
+            seen = msgspec.structs.replace(seen, dp_size=self._max_ranks)
+        assert seen.dp_rank is not None  # still
+        if seen.dp_rank >= self._max_ranks:
+            return  # a rank beyond those used: not learned
         ranks = endpoint.learned_ranks
         if ranks is None or (ranks.size is not None and (
                 seen.dp_rank >= ranks.size or seen.dp_size not in (None, ranks.size))):
@@ -202,16 +223,22 @@ class CoordinateProber:
         return endpoint.coordinates
 
     async def _probe_ranks(self, endpoint: Endpoint, model: str, ranks: DataParallelRanks) -> None:
-        """Probe the ranks of `ranks` not known yet: all at once when P said how many it
-        has, else one at a time from rank 1 until P has no such rank."""
+        """Probe the ranks of `ranks` not known yet: RANK_PROBES_AT_ONCE at a time when P
+        said how many it has, else one at a time from rank 1 until P has no such rank."""
         missing = ranks.missing()
         if missing is not None:
-            outcomes = await asyncio.gather(*(self._probe_rank(endpoint, model, r) for r in missing))
+            gate = asyncio.Semaphore(RANK_PROBES_AT_ONCE)
+
+            async def probe(rank: int) -> PrefillCoordinates | _Outcome:
+                async with gate:
+                    return await self._probe_rank(endpoint, model, rank)
+
+            outcomes = await asyncio.gather(*(probe(r) for r in missing))
             for outcome in outcomes:
                 if isinstance(outcome, PrefillCoordinates) and endpoint.learned_ranks is ranks:
                     self._learn(endpoint, outcome)
             return
-        for rank in range(1, MAX_DP_RANKS):
+        for rank in range(1, self._max_ranks):
             if ranks.get(rank) is not None:
                 continue
             outcome = await self._probe_rank(endpoint, model, rank)
@@ -226,9 +253,9 @@ class CoordinateProber:
             if ranks.size is not None:  # an answer said the size after all
                 await self._probe_ranks(endpoint, model, ranks)
                 return
-        logger.warning("prefill %s: more than %d data-parallel ranks; pushes use the first %d",
-                       endpoint.url, MAX_DP_RANKS, MAX_DP_RANKS)
-        ranks.size = MAX_DP_RANKS
+        logger.warning("prefill %s: more than %d data-parallel ranks; pushes use the first %d "
+                       "(limits.max_dp_ranks)", endpoint.url, self._max_ranks, self._max_ranks)
+        ranks.size = self._max_ranks
 
     async def _probe_rank(
         self, endpoint: Endpoint, model: str, rank: int

@@ -15,6 +15,16 @@ so that a lane full of user traffic never delays a health check. No room in a la
 within `timeouts.pool` is the router's own overload: `Overloaded` (503, not retried,
 not counted against the server), never an `UpstreamError`. Credentials for a server
 (`set_api_key`) go with every request to it, in either lane.
+
+What a server sends is bounded: a whole answer's body (P's answer, a non-streamed D's,
+an error's, a probe's or a model list) over `limits.max_upstream_body_bytes` is a broken
+answer, as is one SSE event of D's stream over `limits.max_upstream_event_bytes`
+(`relay.EventFramer` finds it; `StreamedResponse.event_too_large` makes the error).
+
+An error's message for the client names the server as `set_name` named it ("decode
+server 2"), not by its URL, and leaves out the transport's detail (which may hold
+addresses); its `str()`, for logs, has both. `show_upstream_urls` gives clients the
+log's text.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import msgspec
 from proxy.config import Limits, Timeouts
 from proxy.errors import (
     Overloaded,
+    UpstreamAnswerTooLarge,
     UpstreamConnectError,
     UpstreamConnectionLost,
     UpstreamError,
@@ -37,6 +48,7 @@ from proxy.errors import (
     UpstreamTimeout,
 )
 from proxy.upstream.http11 import (
+    AnswerTooLarge,
     Client,
     ConnectFailed,
     ConnectionLost,
@@ -55,35 +67,55 @@ TRANSPORT_ERRORS = (
 )  # fmt: skip
 
 
-def upstream_error(exc: BaseException, endpoint: str, cluster: str, what: str) -> UpstreamError:
-    """The router's error for a transport failure, most specific first."""
+def upstream_error(
+    exc: BaseException, endpoint: str, cluster: str, what: str, *, name: str | None = None,
+) -> UpstreamError:
+    """The router's error for a transport failure, most specific first. Its log text
+    names the server's URL and the transport's detail; its message for the client names
+    the server `name` and leaves the detail out (`name` None: the log's text)."""
+
+    def said(server: str) -> str:
+        if isinstance(exc, ConnectFailed):
+            return f"cannot connect to {server}"
+        if isinstance(exc, TimeoutError):
+            return f"{server} did not answer {what} in time"
+        if isinstance(exc, AnswerTooLarge):
+            return (f"{server} sent an answer larger than the router accepts "
+                    "(limits.max_upstream_body_bytes)")
+        return f"{server} broke off {what}: {type(exc).__name__}"
+
+    detail = "" if isinstance(exc, TimeoutError) else f" ({exc})"
+    log = said(f"{cluster} server {endpoint}") + detail
+    message = log if name is None else said(name)
+    if isinstance(exc, AnswerTooLarge):
+        return UpstreamAnswerTooLarge(message, kind="body_too_large", endpoint=endpoint,
+                                      cluster=cluster, log_message=log)
+    kind: type[UpstreamError]
     if isinstance(exc, ConnectFailed):
-        return UpstreamConnectError(
-            f"cannot connect to {cluster} server {endpoint}: {exc}", endpoint=endpoint, cluster=cluster
-        )
-    if isinstance(exc, TimeoutError):
-        return UpstreamTimeout(
-            f"{cluster} server {endpoint} did not answer {what} in time",
-            endpoint=endpoint,
-            cluster=cluster,
-        )
-    kind = UpstreamConnectionLost if isinstance(exc, (ConnectionLost, OSError)) else UpstreamProtocolError
-    return kind(
-        f"{cluster} server {endpoint} broke off {what}: {type(exc).__name__}: {exc}",
-        endpoint=endpoint,
-        cluster=cluster,
-    )
+        kind = UpstreamConnectError
+    elif isinstance(exc, TimeoutError):
+        kind = UpstreamTimeout
+    elif isinstance(exc, (ConnectionLost, OSError)):
+        kind = UpstreamConnectionLost
+    else:
+        kind = UpstreamProtocolError
+    return kind(message, endpoint=endpoint, cluster=cluster, log_message=log)
 
 
 class StreamedResponse:
-    """An open upstream response: status, content type, and its body as it arrives."""
+    """An open upstream response: status, content type, and its body as it arrives.
+    `name`: how errors name the server to the client (None: by its URL)."""
 
-    def __init__(self, response: Response, *, endpoint: str, cluster: str) -> None:
+    def __init__(self, response: Response, *, endpoint: str, cluster: str, name: str | None,
+                 max_body_bytes: int, max_event_bytes: int) -> None:
         self.status = response.status
         self.content_type = response.headers.get("content-type", "application/json")
+        self.max_event_bytes = max_event_bytes  # one SSE event's cap (relay.EventFramer)
+        self._max_body = max_body_bytes
         self._response = response
         self._endpoint = endpoint
         self._cluster = cluster
+        self._name = name
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body chunks as they come; a silence longer than `stream_idle` is a timeout."""
@@ -102,13 +134,25 @@ class StreamedResponse:
         return self._response.at_end
 
     async def read(self) -> bytes:
+        """The whole body, at most `limits.max_upstream_body_bytes`."""
         try:
-            return await self._response.read()
+            return await self._response.read(self._max_body)
         except TRANSPORT_ERRORS as exc:
             raise self._error(exc, "its answer") from exc
 
+    def event_too_large(self) -> UpstreamAnswerTooLarge:
+        """The error for an SSE event over `max_event_bytes` (the framer found it)."""
+        def said(server: str) -> str:
+            return (f"{server} sent a stream event larger than the router accepts "
+                    "(limits.max_upstream_event_bytes)")
+
+        log = f"{said(f'{self._cluster} server {self._endpoint}')} ({self.max_event_bytes} bytes)"
+        return UpstreamAnswerTooLarge(
+            log if self._name is None else said(self._name), kind="event_too_large",
+            endpoint=self._endpoint, cluster=self._cluster, log_message=log)
+
     def _error(self, exc: BaseException, what: str) -> UpstreamError:
-        return upstream_error(exc, self._endpoint, self._cluster, what)
+        return upstream_error(exc, self._endpoint, self._cluster, what, name=self._name)
 
 
 class _Lane:
@@ -125,9 +169,9 @@ class _Lane:
             max_header_bytes=limits.max_upstream_header_bytes,
         )
 
-    def overloaded(self, endpoint: str, cluster: str) -> Overloaded:
+    def overloaded(self, server: str) -> Overloaded:
         return Overloaded(
-            f"no upstream connection to {cluster} server {endpoint} free within "
+            f"no upstream connection to {server} free within "
             f"{self.wait_s:g} s (limits.{self.limit_name}={self.cap})",
             reason="pool_timeout",
         )
@@ -137,10 +181,14 @@ class UpstreamClient:
     """Keep-alive connections to every upstream, in two lanes (see the module's
     docstring); create in the app's lifespan."""
 
-    def __init__(self, timeouts: Timeouts, limits: Limits) -> None:
+    def __init__(self, timeouts: Timeouts, limits: Limits, *, show_urls: bool = False) -> None:
         self._timeouts = timeouts
         self._requests = _Lane(timeouts, limits, "max_connections")
         self._control = _Lane(timeouts, limits, "control_connections")
+        self._max_body = limits.max_upstream_body_bytes
+        self._max_event = limits.max_upstream_event_bytes
+        self._show_urls = show_urls  # show_upstream_urls: clients see the log's text
+        self._names: dict[str, str] = {}  # a server's base URL -> its name for clients
 
     async def aclose(self) -> None:
         self._requests.http.close()
@@ -152,12 +200,37 @@ class UpstreamClient:
         for lane in (self._requests, self._control):
             lane.http.set_bearer_token(base_url, key)
 
+    def set_name(self, base_url: str, name: str) -> None:
+        """Errors name the server of `base_url` to clients as "<cluster> server <name>"."""
+        self._names[base_url.rstrip("/")] = name
+
+    def shown(self, endpoint: str, cluster: str) -> str:
+        """How a client is told of the server `endpoint` (a base URL): by its name, or by
+        its URL with `show_upstream_urls`."""
+        if self._show_urls:
+            return f"{cluster} server {endpoint}"
+        name = self._names.get(endpoint)
+        return f"{cluster} server {name}" if name else f"a {cluster} server"
+
+    def _name(self, endpoint: str, cluster: str) -> str | None:
+        """An error's name for the server; None: its URL, as in the log."""
+        return None if self._show_urls else self.shown(endpoint, cluster)
+
+    def protocol_error(self, endpoint: str, cluster: str, problem: str,
+                       detail: str = "") -> UpstreamProtocolError:
+        """An answer a flow refuses as broken: the client is told which server (as
+        `shown`) and `problem`; the log also the URL and `detail`."""
+        log = f"{cluster} server {endpoint} {problem}" + (f": {detail}" if detail else "")
+        name = self._name(endpoint, cluster)
+        return UpstreamProtocolError(log if name is None else f"{name} {problem}",
+                                     endpoint=endpoint, cluster=cluster, log_message=log)
+
     async def get_json(
         self, url: str, *, endpoint: str, cluster: str, timeout: float, expect_json: bool = True
     ) -> Any:
         """GET and decode the JSON answer (or only check the status: expect_json=False)."""
         content = await self._whole(self._control, "GET", url, b"", {}, endpoint, cluster, timeout)
-        return _decode_json(content, endpoint, cluster) if expect_json else None
+        return self._decode_json(content, endpoint, cluster) if expect_json else None
 
     async def get_text(self, url: str, *, endpoint: str, cluster: str, timeout: float) -> str:
         """GET a text answer (a server's /metrics); bytes that are not UTF-8 are replaced."""
@@ -182,7 +255,7 @@ class UpstreamClient:
             lane, "POST", url, msgspec.json.encode(body), {**_JSON_HEADERS, **headers},
             endpoint, cluster, timeout,
         )
-        return _decode_json(content, endpoint, cluster)
+        return self._decode_json(content, endpoint, cluster)
 
     async def _whole(
         self, lane: _Lane, method: str, url: str, body: bytes, headers: dict[str, str],
@@ -195,15 +268,24 @@ class UpstreamClient:
                 timeout=timeout,
             )
             try:
-                content = await response.read()
+                content = await response.read(self._max_body)
             finally:
                 pool.release(connection, response)
         except PoolTimeout as exc:
-            raise lane.overloaded(endpoint, cluster) from exc
+            raise lane.overloaded(self.shown(endpoint, cluster)) from exc
         except TRANSPORT_ERRORS as exc:
-            raise upstream_error(exc, endpoint, cluster, "its answer") from exc
-        _raise_for_status(response.status, content, endpoint, cluster)
+            raise upstream_error(exc, endpoint, cluster, "its answer",
+                                 name=self._name(endpoint, cluster)) from exc
+        _raise_for_status(response.status, content, endpoint, cluster,
+                          self._name(endpoint, cluster))
         return content
+
+    def _decode_json(self, content: bytes, endpoint: str, cluster: str) -> Any:
+        try:
+            return msgspec.json.decode(content)
+        except msgspec.DecodeError as exc:
+            raise upstream_error(exc, endpoint, cluster, "its answer",
+                                 name=self._name(endpoint, cluster)) from exc
 
     @contextlib.asynccontextmanager
     async def stream(
@@ -225,14 +307,18 @@ class UpstreamClient:
                 connect_timeout=self._timeouts.connect, timeout=self._timeouts.first_token,
             )
         except PoolTimeout as exc:
-            raise lane.overloaded(endpoint, cluster) from exc
+            raise lane.overloaded(self.shown(endpoint, cluster)) from exc
         except TRANSPORT_ERRORS as exc:
-            raise upstream_error(exc, endpoint, cluster, "with its first byte") from exc
+            raise upstream_error(exc, endpoint, cluster, "with its first byte",
+                                 name=self._name(endpoint, cluster)) from exc
         try:
             response.expect_within(self._timeouts.stream_idle, per_chunk=True)
-            streamed = StreamedResponse(response, endpoint=endpoint, cluster=cluster)
+            name = self._name(endpoint, cluster)
+            streamed = StreamedResponse(response, endpoint=endpoint, cluster=cluster, name=name,
+                                        max_body_bytes=self._max_body,
+                                        max_event_bytes=self._max_event)
             if response.status >= 400:
-                _raise_for_status(response.status, await streamed.read(), endpoint, cluster)
+                _raise_for_status(response.status, await streamed.read(), endpoint, cluster, name)
             yield streamed
         finally:
             # On any exit, cancellation included: a finished answer's connection is
@@ -240,19 +326,15 @@ class UpstreamClient:
             pool.release(connection, response)
 
 
-def _decode_json(content: bytes, endpoint: str, cluster: str) -> Any:
-    try:
-        return msgspec.json.decode(content)
-    except msgspec.DecodeError as exc:
-        raise upstream_error(exc, endpoint, cluster, "its answer") from exc
-
-
-def _raise_for_status(status: int, content: bytes, endpoint: str, cluster: str) -> None:
+def _raise_for_status(status: int, content: bytes, endpoint: str, cluster: str,
+                      name: str | None) -> None:
     if status >= 400:
+        log = f"{cluster} server {endpoint} answered {status}"
         raise UpstreamStatusError(
-            f"{cluster} server {endpoint} answered {status}",
+            log if name is None else f"{name} answered {status}",
             status=status,
             content=content,
             endpoint=endpoint,
             cluster=cluster,
+            log_message=log,
         )

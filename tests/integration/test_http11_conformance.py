@@ -516,6 +516,7 @@ async def test_no_room_in_time_is_overloaded_naming_server_and_limit(
 ) -> None:
     server = await start(holding_script(asyncio.Event()))
     upstream = UpstreamClient(Timeouts(pool=0.2), Limits(max_connections=1))
+    upstream.set_name(server.url, "3")  # clients are told its name, not its URL
     try:
         async with upstream.stream(f"{server.url}/hold", {}, headers={}, endpoint=server.url,
                                    cluster="decode"):
@@ -532,7 +533,7 @@ async def test_no_room_in_time_is_overloaded_naming_server_and_limit(
                 error = caught.value
                 assert error.reason == "pool_timeout" and not isinstance(error, UpstreamError)
                 assert error.status == 503 and error.headers() == {"Retry-After": "1"}
-                assert error.message == (f"no upstream connection to decode server {server.url} "
+                assert error.message == ("no upstream connection to decode server 3 "
                                          "free within 0.2 s (limits.max_connections=1)")
     finally:
         await upstream.aclose()

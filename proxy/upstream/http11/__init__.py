@@ -25,7 +25,8 @@ client, and these rules:
 - Interim answers (100 Continue, 103 Early Hints) are skipped; a body without
   Content-Length or chunked encoding ends when the server closes the connection (a
   complete answer, not a lost one); status lines and headers over `max_header_bytes`
-  are a broken answer (`MalformedAnswer`).
+  are a broken answer (`MalformedAnswer`), and so is a whole body over its reader's
+  cap (`AnswerTooLarge`, from `Response.read(limit)`).
 - A request sent on a reused connection that its server closes before any byte of an
   answer arrived (it timed the idle connection out as we sent) is sent once more, on a
   new connection: the server closed without reading it.
@@ -36,6 +37,7 @@ TimeoutError from its own bounds) to the router's own.
 """
 
 from proxy.upstream.http11.connection import (
+    AnswerTooLarge,
     ConnectFailed,
     Connection,
     ConnectionLost,
@@ -46,6 +48,7 @@ from proxy.upstream.http11.connection import (
 from proxy.upstream.http11.pool import Client, Deadlines, Pool, Slots
 
 __all__ = [
+    "AnswerTooLarge",
     "Client",
     "ConnectFailed",
     "Connection",

@@ -27,6 +27,10 @@ class MalformedAnswer(Exception):
     """The server's answer breaks our rules: headers too large, an unasked-for upgrade."""
 
 
+class AnswerTooLarge(MalformedAnswer):
+    """A whole answer's body is larger than its reader's cap."""
+
+
 class PoolTimeout(Exception):
     """No room for a connection under the client's cap within its pool timeout."""
 
@@ -94,10 +98,19 @@ class Response:
         """Every byte of the body has been handed out."""
         return self.complete and not self._chunks
 
-    async def read(self) -> bytes:
-        """The rest of the body (at once when it is all in: the usual whole answer)."""
+    async def read(self, limit: int | None = None) -> bytes:
+        """The rest of the body (at once when it is all in: the usual whole answer). A
+        body over `limit` bytes raises AnswerTooLarge as soon as that is known (its
+        Content-Length, else the bytes read so far): at most `limit` bytes are kept."""
+        declared = self.headers.get("content-length", "")
+        if limit is not None and declared.isdigit() and int(declared) > limit:
+            raise AnswerTooLarge(f"Content-Length {declared} over {limit} bytes")
         parts = []
+        size = 0
         while chunk := await self.read_chunk():
+            size += len(chunk)
+            if limit is not None and size > limit:
+                raise AnswerTooLarge(f"body over {limit} bytes")
             parts.append(chunk)
         return b"".join(parts)
 
