@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything pd-proxy needs on a fresh machine, in ./.venv (idempotent):
-# vLLM for CPU 0.32.0 with its CPU torch, NIXL, the router itself and its test tools,
-# and vLLM 0.33's code (not installed) for the connector's compatibility tests.
+# vLLM for CPU 0.32.0 with its CPU torch, NIXL, the router itself and its test tools, the
+# GPU-regime testbed, and vLLM 0.33's code (not installed) for the connector's
+# compatibility tests.
 # Usage: bash scripts/setup.sh        (about 3-5 minutes the first time, seconds after)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +44,10 @@ fi
 
 step "installing pd-proxy (editable), its Kubernetes client, test tools, linters and the benchmarks' plotting"
 pip_install -e ".[test,bench,lint,kubernetes]"
+# The GPU-regime testbed, its own distribution (testbed/pyproject.toml): its vLLM plugin
+# (the emulated model) is registered here, in the test environment, and never by pd-proxy.
+step "installing the GPU-regime testbed (editable) and its vLLM plugin"
+pip_install -e ./testbed
 # vLLM 0.33's Python package, never installed into .venv and never served (there is no CPU
 # build of it): tests/integration/test_vllm_next.py runs the connector's unit tests with
 # this folder first on the path, to check the connector against 0.33's own code.

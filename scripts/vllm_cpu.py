@@ -531,14 +531,15 @@ def pair(
 
 def require_testbed_plugin() -> None:
     """Fail clearly when vLLM would not find the emulated model: its plugin is an entry
-    point of this project's installed metadata, written by `pip install -e .`."""
+    point of the testbed's own distribution (testbed/pyproject.toml), which
+    scripts/setup.sh installs with `pip install -e ./testbed` (pd-proxy registers none)."""
     from importlib.metadata import entry_points
 
     if TESTBED_PLUGIN not in {ep.name for ep in entry_points(group="vllm.general_plugins")}:
         raise ServerStartError(
             f"vLLM plugin {TESTBED_PLUGIN!r} is not installed in {sys.prefix}: run "
-            "`bash scripts/setup.sh` (or `pip install -e .`) again so that vLLM can load "
-            "the emulated GPU model"
+            "`bash scripts/setup.sh` (or `pip install -e ./testbed`) again so that vLLM "
+            "can load the emulated GPU model"
         )
 
 

@@ -1,18 +1,25 @@
 """The GPU-regime testbed holds its profile on real vLLM: one server of the emulated
 model (`testbed`, profile llama8b-h100), alone on the machine.
 
-- Prefill: every 1,024-token prefill step within 10% of its target. End to end, the
-  time to first token of a 1,024-token prompt less that of a 16-token prompt (the
-  server's own HTTP and scheduling cost, which both share) from 10% under to 15% over
-  the profile's difference: the host's own work per prompt token (reading 1,024 token
-  ids, preparing the step's inputs) runs at this CPU's speed and only adds, about
-  2-3 ms here (8-10%), which the emulation leaves out (see the README).
+The emulation keeps time only while the model's own compute (the tiny model cut to one
+layer, see `testbed.model_dir`) fits inside the step it emulates, and that compute runs
+at this machine's speed. So the test calibrates first: it measures the compute of a
+prefill of each length in `LENGTHS` and tests the longest whose compute stays within
+`COMPUTE_BUDGET` of its step (printed, with the budget). The README states the machine
+this needs: one where a prefill of one of these lengths and a decode step fit the budget;
+on a slower one the test fails, saying so.
+
+- Prefill, at the calibrated length: every prefill step within 10% of its target, its
+  compute within the step. End to end, the time to first token of a fresh prompt less
+  that of the same prompt sent again (its prefix cached, one block computed) within 10%
+  of the profile's difference between the two steps. Both pay the same host work for
+  the prompt (the server's HTTP, reading and hashing the token ids, scheduling), at this
+  CPU's speed, which the emulation leaves out (see the README): the difference is the
+  emulated GPU time alone, on any machine.
 - Decode: the gaps between streamed tokens, and the period of the server's decode
-  steps, within 10% of the profile's step time for that batch and context.
-- The model's own compute (the tiny model cut to one layer, see `testbed.model_dir`):
-  under 20% of the emulated time, in the 1,024-token prefill steps (median; every one
-  within its step) and in decode steps (lower quartile: a one-token forward's wall time
-  also counts what else its core ran, see the test).
+  steps, within 10% of the profile's step time for that batch and context; a decode
+  step's compute within the budget (lower quartile: a one-token forward's wall time also
+  counts what else its core ran, see the test).
 
 The step records come from the server's step log (`testbed.clock`). Like every e2e
 test, a server that does not start fails the test; nothing here skips.
@@ -45,12 +52,17 @@ from tests.e2e.conftest import LOG_DIR, PAIR_START_TIMEOUT_S, PairManager
 pytestmark = pytest.mark.e2e
 
 PROFILE = get_profile("llama8b-h100")
-LONG, SHORT = 1024, 16  # prompt tokens
-ROUNDS = 8  # requests of each length
+# The prompt lengths the prefill test may use: the calibration picks the longest whose
+# compute fits COMPUTE_BUDGET here. From 1,024 tokens on, the model's compute grows faster
+# with the prompt than the profile's time (CPU attention), and its share with it.
+LENGTHS = (512, 1024, 2048, 4096)
+# The share of a step the model's own compute may take: the rest, slept, absorbs its
+# jitter and whatever else the machine's cores run meanwhile.
+COMPUTE_BUDGET = 0.5
+CALIBRATION_ROUNDS = 3  # prompts measured per length, after one to warm up
+ROUNDS = 8  # fresh prompts of the calibrated length, each sent twice
 DECODE_PROMPT, DECODE_TOKENS = 512, 48
 TOLERANCE = 0.10
-HOST_ALLOWANCE = 0.15  # end to end, above the profile: the host's per-token work (docstring)
-COMPUTE_SHARE = 0.20
 FIRST_TOKEN_ID = 3  # below: the tiny tokenizer's special tokens
 VOCAB = 4096
 
@@ -76,6 +88,34 @@ def gpu_server(pair_manager: PairManager, tiny_model: Any) -> Iterator[VllmServe
         pytest.fail(f"starting the emulated-GPU server failed: {exc}", pytrace=False)
 
 
+@pytest.fixture(scope="module")
+def prefill_tokens(gpu_server: VllmServer) -> int:
+    """The longest of `LENGTHS` whose prefill's own compute (the median of a few prompts)
+    fits COMPUTE_BUDGET of its step on this machine. Each length is measured: the share
+    is not monotonic (at the shortest the model's fixed costs weigh most)."""
+    rng = random.Random(15)
+    shares: dict[int, float] = {}
+    with httpx.Client(timeout=httpx.Timeout(60.0)) as client:
+        for tokens in LENGTHS:
+            _ttft(client, gpu_server.url, _prompt(tokens, rng))  # a first one pays one-offs
+            since = time.time()
+            for _ in range(CALIBRATION_ROUNDS):
+                _ttft(client, gpu_server.url, _prompt(tokens, rng))
+            steps = [r for r in _steps(gpu_server, since) if r.prefill_tokens == tokens]
+            assert len(steps) == CALIBRATION_ROUNDS, f"one-step prefills of {tokens} tokens"
+            shares[tokens] = statistics.median(step.compute_s / step.target_s for step in steps)
+    fitting = [tokens for tokens, share in shares.items() if share <= COMPUTE_BUDGET]
+    measured = ", ".join(f"{tokens} tokens {share:.0%}" for tokens, share in shares.items())
+    print(f"calibration: the model's own compute per prefill step (median of "
+          f"{CALIBRATION_ROUNDS}): {measured}; budget {COMPUTE_BUDGET:.0%} of the step")
+    assert fitting, (
+        f"this machine's compute of a prefill takes over {COMPUTE_BUDGET:.0%} of its emulated "
+        f"step at every length ({measured}): it is slower than the README's minimum for the "
+        "GPU-regime tests")
+    print(f"testing {max(fitting)}-token prompts")
+    return max(fitting)
+
+
 def _prompt(tokens: int, rng: random.Random) -> list[int]:
     """Fresh random token ids: exactly `tokens` of them, never in the prefix cache."""
     return [rng.randrange(FIRST_TOKEN_ID, VOCAB) for _ in range(tokens)]
@@ -95,40 +135,53 @@ def _steps(server: VllmServer, since: float) -> list[StepRecord]:
     return [r for r in read_step_log(server.spec.step_log_path) if r.at >= since]
 
 
-def _within(measured: float, expected: float, what: str, *, above: float = TOLERANCE) -> None:
-    assert -TOLERANCE * expected <= measured - expected <= above * expected, (
+def _within(measured: float, expected: float, what: str) -> None:
+    assert abs(measured - expected) <= TOLERANCE * expected, (
         f"{what}: measured {measured * 1e3:.2f} ms, profile {expected * 1e3:.2f} ms "
-        f"({measured / expected:.3f}x, allowed {1 - TOLERANCE:g}-{1 + above:g}x)")
+        f"({measured / expected:.3f}x, allowed {1 - TOLERANCE:g}-{1 + TOLERANCE:g}x)")
 
 
-def test_prefill_lasts_as_long_as_the_profile_says(gpu_server: VllmServer) -> None:
+def test_prefill_lasts_as_long_as_the_profile_says(gpu_server: VllmServer,
+                                                    prefill_tokens: int) -> None:
+    long = prefill_tokens
     rng = random.Random(16)
     with httpx.Client(timeout=httpx.Timeout(60.0)) as client:
-        for tokens in (SHORT, LONG):  # warm-up: first requests pay one-off costs
-            _ttft(client, gpu_server.url, _prompt(tokens, rng))
+        warm = _prompt(long, rng)  # warm-up: first requests pay one-off costs
+        _ttft(client, gpu_server.url, warm)
+        _ttft(client, gpu_server.url, warm)
         since = time.time()
-        times: dict[int, list[float]] = {SHORT: [], LONG: []}
+        fresh: list[float] = []
+        again: list[float] = []
         for _ in range(ROUNDS):
-            for tokens in (SHORT, LONG):
-                times[tokens].append(_ttft(client, gpu_server.url, _prompt(tokens, rng)))
-    expected = PROFILE.prefill_s(LONG) - PROFILE.prefill_s(SHORT)
-    measured = statistics.median(times[LONG]) - statistics.median(times[SHORT])
-    print(f"TTFT {LONG} less {SHORT} tokens: {measured * 1e3:.2f} ms, profile "
-          f"{expected * 1e3:.2f} ms")
-    _within(measured, expected, f"TTFT of {LONG} tokens less TTFT of {SHORT}",
-            above=HOST_ALLOWANCE)
-
-    steps = [r for r in _steps(gpu_server, since) if r.prefill_tokens == LONG]
-    assert len(steps) == ROUNDS, f"expected {ROUNDS} one-step prefills of {LONG} tokens"
-    for step in steps:
-        _within(step.step_s, step.target_s, f"a {LONG}-token prefill step")
-        assert step.target_s == pytest.approx(PROFILE.prefill_s(LONG), rel=1e-6)
+            prompt = _prompt(long, rng)
+            fresh.append(_ttft(client, gpu_server.url, prompt))
+            again.append(_ttft(client, gpu_server.url, prompt))  # from the prefix cache
+    records = _steps(gpu_server, since)
+    steps = [r for r in records if r.prefill_tokens == long]
+    cached = [r for r in records if r.context_tokens == long and 1 < r.prefill_tokens < long]
+    assert len(steps) == ROUNDS, f"expected {ROUNDS} one-step prefills of {long} tokens"
+    assert len(cached) == ROUNDS, f"expected {ROUNDS} prefills of {long} tokens' cache hits"
+    new = {r.prefill_tokens for r in cached}
+    assert len(new) == 1, f"the same prompt again computed {new} tokens"
+    again_s = PROFILE.prefill_s(min(new), cached=long - min(new))
+    expected = PROFILE.prefill_s(long) - again_s
+    measured = statistics.median(fresh) - statistics.median(again)
     shares = [step.compute_s / step.target_s for step in steps]
-    print(f"{LONG}-token prefill: compute {statistics.median(shares):.0%} of its step "
+    print(f"TTFT of a fresh {long}-token prompt less that of the same prompt again "
+          f"({min(new)} tokens computed): {measured * 1e3:.2f} ms, profile "
+          f"{expected * 1e3:.2f} ms (TTFTs {statistics.median(fresh) * 1e3:.2f} and "
+          f"{statistics.median(again) * 1e3:.2f} ms, profile {PROFILE.prefill_s(long) * 1e3:.2f}"
+          f" and {again_s * 1e3:.2f} ms: the rest is the host's)")
+    print(f"{long}-token prefill: compute {statistics.median(shares):.0%} of its step "
           f"(median), at most {max(shares):.0%}")
-    assert statistics.median(shares) < COMPUTE_SHARE, (
-        f"the model's {LONG}-token prefill took {statistics.median(shares):.0%} of the target")
-    assert max(shares) < 1, f"a {LONG}-token prefill's compute took {max(shares):.0%}"
+    for step in steps:
+        _within(step.step_s, step.target_s, f"a {long}-token prefill step")
+        assert step.target_s == pytest.approx(PROFILE.prefill_s(long), rel=1e-6)
+    for step in cached:
+        _within(step.step_s, step.target_s, f"a prefill of {long} tokens' cache hits")
+        assert step.target_s == pytest.approx(again_s, rel=1e-6)
+    assert max(shares) < 1, f"a {long}-token prefill's compute took {max(shares):.0%}"
+    _within(measured, expected, f"TTFT of {long} fresh tokens less TTFT of the same again")
 
 
 def test_decode_steps_last_as_long_as_the_profile_says(gpu_server: VllmServer) -> None:
@@ -147,14 +200,9 @@ def test_decode_steps_last_as_long_as_the_profile_says(gpu_server: VllmServer) -
     assert len(arrivals) >= DECODE_TOKENS, f"{len(arrivals)} events for {DECODE_TOKENS} tokens"
     gaps = [later - earlier for earlier, later in zip(arrivals[1:], arrivals[2:], strict=False)]
     expected = PROFILE.decode_step_s(1, DECODE_PROMPT + DECODE_TOKENS // 2)
-    print(f"decode: median gap {statistics.median(gaps) * 1e3:.2f} ms, profile "
-          f"{expected * 1e3:.2f} ms")
-    _within(statistics.median(gaps), expected, "median gap between streamed tokens")
-
     decodes = [r for r in _steps(gpu_server, since) if r.decodes == 1 and r.requests == 1]
     assert len(decodes) >= DECODE_TOKENS - 2, f"{len(decodes)} decode steps recorded"
     periods = [r.gap_s + r.step_s for r in decodes[1:] if r.gap_s is not None]
-    _within(statistics.median(periods), expected, "median period of decode steps")
     # A decode step's forward (one token) lasts well under a millisecond, so its wall
     # time also counts whatever else the core ran meanwhile: the server's API process
     # streams each token and this client reads it, on the same 2 cores. That is the
@@ -162,7 +210,13 @@ def test_decode_steps_last_as_long_as_the_profile_says(gpu_server: VllmServer) -
     # was seen at 10% in one run and 21% in another, on an otherwise quiet machine).
     shares = sorted(r.compute_s / r.target_s for r in decodes)
     share = statistics.quantiles(shares, n=4)[0]
-    print(f"decode: median step period {statistics.median(periods) * 1e3:.2f} ms, "
-          f"compute {share:.0%} of it (lower quartile; median "
-          f"{statistics.median(shares):.0%})")
-    assert share < COMPUTE_SHARE, f"the model's decode took {share:.0%} of the target"
+    print(f"decode: median gap {statistics.median(gaps) * 1e3:.2f} ms, median step period "
+          f"{statistics.median(periods) * 1e3:.2f} ms, profile {expected * 1e3:.2f} ms; "
+          f"compute {share:.0%} of a step (lower quartile; median "
+          f"{statistics.median(shares):.0%}), budget {COMPUTE_BUDGET:.0%}")
+    assert share <= COMPUTE_BUDGET, (
+        f"the model's decode step took {share:.0%} of its emulated time, over the "
+        f"{COMPUTE_BUDGET:.0%} budget: this machine is slower than the README's minimum for "
+        "the GPU-regime tests")
+    _within(statistics.median(gaps), expected, "median gap between streamed tokens")
+    _within(statistics.median(periods), expected, "median period of decode steps")

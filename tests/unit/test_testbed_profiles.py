@@ -236,10 +236,18 @@ def test_the_model_directory_names_the_architecture_and_profile(tmp_path: Path) 
         model_dir.build(tiny, "nope")
 
 
-def test_the_plugin_is_declared_and_registers_only_its_architecture() -> None:
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["entry-points"]["vllm.general_plugins"] == {
+def test_the_plugin_is_the_testbeds_own_and_registers_only_its_architecture() -> None:
+    # Declared by the testbed's distribution, which only the test environment installs...
+    testbed = tomllib.loads((ROOT / "testbed" / "pyproject.toml").read_text())
+    assert testbed["project"]["entry-points"]["vllm.general_plugins"] == {
         "pd_proxy_testbed": "testbed.plugin:register"}
+    assert testbed["tool"]["setuptools"]["packages"] == ["testbed"]
+    # ... and not by the product: pd-proxy registers no vLLM plugin and ships no testbed.
+    product = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert not [group for group in product["project"].get("entry-points", {})
+                if group.startswith("vllm.")]
+    shipped = product["tool"]["setuptools"]["packages"]["find"]["include"]
+    assert not [pattern for pattern in shipped if pattern.startswith("testbed")]
     from vllm import ModelRegistry as registry
 
     from testbed.plugin import register
