@@ -33,6 +33,10 @@ CPU_PAUSE = 0.01  # push_wait_pause on a CPU server, unless set
 DEFAULT_MAX_PENDING_PER_PEER = 4096
 # max_pending: all peers together, four D servers at their limit.
 DEFAULT_MAX_PENDING = 16384
+# max_peers: D's sockets to P servers at once. Each is a ZMQ socket in the side channel's
+# own context, which holds at most 1023; the limit leaves room below that.
+DEFAULT_MAX_PEERS = 256
+MAX_PEERS_LIMIT = 1000
 
 # How a server's NIXL agent makes progress (`nixl_progress_thread`; connector/progress.py).
 ProgressMode = Literal["event", "off", "spin"]
@@ -54,6 +58,7 @@ KEYS = (
     "early_write",
     "max_pending_per_peer",
     "max_pending",
+    "max_peers",
     "curve_secret_key_file",
     "curve_allowed_keys",
     "curve_server_key_file",
@@ -122,6 +127,10 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # P: at most this many live push registrations from all peers together (without
     # CURVE, every new ZMQ identity is a new peer: this is what bounds a flood of them).
     max_pending: int = DEFAULT_MAX_PENDING
+    # D: at most this many sockets to P servers at once (an LRU). One with no push in
+    # flight is closed when its P proved unreachable, after a minute unused, or to make
+    # room; a push to one more P while every socket has pushes in flight is computed here.
+    max_peers: int = DEFAULT_MAX_PEERS
     # Authentication of the push side channel (ZMQ CURVE; connector/keys.py makes keys).
     # All three, or none (then anyone who reaches the push port is trusted, and the
     # server logs a warning at start):
@@ -155,6 +164,9 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("max_pending_per_peer", "max_pending"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.max_peers <= MAX_PEERS_LIMIT:
+            raise ConfigError(f"max_peers must be in 1..{MAX_PEERS_LIMIT} (ZMQ's sockets "
+                              f"per context), got {self.max_peers}")
         given = [name for name in CURVE_KEYS if getattr(self, name)]
         if given and len(given) != len(CURVE_KEYS):
             missing = [name for name in CURVE_KEYS if name not in given]

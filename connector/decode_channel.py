@@ -10,6 +10,15 @@ own NIXL notification, and D's engine then calls `forget`.
 
 With CURVE keys (`connector.keys`), each DEALER is a CURVE client that checks P by P's
 public key. The sockets are used only by the channel's thread, which closes them.
+
+P servers come and go (pods, times their data-parallel ranks), so D's sockets are
+bounded: an LRU of at most `max_peers`, where a socket with no push in flight is closed
+once its P proved unreachable (its pushes failed for silence or no Ack), or after
+`PEER_IDLE_S` unused, or when a new P needs its place. A P that cannot be reached is
+retried with a growing interval (`RECONNECT_IVL_MS` up to `RECONNECT_IVL_MAX_MS`), not
+every 100 ms for ever. A registration for which no socket can be had (every one busy, or
+ZMQ refusing another) fails at once, and D computes that prompt itself. Each engine event
+and each message is handled under the thread's guard (`connector.channel_thread`).
 """
 
 from __future__ import annotations
@@ -17,12 +26,13 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
-from connector.channel_thread import ChannelThread, drain
+from connector.channel_thread import ChannelThread, describe, drain
 from connector.keys import ClientKeys
 from connector.messages import (
     Abort,
@@ -42,6 +52,13 @@ from connector.messages import (
 )
 
 logger = logging.getLogger("vllm.pd_connector.channel")
+
+# A socket to a P with no push in flight is closed after this long unused.
+PEER_IDLE_S = 60.0
+# ZMQ's reconnection to a P that is not there: the first retry after RECONNECT_IVL_MS,
+# each next one twice as late, up to RECONNECT_IVL_MAX_MS.
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 5000
 
 
 # --- the engine's events for D's channel thread ----------------------------------------
@@ -101,8 +118,14 @@ class _Pending:
 class _Peer:
     socket: zmq.Socket[Any]
     last_heard: float
+    last_used: float  # the last registration or abort for it: the LRU's order
     last_ping: float = 0.0
     transfers: set[TransferId] = field(default_factory=set)
+    unreachable: bool = False  # pushes failed for its silence: closed once it has none
+
+
+class _NoSocket(Exception):
+    """No socket to that P could be had (the reason is the message)."""
 
 
 class DecodeChannel(ChannelThread[DecodeEvent]):
@@ -111,9 +134,10 @@ class DecodeChannel(ChannelThread[DecodeEvent]):
     name = "pd-push-decode"
 
     def __init__(self, engine_id: EngineId, *, ack_timeout: float, ping_interval: float,
-                 peer_timeout: float, registration_ttl: float,
+                 peer_timeout: float, registration_ttl: float, max_peers: int = 256,
                  curve: ClientKeys | None = None) -> None:
-        """`curve`: connect to P's as a CURVE client with these keys (None: in the clear)."""
+        """`curve`: connect to P's as a CURVE client with these keys (None: in the clear).
+        `max_peers`: at most this many sockets to P servers at once."""
         super().__init__()
         self.engine_id = engine_id
         self._curve = curve
@@ -121,13 +145,18 @@ class DecodeChannel(ChannelThread[DecodeEvent]):
         self.ping_interval = ping_interval
         self.peer_timeout = peer_timeout
         self.registration_ttl = registration_ttl
+        self.max_peers = max_peers
         self._failures: queue.SimpleQueue[PushFailure] = queue.SimpleQueue()
         # Owned by the channel thread:
         self._pending: dict[TransferId, _Pending] = {}
-        self._peers: dict[str, _Peer] = {}
+        self._peers: OrderedDict[str, _Peer] = OrderedDict()  # least recently used first
         self._poller = zmq.Poller()
-        # Written by the channel thread, read by the engine thread (has_pending_work).
+        # Written by the channel thread, read by the engine thread (has_pending_work, the
+        # stats log).
         self.waiting = 0
+        self.open_peers = 0  # sockets to P servers now
+        self.peers_closed = 0  # sockets to P closed: idle, unreachable, or for room
+        self.no_socket = 0  # registrations failed at once: no socket to their P
 
     # --- engine thread -----------------------------------------------------------------
 
@@ -154,37 +183,54 @@ class DecodeChannel(ChannelThread[DecodeEvent]):
 
     # --- channel thread ----------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _setup(self) -> None:
         self._poller.register(self._wakeup.read_fd, zmq.POLLIN)
+
+    def _pass(self) -> None:
+        ready = self._poll(self._poller, self._next_deadline())
+        events: list[DecodeEvent] = []
         try:
-            while not self._stop.is_set():
-                ready = self._poll(self._poller, self._next_deadline())
-                events = self._drain_events()
-                for event in events:
-                    self._on_engine_event(event)
-                for address, peer in list(self._peers.items()):
-                    if peer.socket in ready:
-                        self._read_peer(address, peer)
-                self._check_time(time.monotonic())
-                self.waiting = len(self._pending)
-                self._mark_handled(len(events))
+            events = self._drain_events()
+            for event in events:
+                self._guarded(describe(event), self._on_engine_event, event)
+            for address, peer in list(self._peers.items()):
+                if peer.socket in ready:
+                    self._read_peer(address, peer)
+            now = time.monotonic()
+            self._check_time(now)
+            self._close_unused(now)
         finally:
-            for peer in self._peers.values():
-                peer.socket.close()
+            self.waiting = len(self._pending)
+            self.open_peers = len(self._peers)
+            self._mark_handled(len(events))
+
+    def _teardown(self) -> None:
+        for peer in self._peers.values():
+            peer.socket.close()
 
     def _on_engine_event(self, event: DecodeEvent) -> None:
         now = time.monotonic()
         match event:
             case RegisterPush(address, registration):
-                peer = self._peer(address, now)
                 tid = registration.transfer_id
-                self._pending[tid] = _Pending(registration, address, now + self.ack_timeout)
+                waits = _Pending(registration, address, now + self.ack_timeout)
+                try:
+                    peer = self._peer(address, now)
+                except _NoSocket as exc:
+                    self.no_socket += 1
+                    self._fail(waits, str(exc))  # P never saw it: nothing to wait for
+                    return
+                self._pending[tid] = waits
                 peer.transfers.add(tid)
                 self._send(peer, registration)
             case AbortPush(tid, address):
                 pending = self._pending.get(tid)
                 if pending is None and address is not None:
-                    self._send(self._peer(address, now), Abort(transfer_id=tid))
+                    try:
+                        self._send(self._peer(address, now), Abort(transfer_id=tid))
+                    except _NoSocket as exc:
+                        logger.info("push %s: could not tell P at %s that D will not take "
+                                    "it (%s); P frees it at its deadline", tid, address, exc)
                     return
                 if pending is None or pending.aborting:
                     return
@@ -199,22 +245,69 @@ class DecodeChannel(ChannelThread[DecodeEvent]):
                 self._drop(tid)
 
     def _peer(self, address: str, now: float) -> _Peer:
+        """The socket to P at `address`, made if need be (the least recently used idle
+        one closed to make room). Raises _NoSocket when none can be had."""
         peer = self._peers.get(address)
         if peer is None:
-            sock = self._context.socket(zmq.DEALER)
+            if len(self._peers) >= self.max_peers and not self._close_least_used():
+                raise _NoSocket(f"D has pushes in flight with {len(self._peers)} P servers, "
+                                f"its limit (max_peers)")
+            try:
+                sock = self._connect(address)
+            except zmq.ZMQError as exc:
+                raise _NoSocket(f"no socket to P at {address}: {exc}") from exc
+            peer = _Peer(sock, last_heard=now, last_used=now)
+            self._peers[address] = peer
+        else:
+            self._peers.move_to_end(address)
+            if not peer.transfers:
+                peer.last_heard = now  # idle until now: its silence so far means nothing
+            peer.last_used = now
+        return peer
+
+    def _connect(self, address: str) -> zmq.Socket[Any]:
+        sock = self._context.socket(zmq.DEALER)
+        try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, self.engine_id.encode())
+            sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
             if self._curve is not None:
                 sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.pair.secret)
                 sock.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.pair.public)
                 sock.setsockopt(zmq.CURVE_SERVERKEY, self._curve.server_public)
             sock.connect(address)
             self._poller.register(sock, zmq.POLLIN)
-            peer = _Peer(sock, last_heard=now)
-            self._peers[address] = peer
-        elif not peer.transfers:
-            peer.last_heard = now  # idle until now: its silence so far means nothing
-        return peer
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def _close_least_used(self) -> bool:
+        """Close the least recently used socket with no push in flight; False if none."""
+        for address, peer in self._peers.items():
+            if not peer.transfers:
+                self._close_peer(address, peer, "to make room for another P")
+                return True
+        return False
+
+    def _close_unused(self, now: float) -> None:
+        """Close the sockets with no push in flight whose P proved unreachable, or that
+        were not used for PEER_IDLE_S."""
+        for address, peer in list(self._peers.items()):
+            if peer.transfers:
+                continue
+            if peer.unreachable:
+                self._close_peer(address, peer, "its P was unreachable")
+            elif now - peer.last_used >= PEER_IDLE_S:
+                self._close_peer(address, peer, f"unused for {PEER_IDLE_S:g} s")
+
+    def _close_peer(self, address: str, peer: _Peer, why: str) -> None:
+        del self._peers[address]
+        self._poller.unregister(peer.socket)
+        peer.socket.close()
+        self.peers_closed += 1
+        logger.debug("push side channel: closed the socket to P at %s: %s", address, why)
 
     def _read_peer(self, address: str, peer: _Peer) -> None:
         while True:
@@ -223,12 +316,13 @@ class DecodeChannel(ChannelThread[DecodeEvent]):
             except zmq.Again:
                 return
             peer.last_heard = time.monotonic()
+            peer.unreachable = False
             try:
                 message = decode(payload)
             except ProtocolError as exc:
                 logger.warning("push side channel: refused a message from %s: %s", address, exc)
                 continue
-            self._on_message(message)
+            self._guarded(f"{describe(message)} from {address}", self._on_message, message)
 
     def _on_message(self, message: Message) -> None:
         if not isinstance(message, (Ack, Nack, PushFailed, PushDone)):
@@ -259,6 +353,7 @@ class DecodeChannel(ChannelThread[DecodeEvent]):
                 why = "P did not answer the abort in time"
             elif not pending.acked:
                 why = f"P did not acknowledge the registration within {self.ack_timeout:g} s"
+                self._peers[pending.peer].unreachable = True
             else:
                 why = "the push did not arrive before the registration's deadline"
             self._fail(pending, why)
@@ -266,6 +361,7 @@ class DecodeChannel(ChannelThread[DecodeEvent]):
             if not peer.transfers:
                 continue
             if now - peer.last_heard >= self.peer_timeout:
+                peer.unreachable = True
                 for tid in list(peer.transfers):
                     self._fail(self._pending[tid],
                                f"P at {address} silent for {now - peer.last_heard:.1f} s")
@@ -291,7 +387,9 @@ class DecodeChannel(ChannelThread[DecodeEvent]):
     def _drop(self, tid: TransferId) -> None:
         pending = self._pending.pop(tid, None)
         if pending is not None:
-            self._peers[pending.peer].transfers.discard(tid)
+            peer = self._peers.get(pending.peer)
+            if peer is not None:
+                peer.transfers.discard(tid)
 
     def _send(self, peer: _Peer, message: Message) -> None:
         try:

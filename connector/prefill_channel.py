@@ -22,7 +22,9 @@ thread never ran). Each wake-up of that thread reads at most a batch of messages
 deadlines, and only then goes back to the socket: a peer that floods the push port slows
 its own messages, not the engine's (a WRITE still starts, a prefill still expires).
 Messages that are not ours are counted (`bad_messages`) and logged at most
-`_LOG_BURST` times a minute, as are refused registrations.
+`LOG_BURST` times a minute, as are refused registrations. Each message and engine event
+is handled under the thread's guard (see `connector.channel_thread`): one that raises is
+counted and logged, and the thread goes on.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from connector.channel_thread import ChannelThread, drain
+from connector.channel_thread import LOG_BURST, ChannelThread, LogLimit, describe, drain
 from connector.early import EarlyOutbox
 from connector.keys import ServerKeys
 from connector.messages import (
@@ -78,9 +80,6 @@ logger = logging.getLogger("vllm.pd_connector.channel")
 # A refused peer retries its handshake every 100 ms: log the first refusal, then at most
 # this often (the count is in `push stats:`).
 _REFUSAL_LOG_INTERVAL_S = 60.0
-# What a peer can make P log: at most this many lines about its bad messages, and as many
-# about refused registrations, per _REFUSAL_LOG_INTERVAL_S (the counts are in `push stats:`).
-_LOG_BURST = 10
 # One wake-up of the channel thread reads at most this many messages, or this many bytes
 # (the message that passes it included), off each socket, then handles the engine's events
 # and the deadlines. Enough that a burst of honest registrations is read in a pass or two;
@@ -171,32 +170,6 @@ class WriteEnded:
 PrefillEvent = PrefillFinished | PrefillCompleting | PrefillAborted | WriteEnded
 
 
-class _LogLimit:
-    """At most `burst` log lines per `interval` seconds; the next line after a quiet
-    stretch says how many were left out."""
-
-    def __init__(self, burst: int, interval: float) -> None:
-        self._burst, self._interval = burst, interval
-        self._window_start: float | None = None
-        self._logged = 0  # in the current window
-        self.left_out = 0  # since the last line logged
-
-    def allow(self, now: float) -> bool:
-        """Whether to log this one; if not, it is counted in `left_out`."""
-        if self._window_start is None or now - self._window_start >= self._interval:
-            self._window_start, self._logged = now, 0
-        if self._logged >= self._burst:
-            self.left_out += 1
-            return False
-        self._logged += 1
-        return True
-
-    def suffix(self) -> str:
-        """For the line being logged: how many were left out before it (then reset)."""
-        left_out, self.left_out = self.left_out, 0
-        return f" ({left_out} more not logged)" if left_out else ""
-
-
 class _AllowedKeys:
     """The authenticator's question, on its own thread: may this CURVE public key (Z85)
     connect? Frozen set lookups only, so no lock is needed."""
@@ -273,9 +246,10 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         self.unidentified = 0  # messages dropped: authenticated, yet no key on them
         self.bad_messages = 0  # messages dropped: not [identity, payload], or undecodable
         self.received = 0  # messages read off the socket, whatever they held
-        self._refusal_log = _LogLimit(1, _REFUSAL_LOG_INTERVAL_S)
-        self._bad_message_log = _LogLimit(_LOG_BURST, _REFUSAL_LOG_INTERVAL_S)
-        self._refused_registration_log = _LogLimit(_LOG_BURST, _REFUSAL_LOG_INTERVAL_S)
+        self._refusal_log = LogLimit(1, _REFUSAL_LOG_INTERVAL_S)
+        self._bad_message_log = LogLimit(LOG_BURST, _REFUSAL_LOG_INTERVAL_S)
+        self._refused_registration_log = LogLimit(LOG_BURST, _REFUSAL_LOG_INTERVAL_S)
+        self._poller = zmq.Poller()
 
     # --- engine thread -----------------------------------------------------------------
 
@@ -328,34 +302,38 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
 
     # --- channel thread ----------------------------------------------------------------
 
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(self._wakeup.read_fd, zmq.POLLIN)
+    def _setup(self) -> None:
+        self._poller.register(self._socket, zmq.POLLIN)
+        self._poller.register(self._wakeup.read_fd, zmq.POLLIN)
         if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
-        try:
-            while not self._stop.is_set():
-                self._wake(self._poll(poller, self.registry.next_deadline()))
-        finally:
-            self._close_owned()
+            self._poller.register(self._monitor, zmq.POLLIN)
+
+    def _pass(self) -> None:
+        self._wake(self._poll(self._poller, self.registry.next_deadline()))
+
+    def _teardown(self) -> None:
+        self._close_owned()
 
     def _wake(self, ready: dict[Any, int]) -> None:
         """One pass of the thread, for the sockets `ready` says are readable: a batch from
         each, then every engine event, then the deadlines. Whatever a batch left on a
         socket keeps it readable, so the next poll returns at once for the next pass."""
-        if self._monitor is not None and self._monitor in ready:
-            self._read_monitor(self._monitor)
-        if self._socket in ready:
-            self._read_socket()
-        events = self._drain_events()
-        for event in events:
-            self._on_engine_event(event)
-        for release in self.registry.expire(time.monotonic()):
-            self._released(release)
-        self.live_transfers = len(self.registry)
-        self.counters = self.registry.counters()  # a copy, for the stats log
-        self._mark_handled(len(events))  # after live_transfers: see has_pending_work
+        events: list[PrefillEvent] = []
+        try:
+            if self._monitor is not None and self._monitor in ready:
+                self._read_monitor(self._monitor)
+            if self._socket in ready:
+                self._read_socket()
+            events = self._drain_events()
+            for event in events:
+                self._guarded(describe(event), self._on_engine_event, event)
+            for release in self.registry.expire(time.monotonic()):
+                self._guarded(f"the end of transfer {release.transfer_id}", self._released,
+                              release)
+        finally:
+            self.live_transfers = len(self.registry)
+            self.counters = self.registry.counters()  # a copy, for the stats log
+            self._mark_handled(len(events))  # after live_transfers: see has_pending_work
 
     def _read_monitor(self, monitor: zmq.Socket[Any]) -> None:
         """Count the peers CURVE refused (their messages never reach us), and say so in
@@ -396,10 +374,11 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
             except ProtocolError as exc:
                 self._bad_message(identity, str(exc))
                 continue
-            self._on_message(identity, message, peer)
+            self._guarded(f"{describe(message)} from {identity!r}", self._on_message,
+                          identity, message, peer)
 
     def _bad_message(self, identity: bytes, why: str) -> None:
-        """Count a message that is not ours, and log it (at most _LOG_BURST a minute)."""
+        """Count a message that is not ours, and log it (at most LOG_BURST a minute)."""
         self.bad_messages += 1
         if self._bad_message_log.allow(time.monotonic()):
             logger.warning("push side channel: refused a message from %r: %s%s", identity,

@@ -143,7 +143,8 @@ class DualScheduler(NixlPullConnectorScheduler):
         self.decode_channel = DecodeChannel(
             EngineId(engine_id), ack_timeout=config.ack_timeout,
             ping_interval=config.ping_interval, peer_timeout=config.peer_timeout,
-            registration_ttl=config.registration_ttl, curve=keys[1] if keys else None)
+            registration_ttl=config.registration_ttl, max_peers=config.max_peers,
+            curve=keys[1] if keys else None)
         self.prefill_channel.start()
         self.decode_channel.start()
         # D: the pushes this engine registered with a P; and what the next step tells the
@@ -160,7 +161,7 @@ class DualScheduler(NixlPullConnectorScheduler):
         self._next_step_jobs: list[PushJob] = []
         self.stats = PushStats()
         self._logged = (PushStats(), time.monotonic())
-        self._refused: tuple[int, ...] = (0,) * 9  # the drop counts last logged
+        self._refused: tuple[int, ...] = (0,) * 13  # the drop counts last logged
         logger.info("dual connector: modes %s; push side channel on %s:%d (%s); idle steps "
                     "while waiting for pushes pause %.1f ms; early WRITEs %s",
                     ",".join(wire.TRANSFER_MODE_VALUES), self.push_host, self.push_port,
@@ -308,6 +309,7 @@ class DualScheduler(NixlPullConnectorScheduler):
     # --- both: each step ----------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self.check_threads()
         meta = super().build_connector_meta(scheduler_output)
         step, self._step = self._step, PushStep()
         self._step_number += 1
@@ -353,6 +355,13 @@ class DualScheduler(NixlPullConnectorScheduler):
                 time.sleep(self.push_wait_pause)
         return meta
 
+    def check_threads(self) -> None:
+        """Every step: raise ThreadDied if a side-channel thread died. vLLM's engine then
+        stops with that error and its health check fails, so the server is restarted
+        rather than serving on with pushes that can no longer work."""
+        self.prefill_channel.check_alive()
+        self.decode_channel.check_alive()
+
     def _prompts_completing(self, scheduler_output: SchedulerOutput) -> Iterator[PrefillPush]:
         """P: the followed push prefills this step completes, each now COMPLETING with all
         of its blocks (clipped as for the exchange: what `request_finished` will hand
@@ -397,11 +406,12 @@ class DualScheduler(NixlPullConnectorScheduler):
     def _log_stats(self) -> None:
         last, at = self._logged
         now = time.monotonic()
-        channel = self.prefill_channel
+        channel, decode = self.prefill_channel, self.decode_channel
         s, r = self.stats, channel.counters
         refused = (r.over_limit, r.too_many_blocks, r.foreign_aborts, r.abandoned,
                    r.abandons_ignored, r.tombstones_dropped, channel.refused_handshakes,
-                   channel.unidentified, channel.bad_messages)
+                   channel.unidentified, channel.bad_messages, channel.errors, decode.errors,
+                   decode.peers_closed, decode.no_socket)
         if now - at < self.stats_interval or (self.stats == last and refused == self._refused):
             return
         self._logged = (dataclasses.replace(self.stats), now)
@@ -414,14 +424,16 @@ class DualScheduler(NixlPullConnectorScheduler):
             "%d fell back %d aborted %d; abandoned %d (ignored %d); dropped: over the "
             "pending limits %d, too many blocks or groups %d, aborts not from the registrant "
             "%d, oldest tombstones %d, peers refused by CURVE %d, unidentified messages %d, "
-            "undecodable messages %d",
+            "undecodable messages %d; errors survived by the channel threads: P %d, D %d; "
+            "D's sockets to P closed %d, registrations with no socket %d",
             s.pull_prefills, s.push_prefills, s.probes, s.writes_done, s.writes_failed,
             s.blocks_written, mean_ms, r.early, s.pull_offers, r.matched,
             r.expired_registrations, r.expired_unclaimed, r.aborted, r.rejected + r.duplicates,
             s.registrations, s.received, s.pulled_instead, s.fell_back, s.aborted,
             r.abandoned, r.abandons_ignored, r.over_limit, r.too_many_blocks,
             r.foreign_aborts, r.tombstones_dropped, channel.refused_handshakes,
-            channel.unidentified, channel.bad_messages)
+            channel.unidentified, channel.bad_messages, channel.errors, decode.errors,
+            decode.peers_closed, decode.no_socket)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)

@@ -27,7 +27,10 @@ once per step, which on P is after a whole forward pass. On P it polls the WRITE
 flight; on D, while a push is awaited, it fetches the notifications for the engine
 thread. The engine thread still collects finished WRITEs in `get_transfer_results`, and
 handles every notification (the scheduler keeps the engines stepping while a push is
-alive).
+alive). Each poll is guarded like the side-channel threads' passes
+(`connector.channel_thread.Guard`): an exception is counted and logged, and polling goes
+on; a poller that dies makes the next step raise `ThreadDied` (`start_step`), which
+stops the engine and fails vLLM's health check, instead of leaving pushes stuck.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 from connector.channel import StartWrite
+from connector.channel_thread import Guard
 from connector.config import DualConfig
 from connector.early import EarlyInbox
 from connector.messages import PullOffer
@@ -111,6 +115,7 @@ class DualWorker(PullPushWorker):
         self._poll_wanted = threading.Event()
         self._stopping = threading.Event()
         self._poller: threading.Thread | None = None
+        self._poller_guard = Guard("pd-nixl-poller")
         self._inbox: list[list[bytes]] = []
         self._inbox_lock = threading.Lock()
         # D: where the poller tells the scheduler, which may be pausing, that
@@ -129,7 +134,9 @@ class DualWorker(PullPushWorker):
 
     def start_step(self, metadata: NixlConnectorMetadata) -> None:
         """The step's push orders, as soon as its metadata is bound (before the forward
-        pass): D's waits and failures, P's WRITEs and releases."""
+        pass): D's waits and failures, P's WRITEs and releases. Raises ThreadDied first if
+        the poller thread died."""
+        self.check_poller()
         step: PushStep = getattr(metadata, "push", None) or PushStep()
         self._step_number = step.number
         self._start_early(forward_done=False)  # those of earlier steps that came late
@@ -277,19 +284,38 @@ class DualWorker(PullPushWorker):
             self._poller.start()
         self._poll_wanted.set()
 
+    def check_poller(self) -> None:
+        """Raise ThreadDied if the poller thread ended while the worker runs."""
+        if self._poller is not None and not self._stopping.is_set():
+            self._poller_guard.check(self._poller.is_alive())
+
     def _poll(self) -> None:
         """The poller thread: poll while P has WRITEs in flight or D awaits a push, then
         sleep until the next push starts."""
-        wake = WakeSender(*self._wake_at)  # this thread's own socket
         try:
-            while not self._stopping.is_set():
-                self._poll_wanted.wait()
-                self._poll_wanted.clear()
-                while not self._stopping.is_set() and (
-                        self._poll_writes() | self._poll_notifs(wake)):
-                    time.sleep(_POLL_S)
-        finally:
-            wake.close()
+            wake = WakeSender(*self._wake_at)  # this thread's own socket
+            try:
+                while not self._stopping.is_set():
+                    self._poll_wanted.wait()
+                    self._poll_wanted.clear()
+                    while not self._stopping.is_set() and self._poll_once(wake):
+                        time.sleep(_POLL_S)
+            finally:
+                wake.close()
+        except BaseException as exc:  # whatever ends the thread is said, and seen by the engine
+            self._poller_guard.died(exc)
+
+    def _poll_once(self, wake: WakeSender) -> bool:
+        """One poll of the WRITEs in flight and of D's notifications, under the guard:
+        True while there is more to poll (a failed poll is tried again, a little later;
+        too many in a row raise ThreadDied)."""
+        try:
+            busy = self._poll_writes() | self._poll_notifs(wake)
+        except Exception as exc:
+            self._stopping.wait(self._poller_guard.pass_failed(exc))
+            return True
+        self._poller_guard.pass_done()
+        return busy
 
     def _poll_writes(self) -> bool:
         """Poll every WRITE in flight once: NIXL moves a WRITE's bytes, and sends its

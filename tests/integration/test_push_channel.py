@@ -136,14 +136,12 @@ class Channels:
         self._running.append(channel)
         return channel
 
-    def decode(self, **timeouts: float) -> DecodeChannel:
+    def decode(self, **options: float) -> DecodeChannel:
+        """A started D; `options`: its timeouts, its `max_peers`."""
         self._count += 1
-        values = {"ack_timeout": 2.0, "ping_interval": 0.2, "peer_timeout": 3.0,
-                  "registration_ttl": 30.0, **timeouts}
-        channel = DecodeChannel(
-            EngineId(f"engine-d{self._count}"), ack_timeout=values["ack_timeout"],
-            ping_interval=values["ping_interval"], peer_timeout=values["peer_timeout"],
-            registration_ttl=values["registration_ttl"])
+        values: dict[str, Any] = {"ack_timeout": 2.0, "ping_interval": 0.2,
+                                  "peer_timeout": 3.0, "registration_ttl": 30.0, **options}
+        channel = DecodeChannel(EngineId(f"engine-d{self._count}"), **values)
         channel.start()
         self._running.append(channel)
         return channel

@@ -90,8 +90,8 @@ class Made:
 
     def decode(self, curve: ClientKeys | None = None, **timeouts: float) -> DecodeChannel:
         self.count += 1
-        values = {"ack_timeout": 1.0, "ping_interval": 0.2, "peer_timeout": 3.0,
-                  "registration_ttl": 30.0, **timeouts}
+        values: dict[str, Any] = {"ack_timeout": 1.0, "ping_interval": 0.2,
+                                  "peer_timeout": 3.0, "registration_ttl": 30.0, **timeouts}
         channel = DecodeChannel(EngineId(f"engine-d{self.count}"), curve=curve, **values)
         channel.start()
         self.channels.append(channel)

@@ -22,6 +22,7 @@ def test_only_our_keys_are_read_and_the_defaults_fill_the_rest() -> None:
     assert (config.pull_fallback_ttl, config.fault_injection) == (30.0, False)
     assert config.nixl_progress_thread == "event"
     assert config.push_wait_pause is None
+    assert config.max_peers == 256
 
 
 @pytest.mark.parametrize("mode", ["event", "off", "spin"])
@@ -97,6 +98,9 @@ def test_push_port_is_required(extra: dict[str, Any] | None) -> None:
                  id="pending-limit-zero"),
     pytest.param({"push_port": 5700, "max_pending": 0}, "max_pending must",
                  id="global-pending-limit-zero"),
+    pytest.param({"push_port": 5700, "max_peers": 0}, "max_peers", id="peer-limit-zero"),
+    pytest.param({"push_port": 5700, "max_peers": 1024}, "ZMQ's sockets per context",
+                 id="peer-limit-past-zmqs"),
     pytest.param({"push_port": 5700, "curve_secret_key_file": "/k"},
                  "missing: curve_allowed_keys, curve_server_key_file", id="curve-partial"),
     pytest.param({"push_port": 5700, "curve_allowed_keys": 5}, "curve_allowed_keys",
