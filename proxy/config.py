@@ -354,9 +354,16 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # Connections for health checks, probes, model lists and /metrics scrapes: a budget
     # of their own, so they never queue behind user traffic (0 = no limit).
     control_connections: int = 64
-    # Inference requests in flight at once; over it new ones get 503 with Retry-After
-    # (0 = no limit).
-    max_in_flight: int = 0
+    # Inference requests in flight at once; over it new ones get 503 with Retry-After at
+    # once. None: twice max_connections (every upstream connection busy, and as many
+    # requests again reading their bodies or waiting up to timeouts.pool for one);
+    # 0: no limit.
+    max_in_flight: int | None = None
+    # Bytes per second a client must accept of its answer while the router waits on it
+    # (its buffers full), measured over every timeouts.client_stall of waiting; below
+    # it the client is cut (slow_read) and its upstream legs closed. 0: only a client
+    # that accepts nothing is cut (stall).
+    client_min_read_rate: int = 1024
     # An upstream answer's status line and headers larger than this are a broken answer.
     max_upstream_header_bytes: int = 64 * 1024
     # A whole upstream answer (P's, a non-streamed D's, an error's body, a probe's, a
@@ -372,8 +379,9 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     def __post_init__(self) -> None:
         if self.max_body_bytes <= 0:
             raise ValueError(f"limits.max_body_bytes must be > 0, got {self.max_body_bytes!r}")
-        for name in ("max_connections", "control_connections", "max_in_flight"):
-            if getattr(self, name) < 0:
+        for name in ("max_connections", "control_connections", "max_in_flight",
+                     "client_min_read_rate"):
+            if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"limits.{name} must be >= 0, got {getattr(self, name)!r}")
         for name in ("max_upstream_header_bytes", "max_upstream_body_bytes",
                      "max_upstream_event_bytes"):
@@ -381,6 +389,14 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 raise ValueError(f"limits.{name} must be >= 1024, got {getattr(self, name)!r}")
         if self.max_dp_ranks < 1:
             raise ValueError(f"limits.max_dp_ranks must be >= 1, got {self.max_dp_ranks!r}")
+
+    @property
+    def in_flight_cap(self) -> int:
+        """The inference requests served at once, at most (0: no limit): max_in_flight,
+        else twice max_connections."""
+        if self.max_in_flight is not None:
+            return self.max_in_flight
+        return 2 * self.max_connections
 
 
 class EndpointConfig(Settings, frozen=True, kw_only=True, forbid_unknown_fields=True):

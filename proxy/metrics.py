@@ -114,8 +114,9 @@ class RouterMetrics:
         self.client_cuts = Counter(
             "pdproxy_client_cuts",
             "Client connections the router cut, by reason (stall: accepted no bytes for "
-            "timeouts.client_stall; slow_request: head or body not in within "
-            "timeouts.client_request)",
+            "timeouts.client_stall of waiting on it; slow_read: accepted fewer than "
+            "limits.client_min_read_rate bytes per second of waiting on it; slow_request: "
+            "head or body not in within timeouts.client_request)",
             ["reason"],
             registry=r,
         )

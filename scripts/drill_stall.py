@@ -1,8 +1,10 @@
-"""Drill: clients that open streams and never read must not take the router down.
+"""Drill: clients that open streams and never read, or read a trickle, must not take the
+router down.
 
     python -m scripts.drill_stall                       # 1,000 stalled clients, ~90 s
     python -m scripts.drill_stall --stalled 200 --duration 30 --stall-timeout 1
     python -m scripts.drill_stall --log-level warning   # the router logs each cut
+    python -m scripts.drill_stall --read-every 10 --read-bytes 1   # 1,000 slow readers
 
 What it proves: with `limits.max_connections: 64` (the upstream connections the router
 may open), `--stalled` clients open long streams over `--ramp` seconds and never read a
@@ -11,8 +13,16 @@ request every `--interval` seconds for the whole `--duration`. Each stalled stre
 an upstream connection until the router cuts its client (`timeouts.client_stall`) or
 refuses it; an ordinary request must get an answer meanwhile: a 200, or a clean
 OpenAI-shaped error (such as 503 with Retry-After when no upstream connection is free
-within `timeouts.pool`). Target: no silent request (no answer within `--answer-bound`
-seconds), and nothing left in flight once the stalled streams have been dealt with.
+within `timeouts.pool`, or at once over `limits.max_in_flight`). Target: no silent
+request (no answer within `--answer-bound` seconds), and nothing left in flight once the
+stalled streams have been dealt with.
+
+With `--read-every S`, the stalled clients are slow readers instead: each reads
+`--read-bytes` bytes of its answer every S seconds, however little, so that the router
+sees some progress (a byte a time may show none: the kernel opens a full receive window
+again only once about half of it is free). The router cuts them by
+`limits.client_min_read_rate` (`--min-read-rate`, bytes per second over each
+`--stall-timeout` of waiting on them: `slow_read`), or as stalled when it saw nothing.
 
 The router runs in a process of its own, served as `pd-proxy serve` serves it (uvloop,
 `proxy.api.listener`); fake P and D servers (`scripts.fake_vllm`) and the clients run in this
@@ -71,6 +81,9 @@ class Options:
     token_delay: float
     sndbuf: int
     log_level: str
+    read_every: float = 0.0  # the stalled clients read every this many seconds (0: never)
+    read_bytes: int = 1  # this many bytes each time
+    min_read_rate: int = 1024  # the router's limits.client_min_read_rate
 
 
 @dataclasses.dataclass
@@ -143,16 +156,46 @@ async def open_stalled(port: int, count: int, ramp: float, out: list[socket.sock
         out.append(sock)
 
 
-def stalled_outcome(sock: socket.socket) -> str:
-    """The status line a stalled client got (read at the end, without waiting). Whether
-    it was cut the router's counters say: a cut client may still be receiving what the
-    kernel had queued for it before the cut."""
-    try:
-        head = sock.recv(64, socket.MSG_PEEK)
-    except BlockingIOError:
+async def read_slowly(socks: list[socket.socket], every: float, size: int,
+                      heads: dict[int, bytes]) -> None:
+    """Every `every` seconds, each open socket of `socks` (more join as they connect)
+    reads `size` bytes if any are there; the first 64 bytes each got go to `heads`."""
+    closed: set[int] = set()
+    while True:
+        await asyncio.sleep(every)
+        for sock in list(socks):
+            if sock.fileno() in closed:
+                continue
+            try:
+                data = sock.recv(size)
+            except BlockingIOError:
+                continue
+            except OSError:  # reset: cut by the router
+                closed.add(sock.fileno())
+                continue
+            if not data:
+                closed.add(sock.fileno())
+                continue
+            head = heads.get(sock.fileno(), b"")
+            if len(head) < 64:
+                heads[sock.fileno()] = head + data
+
+
+def stalled_outcome(sock: socket.socket, heads: dict[int, bytes]) -> str:
+    """The status line a stalled client got (read at the end, without waiting; a slow
+    reader's from what it read). Whether it was cut the router's counters say: a cut
+    client may still be receiving what the kernel had queued for it before the cut."""
+    head = heads.get(sock.fileno(), b"")
+    if len(head) < 64:
+        try:
+            head += sock.recv(64 - len(head), socket.MSG_PEEK)
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            if not head:
+                return f"error {exc.errno}"
+    if not head:
         return "no answer"
-    except OSError as exc:
-        return f"error {exc.errno}"
     line = head.split(b"\r\n", 1)[0].decode("latin-1", "replace")
     return line.removeprefix("HTTP/1.1 ") if line else "closed, no answer"
 
@@ -221,7 +264,8 @@ async def drill(options: Options) -> int:
         urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
     values = {
         "prefill": [urls[0]], "decode": [urls[1]],
-        "limits": {"max_connections": options.max_connections},
+        "limits": {"max_connections": options.max_connections,
+                   "client_min_read_rate": options.min_read_rate},
         "timeouts": {"client_stall": options.stall_timeout},
     }
     spawn = multiprocessing.get_context("spawn")
@@ -244,10 +288,13 @@ async def drill(options: Options) -> int:
                         if (await control.get("/health")).status_code == 200:
                             break
                     await asyncio.sleep(0.1)
+            readers = (f"slow readers ({options.read_bytes} bytes every "
+                       f"{options.read_every:g} s)" if options.read_every else "stalled clients")
             print(f"router on {url} (pid {router.pid}); max_connections "
-                  f"{options.max_connections}, client_stall {options.stall_timeout:g} s; "
-                  f"{options.stalled} stalled clients over {options.ramp:g} s, an ordinary "
-                  f"request every {options.interval:g} s for {options.duration:g} s", flush=True)
+                  f"{options.max_connections}, client_stall {options.stall_timeout:g} s, "
+                  f"client_min_read_rate {options.min_read_rate} B/s; {options.stalled} "
+                  f"{readers} over {options.ramp:g} s, an ordinary request every "
+                  f"{options.interval:g} s for {options.duration:g} s", flush=True)
             return await run_load(options, port, control, d, stalled)
     finally:
         for sock in stalled:
@@ -268,11 +315,14 @@ async def run_load(options: Options, port: int, control: httpx.AsyncClient, d: F
     opener = asyncio.create_task(
         open_stalled(port, options.stalled, options.ramp, stalled, connect_failures))
     ordinary = asyncio.create_task(ordinary_clients(str(control.base_url), options, tally))
+    heads: dict[int, bytes] = {}
+    reader = asyncio.create_task(read_slowly(stalled, options.read_every, options.read_bytes,
+                                             heads)) if options.read_every else None
 
     async def progress() -> None:
         while True:
             await asyncio.sleep(5)
-            cuts = await metric(control, "pdproxy_client_cuts_total", reason="stall")
+            cuts = await metric(control, "pdproxy_client_cuts_total")
             in_flight = await metric(control, "pdproxy_endpoint_in_flight")
             print(f"{time.perf_counter() - started:6.1f}s  stalled open {len(stalled)}, "
                   f"cuts {cuts:.0f}, in flight {in_flight:.0f}, D streams running {d.active}; "
@@ -290,12 +340,17 @@ async def run_load(options: Options, port: int, control: httpx.AsyncClient, d: F
             await asyncio.sleep(0.5)
     finally:
         reporter.cancel()
+        if reader is not None:
+            reader.cancel()
     cuts = {reason: await metric(control, "pdproxy_client_cuts_total", reason=reason)
-            for reason in ("stall", "slow_request")}
-    seen = collections.Counter(stalled_outcome(sock) for sock in stalled)
+            for reason in ("stall", "slow_read", "slow_request")}
+    refused = await metric(control, "pdproxy_rejected_total")
+    seen = collections.Counter(stalled_outcome(sock, heads) for sock in stalled)
     print(f"\nafter {time.perf_counter() - started:.1f} s")
     print(tally.line())
-    print(f"cuts counted: stall {cuts['stall']:.0f}, slow_request {cuts['slow_request']:.0f}")
+    print(f"cuts counted: stall {cuts['stall']:.0f}, slow_read {cuts['slow_read']:.0f}, "
+          f"slow_request {cuts['slow_request']:.0f}; refused (pdproxy_rejected_total) "
+          f"{refused:.0f}")
     print("stalled clients' answers: " + ", ".join(f"{k}: {n}" for k, n in seen.most_common())
           + (f", could not connect: {len(connect_failures)}" if connect_failures else ""))
     print(f"pdproxy_endpoint_in_flight at the end: {in_flight:.0f}")
@@ -333,12 +388,21 @@ def parse_args(argv: list[str] | None = None) -> Options:
     parser.add_argument("--sndbuf", type=int, default=65536,
                         help="send buffer of the router's client connections in bytes; "
                              "0: the kernel's autotuning (default 65536)")
+    parser.add_argument("--read-every", type=float, default=0.0,
+                        help="the stalled clients read every this many seconds instead of "
+                             "never (default 0: never)")
+    parser.add_argument("--read-bytes", type=int, default=1,
+                        help="bytes each slow reader reads each time (default 1)")
+    parser.add_argument("--min-read-rate", type=int, default=1024,
+                        help="the router's limits.client_min_read_rate in bytes per second "
+                             "(default 1024)")
     parser.add_argument("--log-level", default="error",
                         choices=["debug", "info", "warning", "error"],
                         help="the router's log level; warning shows each cut (default error)")
     a = parser.parse_args(argv)
     return Options(a.stalled, a.ramp, a.duration, a.interval, a.stall_timeout,
-                   a.max_connections, a.answer_bound, a.token_delay, a.sndbuf, a.log_level)
+                   a.max_connections, a.answer_bound, a.token_delay, a.sndbuf, a.log_level,
+                   a.read_every, a.read_bytes, a.min_read_rate)
 
 
 def main() -> None:

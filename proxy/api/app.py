@@ -105,7 +105,7 @@ class RouterApp:
         # The admin API when it listens on its own address (`admin_listen`), else None.
         self.admin_api = admin_api
         self._max_body = config.limits.max_body_bytes
-        self._max_in_flight = config.limits.max_in_flight
+        self._max_in_flight = config.limits.in_flight_cap
         self._client_keys = ClientKeys.of(config)
         self._client_keys.log()
         self.in_flight = 0
@@ -139,7 +139,8 @@ class RouterApp:
             self._client_keys.check(scope)
         if self._max_in_flight and self.in_flight >= self._max_in_flight:
             raise Overloaded(f"the router is serving {self.in_flight} requests, its limit "
-                             "(limits.max_in_flight); try again shortly", reason="max_in_flight")
+                             f"(limits.max_in_flight: {self._max_in_flight}); try again shortly",
+                             reason="max_in_flight")
 
     def _reject(self, error: RouterError) -> None:
         metrics = self.state.router.metrics

@@ -4,18 +4,25 @@ bad client from holding the router's resources.
 A client that stops reading its answer makes uvicorn pause the flow that writes to it; the
 flow then stops reading its upstream legs, which keep their upstream connections and
 leases. Nothing in uvicorn ever ends that, so a few such clients could take every
-upstream connection (`limits.max_connections`) for good. Likewise a client that sends its
-request slowly (its head or its body) holds a connection forever. This protocol cuts both:
+upstream connection (`limits.max_connections`) for good, and so could clients that read a
+byte now and then. Likewise a client that sends its request slowly (its head or its body)
+holds a connection forever. This protocol cuts them:
 
-- stall: while the transport's write buffer is full (uvicorn paused writing), a timer of
-  `timeouts.client_stall` runs; when it fires and the client accepted no byte since it
-  was armed, the connection is aborted. A slow client that still reads is left alone:
-  any progress re-arms the timer. Abort, not close: close() would wait to flush bytes the
-  client never reads. uvicorn then tells the app `http.disconnect`, and the flow is
-  cancelled with both its legs (see `relay.FlowResponse`). The clock starts only once the
-  kernel's send queue for the socket is full too: the kernel autotunes that queue, up to
-  a few MB (measured on loopback: 2.9 MB queued before the pause), so a client that
-  stops reading a short or slow stream may get it whole into kernel buffers, uncut.
+- stall and slow_read: while the client is behind (the transport's write buffer is full,
+  so uvicorn paused writing; or the connection is closing with bytes unsent), the time
+  it waits on the client and the bytes the client accepts meanwhile are counted. Each
+  time those waits add up to `timeouts.client_stall`, the client must have accepted at
+  least `limits.client_min_read_rate` bytes per second of them, else the connection is
+  aborted: `stall` when it accepted none, `slow_read` when it accepted too few. The
+  counts run across pauses (a client that reads a burst now and then to resume writing
+  is measured over all its waits, not from its last burst), and start again when it has
+  caught up (nothing unsent) or passed a check. Abort, not close: close() would wait to
+  flush bytes the client never reads. uvicorn then tells the app `http.disconnect`, and
+  the flow is cancelled with both its legs (see `relay.FlowResponse`). The clock starts
+  only once the kernel's send queue for the socket is full too: the kernel autotunes
+  that queue, up to a few MB (measured on loopback: 2.9 MB queued before the pause), so a
+  client that stops reading a short or slow stream may get it whole into kernel
+  buffers, uncut.
 - slow_request: from a request's first byte, its head and body must be in within
   `timeouts.client_request`.
 - a new connection that sends nothing is closed after uvicorn's keep-alive timeout, as
@@ -23,8 +30,8 @@ request slowly (its head or its body) holds a connection forever. This protocol 
   a response).
 
 Each cut is logged with the client's address and counted in `pdproxy_client_cuts`.
-Timers exist only while there is something to watch: one while writes are paused, one
-while a request is coming in; none per byte.
+Timers exist only while there is something to watch: one while the router waits on the
+client, one while a request is coming in; none per byte.
 
 `server_config()` builds the uvicorn config for the router from its `RouterConfig`, so
 that the CLI and the tests serve through the same listener.
@@ -46,11 +53,11 @@ from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from proxy.config import RouterConfig, Timeouts
+from proxy.config import Limits, RouterConfig, Timeouts
 
 logger = logging.getLogger("pdproxy.listener")
 
-# Called with the reason ("stall" or "slow_request") of each cut.
+# Called with the reason ("stall", "slow_read" or "slow_request") of each cut.
 OnCut = Callable[[str], None]
 
 # Linux: the bytes in a socket's send queue not yet acknowledged by the peer. With it a
@@ -60,9 +67,11 @@ _OUTQ: int | None = getattr(termios, "TIOCOUTQ", None)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ClientLimits:
-    client_stall: float  # seconds a client may accept no byte while writes are paused
+    client_stall: float  # seconds of waiting on a client between two checks of its reading
     client_request: float  # seconds from a request's first byte to its last
     on_cut: OnCut
+    # bytes per second a client must accept while the router waits on it (0: any progress)
+    client_min_read_rate: int = 0
 
 
 class GuardedHttpProtocol(HttpToolsProtocol):
@@ -80,7 +89,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self._stall_timer: asyncio.TimerHandle | None = None
-        self._unsent_at_arm = 0  # what the client had not taken when the stall timer was armed
+        # The wait on the client now: since when (loop time; None: not waiting), and what
+        # it had not taken then. Past waits since the last check: their seconds, and the
+        # bytes the client took during them.
+        self._behind_since: float | None = None
+        self._unsent_at_arm = 0
+        self._waited = 0.0
+        self._taken = 0
         self._request_timer: asyncio.TimerHandle | None = None
         self._request_began: float | None = None  # loop time of a request's first byte
 
@@ -94,6 +109,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         )
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._behind_since = None
         self._stop_stall_timer()
         self._stop_request_timer()
         super().connection_lost(exc)
@@ -144,7 +160,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def resume_writing(self) -> None:
         super().resume_writing()
-        self._stop_stall_timer()
+        self._end_wait()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -156,24 +172,45 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._watch_unsent()  # the last answer may still be unread
 
     def _watch_unsent(self) -> None:
-        """Arm the stall timer, unless it runs or the client has everything already."""
-        if self._stall_timer is not None:
+        """A wait on the client begins, unless one runs or the client has everything
+        already: its timer fires when the waits since the last check reach client_stall."""
+        if self._behind_since is not None:
             return
         unsent = self._unsent()
         if unsent:
+            self._behind_since = self.loop.time()
             self._unsent_at_arm = unsent
-            self._stall_timer = self.loop.call_later(self.limits.client_stall, self._stall_check)
+            left = max(self.limits.client_stall - self._waited, 0.0)
+            self._stall_timer = self.loop.call_later(left, self._stall_check)
+
+    def _end_wait(self) -> None:
+        """The client took enough for writes to resume: count this wait, stop its timer."""
+        if self._behind_since is None:
+            return
+        self._waited += self.loop.time() - self._behind_since
+        self._taken += max(self._unsent_at_arm - self._unsent(), 0)
+        self._behind_since = None
+        self._stop_stall_timer()
 
     def _stall_check(self) -> None:
         self._stall_timer = None
+        began, self._behind_since = self._behind_since, None
         unsent = self._unsent()
+        waited = self._waited + (self.loop.time() - began if began is not None else 0.0)
+        taken = self._taken + max(self._unsent_at_arm - unsent, 0)
+        self._waited, self._taken = 0.0, 0
         if unsent == 0:
-            return
-        if unsent < self._unsent_at_arm:  # it took some bytes: slow, not stalled
+            return  # it has caught up: nothing to wait on
+        rate = self.limits.client_min_read_rate
+        if taken == 0:
+            self._cut("stall", f"accepted no bytes for {waited:.3g} s (timeouts.client_stall), "
+                               f"{unsent} bytes unsent")
+        elif taken < rate * waited:
+            self._cut("slow_read", f"accepted {taken} bytes in {waited:.3g} s of waiting on it, "
+                                   f"under {rate} bytes/s (limits.client_min_read_rate), "
+                                   f"{unsent} bytes unsent")
+        else:  # reads fast enough: the next check counts from now
             self._watch_unsent()
-            return
-        self._cut("stall", f"accepted no bytes for {self.limits.client_stall:g} s "
-                           f"(timeouts.client_stall), {unsent} bytes unsent")
 
     def _unsent(self) -> int:
         """Bytes written to this client that it has not accepted yet: those still in the
@@ -230,6 +267,7 @@ def server_config(
         client_stall=timeouts.client_stall,
         client_request=timeouts.client_request,
         on_cut=on_cut or count_in_router_metrics(app),
+        client_min_read_rate=(config.limits if config is not None else Limits()).client_min_read_rate,
     )
     protocol = type("RouterHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})
     settings: dict[str, Any] = {}

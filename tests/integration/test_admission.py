@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from proxy.api.app import create_app
-from proxy.config import build_config
+from proxy.config import Limits, build_config
 from tests.conftest import serve_router, until
 from tests.integration.conftest import Pair
 
@@ -40,6 +40,27 @@ async def test_over_max_in_flight_a_request_gets_503_with_retry_after(pair: Pair
     assert 'pdproxy_rejected_total{reason="max_in_flight"} 1.0' in metrics
     assert "pdproxy_requests_in_flight 0.0" in metrics
     assert len(pair.decode.seen) == 3, "the refused request reached no server"
+
+
+async def test_by_default_max_in_flight_is_twice_the_upstream_connections(pair: Pair) -> None:
+    pair.decode.behavior.delay = 1.0  # D holds each request a second
+    async with serve_router(**config(pair, limits={"max_connections": 2})) as (url, app), \
+            httpx.AsyncClient(base_url=url, timeout=20) as client:
+        # two on D's connections, two waiting for one (within timeouts.pool)
+        held = [asyncio.create_task(client.post("/v1/completions", json=BODY)) for _ in range(4)]
+        await until(lambda: app.in_flight == 4, "four requests in flight")
+        r = await client.post("/v1/completions", json=BODY)
+        assert r.status_code == 503, r.text
+        assert "(limits.max_in_flight: 4)" in r.json()["error"]["message"]
+        assert [t.status_code for t in await asyncio.gather(*held)] == [200] * 4
+
+
+def test_the_in_flight_cap_follows_the_connection_limit() -> None:
+    assert Limits().in_flight_cap == 2 * Limits().max_connections == 2048
+    assert Limits(max_connections=10).in_flight_cap == 20
+    assert Limits(max_connections=0).in_flight_cap == 0, "no connection limit: no cap"
+    assert Limits(max_connections=10, max_in_flight=3).in_flight_cap == 3
+    assert Limits(max_in_flight=0).in_flight_cap == 0, "0: no limit, as configured"
 
 
 async def test_client_api_keys_guard_the_inference_routes(

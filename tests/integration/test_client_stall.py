@@ -27,11 +27,12 @@ TINY_RCVBUF = 4096
 
 
 @contextlib.asynccontextmanager
-async def router(pair: Pair) -> AsyncIterator[tuple[str, Any, Any]]:
+async def router(pair: Pair, **extra: Any) -> AsyncIterator[tuple[str, Any, Any]]:
     """The router with short client timeouts; yields (URL, app, uvicorn server)."""
     config = build_config({
         "prefill": [pair.p_url], "decode": [pair.d_url], "health": {"interval": 0},
         "timeouts": {"health": 10.0, "client_stall": STALL, "client_request": REQUEST},
+        **extra,
     }, {})
     app = create_app(config)
     async with serving(app, name="stall-router", config=config) as (url, server):
@@ -155,6 +156,41 @@ async def test_a_slow_client_that_reads_is_not_cut(pair: Pair) -> None:
         await pair.decode.until(lambda seen: seen[0].outcome == "ok", timeout=BOUND)
 
 
+async def test_a_client_that_reads_too_slowly_is_cut_and_its_legs_released(pair: Pair) -> None:
+    pair.decode.behavior.tokens = 100_000  # about 15 MB: far more than the buffers hold
+    rate = 64 * 1024  # limits.client_min_read_rate: the client reads about a quarter of it
+    async with router(pair, limits={"client_min_read_rate": rate}) as (url, _app, server):
+        sock = await connect(url, rcvbuf=TINY_RCVBUF)
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.sock_sendall(sock, stream_request(100_000))
+            await until(lambda: server.server_state.connections, "the router's connection", BOUND)
+            (protocol,) = server.server_state.connections
+            protocol.transport.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+            await until(lambda: protocol.flow.write_paused, "writes paused", BOUND)
+            # 4 KB every 250 ms: it reads, so it is no stall, but at 16 KB/s
+
+            async def read_slowly() -> None:
+                while True:
+                    try:
+                        data = await loop.sock_recv(sock, 4096)
+                    except ConnectionResetError:
+                        return
+                    if not data:
+                        return
+                    await asyncio.sleep(0.25)
+
+            async with asyncio.timeout(STALL + BOUND):
+                await read_slowly()  # until the router cuts it
+            await pair.decode.until(lambda seen: seen[0].outcome == "cancelled", timeout=BOUND)
+            await until_metric(url, "pdproxy_endpoint_in_flight", 0)
+            assert await metric(url, "pdproxy_client_cuts_total", reason="slow_read") == 1
+            assert await metric(url, "pdproxy_client_cuts_total", reason="stall") == 0
+        finally:
+            sock.close()
+
+
 async def test_a_client_that_sends_half_its_headers_is_cut(pair: Pair) -> None:
     async with router(pair) as (url, _app, _server):
         sock = await connect(url)
@@ -204,5 +240,6 @@ async def test_the_cli_serves_through_the_same_listener(pair: Pair) -> None:
     protocol = uvicorn_config.http
     assert isinstance(protocol, type) and issubclass(protocol, GuardedHttpProtocol)
     assert (protocol.limits.client_stall, protocol.limits.client_request) == (7.0, 3.0)
+    assert protocol.limits.client_min_read_rate == 1024  # the default
     assert (uvicorn_config.host, uvicorn_config.port, uvicorn_config.loop) == (
         "127.0.0.1", 8123, "uvloop")
