@@ -115,8 +115,9 @@ ROWS: list[tuple[str, list[Panel]]] = [
         Panel("Rejected", "Requests refused by the router's own limits or checks, by reason "
               "(pool_timeout, max_in_flight, unauthorized).",
               [(rate("pdproxy_rejected_total", "reason"), "{{reason}}")], width=6),
-        Panel("Clients cut", "Client connections cut for accepting no bytes (stall) or "
-              "sending their request too slowly (slow_request).",
+        Panel("Clients cut", "Client connections cut for accepting no bytes (stall) or too "
+              "few (slow_read) while the router waited on them, or sending their request too "
+              "slowly (slow_request).",
               [(rate("pdproxy_client_cuts_total", "reason"), "{{reason}}")], width=6),
         Panel("Admin auth failures", "Admin API calls refused for a missing or wrong token.",
               [(f"sum(rate(pdproxy_admin_auth_failures_total{{{SELECT}}}[{WINDOW}]))",
