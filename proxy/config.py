@@ -513,6 +513,34 @@ class Discovery(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     kubernetes: KubernetesDiscoveryConfig | None = None
 
 
+class WorkerSupervision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How the supervisor of `--workers N` keeps its workers (see `proxy.workers`)."""
+
+    # A worker that exits is started again after restart_backoff seconds, doubled for each
+    # of its exits within restart_window, up to restart_backoff_max.
+    restart_backoff: float = 0.5
+    restart_backoff_max: float = 30.0
+    # A worker that exits more than max_restarts times within restart_window seconds is
+    # in a crash loop: the supervisor stops every worker and exits with status 4.
+    max_restarts: int = 5
+    restart_window: float = 60.0
+    # The supervisor asks each serving worker for a heartbeat on its control socket every
+    # heartbeat_interval seconds; a worker that answers none for heartbeat_timeout seconds
+    # (alive but stuck) is killed and started again. heartbeat_interval 0: no heartbeats.
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.restart_backoff <= self.restart_backoff_max:
+            raise ValueError("supervisor needs 0 < restart_backoff <= restart_backoff_max")
+        if self.max_restarts < 0 or not self.restart_window > 0:
+            raise ValueError("supervisor needs max_restarts >= 0 and restart_window > 0")
+        if self.heartbeat_interval < 0 or (
+                self.heartbeat_interval > 0 and not self.heartbeat_timeout > self.heartbeat_interval):
+            raise ValueError("supervisor needs heartbeat_interval >= 0 and heartbeat_timeout > "
+                             "heartbeat_interval")
+
+
 def _default_client_modes() -> list[Mode]:
     return [Mode.PULL, Mode.PUSH, Mode.AUTO]
 
@@ -572,6 +600,8 @@ class RouterConfig(Settings, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     access_log: bool = False  # uvicorn's access log; the router logs one line per request
     # Processes serving the one port (see proxy.workers); 1: the router is this process.
     workers: int = 1
+    # With workers > 1: restarts, crash loops and heartbeats (proxy.workers).
+    supervisor: WorkerSupervision = WorkerSupervision()
 
     def __post_init__(self) -> None:
         discovered = self.discovery.kubernetes is not None  # the lists may start empty

@@ -1,6 +1,7 @@
 """One router process: `run` serves the app (and the admin listener, with
 `admin_listen`) until SIGTERM/SIGINT, alone (`pd-proxy serve`) or as one worker of
-`--workers N` (`proxy.workers`), with the sockets the supervisor bound.
+`--workers N` (`proxy.workers`), with the sockets the supervisor bound. SIGHUP reads the
+config file again and applies its server lists (`ConfigWatcher.reload`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import gc
 import logging
 import multiprocessing
+import signal
 import socket
 import sys
 from collections.abc import Iterator
@@ -122,6 +124,7 @@ def run(
     from proxy.api.app import create_app  # FastAPI loads only when a router runs
     from proxy.api.listener import server_config
 
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # until the loop handles it (serve_all)
     kubernetes = config.discovery.kubernetes
     found = (f" + pods in namespace {kubernetes.namespace} ({kubernetes.prefill_selector} / "
              f"{kubernetes.decode_selector})" if kubernetes is not None else "")
@@ -157,7 +160,18 @@ def run(
     sockets = [worker.listener] if worker else None
     admin_sockets = [worker.admin_listener] if worker and worker.admin_listener else None
 
+    def reload() -> None:
+        router = getattr(app.state, "router", None)  # set once the app started
+        watcher = router.watcher if router is not None else None
+        if watcher is None:
+            logging.getLogger("pdproxy").warning(
+                "SIGHUP: no config file to read again (%s)",
+                "not serving yet" if router is None else "started without --config")
+            return
+        watcher.reload()
+
     async def serve_all() -> None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, reload)
         if worker is not None:
             worker.watch_parent(server)
         if admin is None:

@@ -20,9 +20,10 @@ cluster's key only with `admin_inherit_cluster_key`, and its URL may be a link-l
 metadata address only with `admin_allow_link_local`.
 
 With `--workers N`, each call is applied by the worker that took it (`apply`) and then by
-every other worker (`proxy.api.control`): a change answers once all have applied it, with
-"workers" listing them, or 502 naming those that failed; a GET answers this worker's view
-plus every worker's under "workers".
+every other worker (`proxy.api.control`), one change at a time in one order everywhere,
+and written to the workers' state file that a restarted worker takes: a change answers
+once all have applied it, with "workers" listing them, or 502 naming those that failed;
+a GET answers this worker's view plus every worker's under "workers".
 """
 
 from __future__ import annotations
@@ -64,10 +65,10 @@ Answer = tuple[int, dict[str, Any]]
 
 
 class OtherWorkers(Protocol):
-    """The other workers of `--workers N`, which each call is forwarded to
-    (`proxy.api.control.WorkerGroup`)."""
+    """The workers of `--workers N` (`proxy.api.control.WorkerGroup`): a call is applied
+    here and on every other worker."""
 
-    async def spread(self, call: AdminCall, answer: dict[str, Any]) -> dict[str, Any]: ...
+    async def admin(self, call: AdminCall) -> Answer: ...
 
 
 def apply(router: Router, call: AdminCall) -> Answer:
@@ -213,10 +214,8 @@ def install(app: FastAPI, token: str) -> None:
         router = authorized(request)
         call = AdminCall(method=request.method, path=request.url.path,
                          query=dict(request.query_params), body=await request.body())
-        status, answer = apply(router, call)
         workers: OtherWorkers | None = getattr(request.app.state, "workers", None)
-        if workers is not None:
-            answer = await workers.spread(call, answer)
+        status, answer = await workers.admin(call) if workers is not None else apply(router, call)
         return JSONResponse(answer, status)
 
     for method, path in _OPERATIONS:

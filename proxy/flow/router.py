@@ -170,8 +170,8 @@ class Router:
             from proxy.pool.discovery import KubernetesDiscovery
             self.discovery = KubernetesDiscovery(config.discovery.kubernetes, self.membership,
                                                  self.metrics)
-        self.watcher = None
-        if source is not None and config.config_watch_interval > 0:
+        self.watcher = None  # polls only with config_watch_interval; reloads on SIGHUP
+        if source is not None:
             self.watcher = ConfigWatcher(source.path, source.load, self.membership, config,
                                          interval=config.config_watch_interval)
 

@@ -2,11 +2,11 @@
 
 Two ways in, one set of operations (`Membership`):
 - the admin API (`proxy.api.admin`): add, remove, drain one server;
-- the config file, watched (`ConfigWatcher`): when it changes, it is read and validated
-  again; a bad file is refused with a log line and the running config kept; a good one
-  has its `prefill` and `decode` lists applied (servers added, removed, or replaced when
-  their settings changed; `drain: true` drains a server in place). Other settings need
-  a restart, and the log says which.
+- the config file, watched (`ConfigWatcher`): when it changes, or on SIGHUP (`reload`),
+  it is read and validated again; a bad file is refused with a log line and the running
+  config kept; a good one has its `prefill` and `decode` lists applied (servers added,
+  removed, or replaced when their settings changed; `drain: true` drains a server in
+  place). Other settings need a restart, and the log says which.
 
 Removing a server takes it out of picking at once; requests already on it finish (each
 holds its endpoint). Draining keeps it listed and checked but gives it no new request:
@@ -15,10 +15,11 @@ remove it once `in_flight` is 0 (GET /admin/endpoints shows it).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,8 @@ from proxy.pool.periodic import Periodic
 from proxy.pool.probe import CoordinateProber
 
 logger = logging.getLogger("pdproxy.membership")
+
+Stamp = tuple[float, int]  # a file's modification time and size
 
 
 class Membership:
@@ -74,8 +77,11 @@ class Membership:
         return endpoint
 
     def drain(self, name: ClusterName, url: str, draining: bool = True) -> Endpoint:
+        """Drain a server or take it back; its config says so too, so that a config file
+        applied later (its `drain`) and the workers' shared servers compare with it."""
         endpoint = self.endpoint(name, url)
         endpoint.draining = draining
+        endpoint.config = msgspec.structs.replace(endpoint.config, drain=draining)
         logger.info("%s server %s %s (%d in flight)", name.value, endpoint.url,
                     "draining" if draining else "taking requests again", endpoint.in_flight)
         return endpoint
@@ -154,49 +160,81 @@ def _describe(e: Endpoint, now: float) -> dict[str, Any]:
 
 
 class ConfigWatcher:
-    """Polls the config file every `interval` seconds; applies a changed, valid one."""
+    """Polls the config file every `interval` seconds (0: never) and applies a changed,
+    valid one; `reload` reads and applies it now, changed or not (SIGHUP).
+
+    A worker of `--workers N` applies a change through the workers' shared state
+    (`proxy.api.control.WorkerGroup` sets `apply_change`), so that every worker applies
+    it once and in the same order as the admin API's changes."""
 
     def __init__(self, path: Path, load: Callable[[], RouterConfig], membership: Membership,
                  running: RouterConfig, *, interval: float) -> None:
-        self._path = path
+        self.path = path
+        self.interval = interval  # seconds between two looks at the file (0: never)
         self._load = load
         self._membership = membership
         self._running = running
-        self._seen = self._stamp()
+        self.seen = self.stamp()  # the file as last read
+        self.apply_change: Callable[[bool], Awaitable[list[str] | None]] = self._apply_here
         self._rounds = Periodic(f"config watcher ({path})", interval, self._check_round)
+        self._reload: asyncio.Task[None] | None = None  # owned: aclose ends it
 
     def start(self) -> None:
         self._rounds.start()
 
     async def aclose(self) -> None:
         await self._rounds.aclose()
+        if self._reload is not None:
+            self._reload.cancel()
+            await asyncio.gather(self._reload, return_exceptions=True)
+            self._reload = None
 
-    def _stamp(self) -> tuple[float, int] | None:
+    def stamp(self) -> Stamp | None:
         try:
-            stat = os.stat(self._path)
+            stat = os.stat(self.path)
         except OSError:
             return None
         return stat.st_mtime, stat.st_size
 
     async def _check_round(self) -> None:
-        self.check()
+        await self.check()
 
-    def check(self) -> list[str] | None:
-        """Re-read the file if it changed; None when nothing was applied."""
-        stamp = self._stamp()
-        if stamp == self._seen:
+    async def check(self, *, force: bool = False) -> list[str] | None:
+        """Re-read the file if it changed (or `force`); None when nothing was applied."""
+        stamp = self.stamp()
+        if stamp == self.seen and not force:
             return None
-        self._seen = stamp
+        self.seen = stamp
+        return await self.apply_change(force)
+
+    def reload(self) -> None:
+        """Read the file and apply it now, changed or not (SIGHUP), in the background;
+        a reload asked for while one runs is that one."""
+        if self._reload is None or self._reload.done():
+            self._reload = asyncio.create_task(self._reload_now(), name="config-reload")
+
+    async def _reload_now(self) -> None:
+        logger.info("config %s: reloading (SIGHUP)", self.path)
+        try:
+            await self.check(force=True)
+        except Exception:  # a reload that fails is logged; the running config stays
+            logger.exception("config %s: the reload failed", self.path)
+
+    async def _apply_here(self, force: bool) -> list[str] | None:
+        return self.read_and_apply()
+
+    def read_and_apply(self) -> list[str] | None:
+        """Read the file and apply its server lists; None when it is refused."""
         try:
             new = self._load()
         except (OSError, ValueError) as exc:
-            logger.error("config %s refused, the running config stays: %s", self._path, exc)
+            logger.error("config %s refused, the running config stays: %s", self.path, exc)
             return None
         changes = self._membership.apply(new)
         ignored = [f for f in new.__struct_fields__ if f not in ("prefill", "decode")
                    and getattr(new, f) != getattr(self._running, f)]
-        logger.info("config %s re-read: %s", self._path, ", ".join(changes) or "no server changed")
+        logger.info("config %s re-read: %s", self.path, ", ".join(changes) or "no server changed")
         if ignored:
             logger.warning("config %s: %s changed; these take effect at the next restart",
-                           self._path, ", ".join(ignored))
+                           self.path, ", ".join(ignored))
         return changes

@@ -5,6 +5,8 @@ change applied, a bad file refused with the running config kept)."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
@@ -17,6 +19,7 @@ import pytest
 from proxy.config import ConfigSource, build_config, read_config_file
 from scripts.fake_vllm import Fabric, FakeVLLM, start
 from tests.conftest import serve_router, until
+from tests.integration.test_workers import REPO, free_port
 
 TOKEN = "s3cret-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -268,3 +271,45 @@ async def test_drain_in_the_config_file_keeps_running_requests_and_takes_no_new_
         await until(taking, "drain: false in the file applied")
         await complete(client, url, 4)
         assert len(fakes.decode[0].seen) > on_d0
+
+
+async def test_sighup_reads_the_config_file_again(fakes: Fakes, tmp_path: Path) -> None:
+    """`pd-proxy serve` alone: SIGHUP applies the file's servers now (here it is not
+    watched), and the router runs on."""
+    port = free_port()
+    path = tmp_path / "router.yaml"
+
+    def write(decode: list[str]) -> None:
+        path.write_text(f"prefill: [{fakes.p_url}]\ndecode: [{', '.join(decode)}]\nport: {port}\n"
+                        f"admin_token: {TOKEN}\nconfig_watch_interval: 0\nhealth: {{interval: 0}}\n"
+                        "log_level: warning\n")
+
+    write(fakes.d_urls[:1])
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "proxy", "serve", "--config", str(path), cwd=REPO)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", headers=AUTH,
+                                     timeout=10) as client:
+            async def decode() -> set[str]:
+                try:
+                    listing = (await client.get("/admin/endpoints")).json()["endpoints"]
+                except httpx.TransportError:
+                    return set()
+                return {e["url"] for e in listing if e["cluster"] == "decode"}
+
+            await until(decode, "the router serves", timeout=30)
+            write(fakes.d_urls[:2])
+            process.send_signal(signal.SIGHUP)
+
+            async def applied() -> bool:
+                return await decode() == set(fakes.d_urls[:2])
+
+            await until(applied, "the second D added by SIGHUP")
+            assert process.returncode is None
+            process.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(30):  # uvicorn ends by raising SIGTERM again
+                assert await process.wait() in (0, -signal.SIGTERM)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
