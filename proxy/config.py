@@ -475,15 +475,23 @@ class KubernetesDiscoveryConfig(msgspec.Struct, frozen=True, kw_only=True, forbi
     # A kubeconfig file; None: the pod's own service account (in-cluster).
     kubeconfig: str | None = None
     # The API server ends each watch after this many seconds (its timeoutSeconds); the
-    # router then lists the pods again.
+    # router then watches again from the last version (an event's or a bookmark's).
     watch_timeout: int = 300
-    # A list call's whole limit, and a watch's connect limit (its reads may be silent
+    # A list page's whole limit, and a watch's connect limit (its reads may be silent
     # for watch_timeout plus this).
     request_timeout: float = 10.0
     # After a failed list or watch, a dropped watch or 410 Gone, the next list waits
     # backoff_base seconds, doubled each time up to backoff_max.
     backoff_base: float = 0.5
     backoff_max: float = 30.0
+    # A list asks for this many pods a page (limit/continue); 0: the whole list at once.
+    list_page_size: int = 500
+    # Readiness hysteresis: a serving pod is drained once it has been seen not Ready for
+    # drain_after seconds in a row, and a drained pod takes requests again once it has
+    # been seen Ready for undrain_after seconds in a row (0: at once). A pod deleted,
+    # terminating or finished is drained at once whatever these say.
+    drain_after: float = 2.0
+    undrain_after: float = 10.0
 
     def __post_init__(self) -> None:
         if not _NAMESPACE.fullmatch(self.namespace):
@@ -501,6 +509,11 @@ class KubernetesDiscoveryConfig(msgspec.Struct, frozen=True, kw_only=True, forbi
             raise ValueError("discovery.kubernetes needs watch_timeout >= 1 and request_timeout > 0")
         if not 0 < self.backoff_base <= self.backoff_max:
             raise ValueError("discovery.kubernetes needs 0 < backoff_base <= backoff_max")
+        if self.list_page_size < 0:
+            raise ValueError(f"discovery.kubernetes.list_page_size must be >= 0, got "
+                             f"{self.list_page_size!r}")
+        if self.drain_after < 0 or self.undrain_after < 0:
+            raise ValueError("discovery.kubernetes needs drain_after >= 0 and undrain_after >= 0")
         if importlib.util.find_spec(KUBERNETES_CLIENT_MODULE) is None:
             raise ValueError(f"discovery.kubernetes needs the {KUBERNETES_CLIENT_MODULE} package: "
                              "install pd-proxy with its kubernetes extra "

@@ -201,6 +201,11 @@ class RouterMetrics:
             registry=r,
         )
 
+        # The metrics with an `endpoint` label (a server's URL): `forget_endpoint`'s.
+        self._per_endpoint: list[Counter | Gauge | Histogram] = [
+            m for m in vars(self).values()
+            if isinstance(m, Counter | Gauge | Histogram) and "endpoint" in m._labelnames]
+
     def watch_kv_index(self, sources: Callable[[], Iterable[Any]]) -> None:
         """Report each KV event source's indexed blocks and sync state, read when scraped."""
         self.registry.register(_KvIndexCollector(sources))
@@ -215,6 +220,20 @@ class RouterMetrics:
         """Report each endpoint's in-flight count and health, read when scraped (the
         endpoints keep the numbers; nothing is updated per request)."""
         self.registry.register(_EndpointCollector(endpoints))
+
+    def forget_endpoint(self, url: str) -> None:
+        """Drop every series labelled with the server `url` (it left its clusters), so
+        that servers coming and going (Kubernetes pods) do not grow the exposition."""
+        for metric in self._per_endpoint:
+            names = metric._labelnames
+            at = names.index("endpoint")
+            for family in metric.collect():
+                found = {tuple(s.labels[n] for n in names) for s in family.samples
+                         if s.labels.get("endpoint") == url}
+                for labels in found:
+                    metric.remove(*labels)
+            for key in [k for k in self._children if k[0] == id(metric) and k[1][at] == url]:
+                del self._children[key]
 
     def child(self, metric: Counter | Gauge | Histogram, *labels: str) -> Any:
         """`metric.labels(*labels)`, remembered: resolving labels is costly per request."""

@@ -2,19 +2,24 @@
 
 It answers what a real client sends for pods in a namespace:
 - `GET /api/v1/namespaces/{ns}/pods?labelSelector=...`: a PodList whose
-  metadata.resourceVersion is the emulator's current version;
+  metadata.resourceVersion is the emulator's current version; with `limit=N`, N pods a
+  page, metadata.continue naming the next (the pages are one snapshot, taken at the
+  first page, and carry its version; remainingItemCount says how many are left);
 - the same with `watch=true&resourceVersion=V` (and timeoutSeconds): a chunked stream of
   newline-delimited watch events (ADDED, MODIFIED, DELETED) after version V, as the API
   server filters them for a label selector (a pod that stops matching is DELETED for that
   watch, one that starts matching is ADDED). A version older than the last `expire` gets
   an ERROR event with a 410 Status, as a real server answers "too old resource version".
+  With allowWatchBookmarks, `bookmark` sends a BOOKMARK event with the current version.
 
 Knobs: `put_pod` and `delete_pod` change the pods (with `notify=False` no watch hears of
 it, as if the event was lost: only a new list shows it); `drop_watches` ends every open
-watch, cleanly or by cutting the connection; `expire` sends open watches a 410 ERROR;
-`fail_lists` answers that many lists with 500; a socket bound but not listening stands
-for a server that is down (`bind`, then `listen`). Every request is recorded in
-`requests`. Equality selectors only (`a=b`, `a==b`, `a!=b`), which is all discovery sends.
+watch, cleanly or by cutting the connection; `expire` sends open watches a 410 ERROR
+(with `notify=False` only later watches from an older version get it: history
+compacted); `fail_lists` answers that many lists with 500, `expire_pages` that many
+continue tokens with 410; a socket bound but not listening stands for a server that is
+down (`bind`, then `listen`). Every request is recorded in `requests`. Equality
+selectors only (`a=b`, `a==b`, `a!=b`), which is all discovery sends.
 """
 
 from __future__ import annotations
@@ -69,9 +74,10 @@ def matches(selector: str, labels: dict[str, str]) -> bool:
 
 
 class _Watch:
-    def __init__(self, namespace: str, selector: str) -> None:
+    def __init__(self, namespace: str, selector: str, bookmarks: bool) -> None:
         self.namespace = namespace
         self.selector = selector
+        self.bookmarks = bookmarks
         self.inbox: asyncio.Queue[Change | str] = asyncio.Queue()
 
     def sees(self, pod: dict[str, Any] | None) -> bool:
@@ -99,6 +105,8 @@ class ApiServerEmulator:
         self.history: list[Change] = []
         self.requests: list[SeenRequest] = []
         self.fail_lists = 0  # answer this many next lists with 500
+        self.expire_pages = 0  # answer this many next continue tokens with 410
+        self._snapshots: dict[str, tuple[str, list[dict[str, Any]]]] = {}  # token -> list
         self._watches: set[_Watch] = set()
         self._changed = asyncio.Event()
         self._sock: socket.socket | None = None
@@ -176,12 +184,19 @@ class ApiServerEmulator:
         for watch in self._watches:
             watch.inbox.put_nowait("end" if clean else "cut")
 
-    def expire(self) -> None:
-        """Forget the history so far: open watches get a 410 ERROR event and end, and a
-        watch from an older version is answered the same."""
+    def expire(self, *, notify: bool = True) -> None:
+        """Forget the history so far: a watch from an older version gets a 410 ERROR
+        event, and so do open watches (they end) unless `notify` is False."""
         self.expired_before = self.version
+        if notify:
+            for watch in self._watches:
+                watch.inbox.put_nowait("gone")
+
+    def bookmark(self) -> None:
+        """Send every open watch that allows bookmarks a BOOKMARK at the current version."""
         for watch in self._watches:
-            watch.inbox.put_nowait("gone")
+            if watch.bookmarks:
+                watch.inbox.put_nowait("bookmark")
 
     def _record(self, change: Change, *, notify: bool) -> None:
         if not notify:
@@ -217,10 +232,25 @@ class ApiServerEmulator:
         if self.fail_lists > 0:
             self.fail_lists -= 1
             return web.json_response(_status(500, "InternalError", "emulated failure"), status=500)
-        items = [pod for (ns, _), pod in sorted(self.pods.items())
-                 if ns == namespace and matches(selector, pod["metadata"].get("labels", {}))]
-        return web.json_response({"kind": "PodList", "apiVersion": "v1",
-                                  "metadata": {"resourceVersion": str(self.version)},
+        token = request.query.get("continue")
+        if token:
+            if self.expire_pages > 0 or token not in self._snapshots:
+                self.expire_pages = max(0, self.expire_pages - 1)
+                return web.json_response(_status(410, "Expired", "continue token too old"),
+                                         status=410)
+            version, items = self._snapshots.pop(token)
+        else:
+            version = str(self.version)
+            items = [copy.deepcopy(pod) for (ns, _), pod in sorted(self.pods.items())
+                     if ns == namespace and matches(selector, pod["metadata"].get("labels", {}))]
+        metadata: dict[str, Any] = {"resourceVersion": version}
+        limit = int(request.query.get("limit") or 0)
+        if limit and len(items) > limit:
+            items, rest = items[:limit], items[limit:]
+            metadata["continue"] = next_token = uuid.uuid4().hex
+            metadata["remainingItemCount"] = len(rest)
+            self._snapshots[next_token] = version, rest
+        return web.json_response({"kind": "PodList", "apiVersion": "v1", "metadata": metadata,
                                   "items": items})
 
     async def _watch(self, request: web.Request, namespace: str,
@@ -234,7 +264,8 @@ class ApiServerEmulator:
             await _send(response, _gone(since, self.version))
             await response.write_eof()
             return response
-        watch = _Watch(namespace, selector)
+        watch = _Watch(namespace, selector,
+                       request.query.get("allowWatchBookmarks", "").lower() in ("true", "1"))
         for change in self.history:  # what happened since the client's version
             if change.version > since:
                 watch.inbox.put_nowait(change)
@@ -252,6 +283,11 @@ class ApiServerEmulator:
                     if item == "gone":
                         await _send(response, _gone(since, self.version))
                         break
+                    if item == "bookmark":
+                        await _send(response, {"type": "BOOKMARK", "object": {
+                            "kind": "Pod", "apiVersion": "v1",
+                            "metadata": {"resourceVersion": str(self.version)}}})
+                        continue
                     assert isinstance(item, Change)
                     event = watch.event(item)
                     if event is not None:

@@ -164,7 +164,8 @@ class Router:
             metrics=self.metrics, retry_budget=self.retry_budget, prober=self.prober,
             health=self.health, learner=self.learner, push_channel=self.push_channel,
         )
-        self.membership = Membership(self.prefill, self.decode, self.prober)
+        self.membership = Membership(self.prefill, self.decode, self.prober,
+                                     forget=self._forget_server)
         self.discovery: KubernetesDiscovery | None = None
         if config.discovery.kubernetes is not None:  # the client library only when asked for
             from proxy.pool.discovery import KubernetesDiscovery
@@ -174,6 +175,12 @@ class Router:
         if source is not None:
             self.watcher = ConfigWatcher(source.path, source.load, self.membership, config,
                                          interval=config.config_watch_interval)
+
+    def _forget_server(self, url: str) -> None:
+        """A server left every cluster and has no request left: drop its connection
+        pools, credentials and metric series (kv_aware's index drops its own)."""
+        self.client.forget(url)
+        self.metrics.forget_endpoint(url)
 
     def _kv_scorer(self, cluster: ClusterName) -> KvContext | None:
         """What kv_aware scores a cluster with, when it balances by it (None otherwise)."""
@@ -194,6 +201,7 @@ class Router:
     async def start(self) -> None:
         if self.discovery is not None:  # first: a bad kubeconfig fails the start, nothing to undo
             await self.discovery.start()
+        self.membership.start()
         self.health.start()
         self.load.start()
         if self.kv_events is not None:
@@ -209,6 +217,7 @@ class Router:
             await self.discovery.aclose()
         if self.watcher is not None:
             await self.watcher.aclose()
+        await self.membership.aclose()
         if self._warmup is not None:
             self._warmup.cancel()
             await asyncio.gather(self._warmup, return_exceptions=True)

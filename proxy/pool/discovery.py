@@ -3,20 +3,31 @@
 `KubernetesDiscovery` owns one task (the Router starts it and closes it). Inside, a task
 group runs one `_follow` loop per cluster and a sweeper:
 
-- A loop lists its selector's pods (a PodList and its resourceVersion), makes its cluster
-  match them, then watches from that version: each ADDED, MODIFIED or DELETED event
-  changes one pod. When the watch ends (the API server closes it after `watch_timeout`,
-  the connection drops, or it answers 410 Gone: the version is too old) or a call fails,
-  the loop lists again, after a backoff (`backoff_base`, doubled up to `backoff_max`,
-  reset once a watch has brought an event or lasted `backoff_max`). Each of these is
-  logged and counted in `pdproxy_discovery_events{cluster,kind}`.
+- A loop lists its selector's pods, `list_page_size` a page (limit and continue: the
+  pages of one list are one snapshot, at the first page's resourceVersion), makes its
+  cluster match them, then watches from that version: each ADDED, MODIFIED or DELETED
+  event changes one pod, and every event and BOOKMARK (asked for: the API server sends
+  one now and then with a newer version) moves the version the loop holds. When the API
+  server ends the watch (after `watch_timeout`), the loop watches again from that
+  version: no list. It lists again only when the watch answers 410 Gone (the version is
+  too old: history compacted), or a list or watch call fails, after a backoff
+  (`backoff_base`, doubled up to `backoff_max`, reset once a watch has brought an event
+  or lasted `backoff_max`; a watch that ends at once with nothing is resumed after one
+  too). Each of these is logged and counted in `pdproxy_discovery_events{cluster,kind}`.
 - A pod joins its cluster when it is Running and Ready with an IP, as
-  http://{podIP}:{port}, through `Membership.add`, like an admin call.
-- A pod that stops being Ready (and still exists) is drained: it takes no new request,
-  running ones finish, and it stays listed (and health-checked) until it is Ready again.
+  http://{podIP}:{port} (an IPv6 address in brackets), through `Membership.add`, like an
+  admin call.
+- Readiness has hysteresis, in time rather than in events (a pod may send one event for
+  a long change): a serving pod seen not Ready is drained once it has stayed so for
+  `drain_after` seconds (it takes no new request, running ones finish, and it stays
+  listed and health-checked), and a drained pod seen Ready again takes requests once it
+  has stayed so for `undrain_after` seconds. A flip back within the time cancels it.
+  The sweeper looks every `sweep_interval` at the pods waiting for either.
 - A pod deleted, terminating (deletionTimestamp), finished (Succeeded/Failed) or no longer
   matched by the selector leaves: drained at once, then removed by the sweeper once no
-  request is on it (the last server of a cluster too: a cluster can be empty).
+  request is on it (the last server of a cluster too: a cluster can be empty). Once
+  removed and idle, what the router kept for it goes (`Membership.retire`: connection
+  pools, credentials, metric series).
 
 Servers it added are in `Membership.discovered`, so a watched config file's lists leave
 them alone. The records live on the event loop only (no thread, no lock); the
@@ -30,6 +41,7 @@ import dataclasses
 import enum
 import logging
 import time
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 from kubernetes_asyncio import client as k8s_client
@@ -41,6 +53,9 @@ from proxy.config import EndpointConfig, KubernetesDiscoveryConfig
 from proxy.metrics import RouterMetrics
 from proxy.pool.endpoints import ClusterName, Endpoint
 from proxy.pool.membership import Membership
+
+if TYPE_CHECKING:
+    from aiohttp import ClientResponse  # the client's, with _preload_content=False
 
 logger = logging.getLogger("pdproxy.discovery")
 
@@ -66,6 +81,7 @@ class PodMeta(msgspec.Struct, frozen=True):
     name: str
     uid: str
     deletion_timestamp: str | None = msgspec.field(default=None, name="deletionTimestamp")
+    resource_version: str | None = msgspec.field(default=None, name="resourceVersion")
 
 
 class Pod(msgspec.Struct, frozen=True):
@@ -87,6 +103,8 @@ class Pod(msgspec.Struct, frozen=True):
 
 class ListMeta(msgspec.Struct, frozen=True):
     resource_version: str = msgspec.field(name="resourceVersion")
+    # The next page's token; empty on the last page.
+    next_page: str | None = msgspec.field(default=None, name="continue")
 
 
 class PodList(msgspec.Struct, frozen=True):
@@ -111,6 +129,20 @@ class PodMember:
     name: str
     endpoint: Endpoint
     state: PodState = PodState.SERVING
+    ready: bool = True  # as last seen
+    since: float = dataclasses.field(default_factory=time.monotonic)  # seen so since then
+
+    def seen(self, ready: bool, now: float) -> None:
+        if ready != self.ready:
+            self.ready, self.since = ready, now
+
+
+@dataclasses.dataclass
+class WatchProgress:
+    """How far one cluster's loop has followed its pods."""
+
+    version: str  # the newest resourceVersion seen: the list's, an event's, a bookmark's
+    events: int = 0  # events and bookmarks the current watch brought
 
 
 @dataclasses.dataclass
@@ -205,20 +237,22 @@ class KubernetesDiscovery:
 
     async def _follow(self, pods: PodSet) -> None:
         backoff = Backoff(self._settings.backoff_base, self._settings.backoff_max)
+        progress: WatchProgress | None = None  # None: list first
         while True:
-            try:
-                version = await self._list(pods)
-            except Exception as exc:
-                self._count(pods, "list_error")
-                delay = backoff.next()
-                logger.warning("%s pods: list failed (%s); listing again in %.1f s",
-                               pods.cluster.value, _describe(exc), delay)
-                await asyncio.sleep(delay)
-                continue
+            if progress is None:
+                try:
+                    progress = WatchProgress(await self._list(pods))
+                except Exception as exc:
+                    self._count(pods, "list_error")
+                    delay = backoff.next()
+                    logger.warning("%s pods: list failed (%s); listing again in %.1f s",
+                                   pods.cluster.value, _describe(exc), delay)
+                    await asyncio.sleep(delay)
+                    continue
             started = time.monotonic()
-            events = [0]  # events the watch brought, counted as they come
+            progress.events = 0
             try:
-                await self._watch(pods, version, events)
+                await self._watch(pods, progress)
                 kind, why = "watch_closed", "the watch ended"
             except ApiException as exc:
                 kind, why = (("gone", "410 Gone (its resourceVersion is too old)")
@@ -227,29 +261,62 @@ class KubernetesDiscovery:
             except Exception as exc:
                 kind, why = "watch_error", f"the watch failed ({_describe(exc)})"
             self._count(pods, kind)
-            if events[0] or time.monotonic() - started >= self._settings.backoff_max:
+            lasted = time.monotonic() - started
+            went_well = progress.events > 0 or lasted >= self._settings.backoff_max
+            if went_well:
                 backoff.reset()
-            delay = backoff.next()
-            logger.log(logging.WARNING if kind == "watch_error" else logging.INFO,
-                       "%s pods: %s; listing again in %.1f s", pods.cluster.value, why, delay)
+            if kind == "watch_closed":  # resume from the version held
+                delay = 0.0 if went_well else backoff.next()
+                logger.info("%s pods: %s; watching again from version %s in %.1f s",
+                            pods.cluster.value, why, progress.version, delay)
+            else:
+                progress = None
+                delay = backoff.next()
+                logger.log(logging.WARNING if kind == "watch_error" else logging.INFO,
+                           "%s pods: %s; listing again in %.1f s", pods.cluster.value, why, delay)
             await asyncio.sleep(delay)
 
     async def _list(self, pods: PodSet) -> str:
-        """List the selector's pods, make the cluster match; return the list's version."""
+        """List the selector's pods, a page at a time, and make the cluster match them;
+        return the list's version."""
         assert self._api is not None  # started
         core = k8s_client.CoreV1Api(self._api)
-        async with asyncio.timeout(self._settings.request_timeout):  # the whole call
-            result = await core.list_namespaced_pod(
-                self._settings.namespace, label_selector=pods.selector)
-        listed = msgspec.convert(self._api.sanitize_for_serialization(result), PodList)
-        items = listed.items or []
+        settings = self._settings
+        items: list[Pod] = []
+        version: str | None = None
+        page: str | None = None
+        pages = 0
+        while True:
+            paging: dict[str, Any] = {}
+            if settings.list_page_size:
+                paging["limit"] = settings.list_page_size
+            if page:
+                paging["_continue"] = page
+            async with asyncio.timeout(settings.request_timeout):  # each page's whole call
+                # The raw body, decoded here into `Pod`s: no model objects per pod.
+                response = cast("ClientResponse", await core.list_namespaced_pod(
+                    settings.namespace, label_selector=pods.selector, _preload_content=False,
+                    **paging))
+                try:
+                    body = await response.read()
+                finally:
+                    response.release()
+            if not 200 <= response.status < 300:
+                raise ApiException(status=response.status, reason=response.reason)
+            listed = msgspec.json.decode(body, type=PodList)
+            pages += 1
+            items += listed.items or []
+            version = version or listed.metadata.resource_version  # the first page's
+            page = listed.metadata.next_page
+            if not page:
+                break
         self._count(pods, "list")
-        logger.debug("%s pods: listed %d at version %s", pods.cluster.value, len(items),
-                     listed.metadata.resource_version)
+        logger.debug("%s pods: listed %d in %d page(s) at version %s", pods.cluster.value,
+                     len(items), pages, version)
         self._reconcile(pods, items)
-        return listed.metadata.resource_version
+        return version
 
-    async def _watch(self, pods: PodSet, version: str, events: list[int]) -> None:
+    async def _watch(self, pods: PodSet, progress: WatchProgress) -> None:
         """Apply the watch's events until it ends; an ERROR event raises ApiException."""
         assert self._api is not None  # started
         core = k8s_client.CoreV1Api(self._api)
@@ -259,18 +326,23 @@ class KubernetesDiscovery:
         async with k8s_watch.Watch(return_type="object") as watch:
             stream = watch.stream(
                 core.list_namespaced_pod, settings.namespace, label_selector=pods.selector,
-                resource_version=version, timeout_seconds=settings.watch_timeout,
+                resource_version=progress.version, timeout_seconds=settings.watch_timeout,
                 allow_watch_bookmarks=True,
                 # connect, then the longest silence: a quiet watch may send nothing at all
                 _request_timeout=(settings.request_timeout,
                                   settings.watch_timeout + settings.request_timeout))
             async for event in stream:
                 kind = event["type"]
+                if kind == "BOOKMARK":  # only a newer version to resume from
+                    progress.version = event["raw_object"]["metadata"]["resourceVersion"]
+                    progress.events += 1
+                    continue
                 if kind not in ("ADDED", "MODIFIED", "DELETED"):
-                    continue  # BOOKMARK: only a newer version
-                events[0] += 1
+                    continue
+                progress.events += 1
                 pod = msgspec.convert(event["raw_object"], Pod)
                 self._apply(pods, pod, gone=kind == "DELETED")
+                progress.version = pod.metadata.resource_version or progress.version
 
     # --- membership -----------------------------------------------------------------
 
@@ -291,8 +363,9 @@ class KubernetesDiscovery:
                 self._leave(pods, member)
             return
         if not pod.ready:
-            if member is not None and member.state is PodState.SERVING:
-                self._drain(pods, member, PodState.NOT_READY)
+            if member is not None and member.state is not PodState.LEAVING:
+                member.seen(False, time.monotonic())
+                self._settle(pods, member)
             return
         assert pod.status.pod_ip  # ready
         url = pod_url(pod.status.pod_ip, self._settings.port)
@@ -304,11 +377,25 @@ class KubernetesDiscovery:
             member = None
         if member is None:
             self._join(pods, pod, url)
-        elif member.state is not PodState.SERVING:
-            member.state = PodState.SERVING
-            if self._ours(pods, member):
-                self._membership.drain(pods.cluster, member.endpoint.url, draining=False)
-            self._count(pods, "undrained")
+        elif member.state is not PodState.LEAVING:
+            member.seen(True, time.monotonic())
+            self._settle(pods, member)
+
+    def _settle(self, pods: PodSet, member: PodMember) -> None:
+        """Drain a serving pod not Ready for drain_after, take back a drained one Ready
+        for undrain_after (the readiness hysteresis)."""
+        held = time.monotonic() - member.since
+        if member.state is PodState.SERVING and not member.ready:
+            if held >= self._settings.drain_after:
+                self._drain(pods, member, PodState.NOT_READY)
+        elif member.state is PodState.NOT_READY and member.ready:
+            if held >= self._settings.undrain_after:
+                member.state = PodState.SERVING
+                if self._ours(pods, member):
+                    self._membership.drain(pods.cluster, member.endpoint.url, draining=False)
+                self._count(pods, "undrained")
+                logger.info("%s pod %s (%s) is ready again: takes requests",
+                            pods.cluster.value, member.name, member.endpoint.url)
 
     def _join(self, pods: PodSet, pod: Pod, url: str) -> None:
         stale = next((m for m in pods.members.values() if m.endpoint.url == url), None)
@@ -351,12 +438,15 @@ class KubernetesDiscovery:
         return found is member.endpoint
 
     async def _sweep(self) -> None:
-        """Remove leaving pods once no request is on them."""
+        """Remove leaving pods once no request is on them; drain or take back the pods
+        whose readiness has held long enough."""
         while True:
             await asyncio.sleep(self._sweep_interval)
             for pods in self.pods:
                 for member in list(pods.members.values()):
-                    if member.state is PodState.LEAVING and member.endpoint.in_flight == 0:
+                    if member.state is not PodState.LEAVING:
+                        self._settle(pods, member)
+                    elif member.endpoint.in_flight == 0:
                         self._remove(pods, member)
 
     def _count(self, pods: PodSet, kind: str) -> None:

@@ -10,7 +10,9 @@ Two ways in, one set of operations (`Membership`):
 
 Removing a server takes it out of picking at once; requests already on it finish (each
 holds its endpoint). Draining keeps it listed and checked but gives it no new request:
-remove it once `in_flight` is 0 (GET /admin/endpoints shows it).
+remove it once `in_flight` is 0 (GET /admin/endpoints shows it). Once a removed server
+has no request left and no cluster has its URL again, what the router kept for it
+elsewhere (connection pools, credentials, metric series) is dropped (`forget`).
 """
 
 from __future__ import annotations
@@ -34,20 +36,33 @@ from proxy.pool.probe import CoordinateProber
 
 logger = logging.getLogger("pdproxy.membership")
 
+LEAVING_INTERVAL = 1.0  # seconds between two looks at removed servers still busy
 Stamp = tuple[float, int]  # a file's modification time and size
 
 
 class Membership:
     """Adds, removes and drains the two clusters' servers; a removed P's coordinates
-    are forgotten by `prober`."""
+    are forgotten by `prober`, and every removed server's state by `forget` (its URL)
+    once no request is on it. `start` and `aclose` own the loop that waits for those."""
 
-    def __init__(self, prefill: Cluster, decode: Cluster, prober: CoordinateProber) -> None:
+    def __init__(self, prefill: Cluster, decode: Cluster, prober: CoordinateProber, *,
+                 forget: Callable[[str], None] = lambda url: None) -> None:
         self._prefill = prefill
         self._decode = decode
         self._prober = prober
+        self._forget = forget
         # Servers that Kubernetes discovery added and owns (`proxy.pool.discovery`): a watched
         # config file's lists leave them alone.
         self.discovered: set[Endpoint] = set()
+        # Removed servers whose state is not dropped yet (requests still on them).
+        self._leaving: list[Endpoint] = []
+        self._leaving_rounds = Periodic("removed servers", LEAVING_INTERVAL, self._leaving_round)
+
+    def start(self) -> None:
+        self._leaving_rounds.start()
+
+    async def aclose(self) -> None:
+        await self._leaving_rounds.aclose()
 
     def cluster(self, name: ClusterName) -> Cluster:
         return self._prefill if name is ClusterName.PREFILL else self._decode
@@ -127,10 +142,33 @@ class Membership:
         return changes
 
     def _drop(self, endpoint: Endpoint) -> None:
-        """Out of its cluster; a P's learned coordinates are forgotten with it."""
+        """Out of its cluster; a P's learned coordinates are forgotten with it, the rest
+        of its state once it is idle (`retire`)."""
         self.cluster(endpoint.cluster).remove(endpoint)
         if endpoint.cluster is ClusterName.PREFILL:
             self._prober.forget(endpoint)
+        self._leaving.append(endpoint)
+        self.retire()
+
+    def retire(self) -> None:
+        """Drop the state of each removed server that has no request left, unless a
+        cluster has its URL again (added back, or a member of the other cluster): that
+        state is then the member's."""
+        members = {e.url for e in self._prefill.endpoints + self._decode.endpoints}
+        busy = []
+        for endpoint in self._leaving:
+            if endpoint.url in members:
+                continue
+            if endpoint.in_flight:
+                busy.append(endpoint)
+                continue
+            self._forget(endpoint.url)
+            logger.debug("%s server %s: its state dropped", endpoint.cluster.value, endpoint.url)
+        self._leaving = busy
+
+    async def _leaving_round(self) -> None:
+        if self._leaving:
+            self.retire()
 
     def describe(self) -> list[dict[str, Any]]:
         now = time.monotonic()

@@ -200,6 +200,13 @@ class UpstreamClient:
         for lane in (self._requests, self._control):
             lane.http.set_bearer_token(base_url, key)
 
+    def forget(self, base_url: str) -> None:
+        """The server of `base_url` left: drop its connection pools (either lane), its
+        credentials and its name."""
+        for lane in (self._requests, self._control):
+            lane.http.forget(base_url)
+        self._names.pop(base_url.rstrip("/"), None)
+
     def set_name(self, base_url: str, name: str) -> None:
         """Errors name the server of `base_url` to clients as "<cluster> server <name>"."""
         self._names[base_url.rstrip("/")] = name

@@ -174,3 +174,30 @@ async def test_at_the_cap_an_idle_connection_to_another_server_makes_room(
     finally:
         client.close()
         await runner.cleanup()
+
+
+async def test_a_forgotten_server_gives_back_its_slots_and_credentials(
+    server: tuple[Server, str]
+) -> None:
+    """`forget` (a server that left): its connections close, their slots free, one opened after through its old pool closes when given back
+    instead of idling where nobody reaches it, and a request after starts afresh, without
+    its credentials."""
+    state, url = server
+    client = Client(max_connections=2)
+    client.set_bearer_token(url, "s3cret")
+    try:
+        pool, path = client.pool(f"{url}/json")  # held, as by a request under way
+        await fetch(client, f"{url}/json", "POST", b"idle")  # a connection, idle now
+        assert client.slots.used == 1
+        client.forget(url)
+        assert client.slots.used == 0
+        late, answer = await pool.request("POST", path, b"late", {}, connect_timeout=5,
+                                          timeout=30)
+        await answer.head
+        assert await answer.read() == b'{"echo": "late"}'
+        pool.release(late, answer)  # a whole answer: reusable, but not in a forgotten pool
+        assert late.closed and client.slots.used == 0
+        new, _ = client.pool(f"{url}/json")
+        assert new is not pool and new.extra_headers == b""
+    finally:
+        client.close()

@@ -2,15 +2,19 @@
 API server's pod list and watch (tests/k8s_apiserver.py), with the pods' vLLM stood in by
 fake servers on distinct loopback addresses (127.0.0.2, .3, ... on one port).
 
-Pods join when Running and Ready with an IP, not before; a pod that stops being Ready is
-drained (its running request finishes); a deleted pod leaves once idle; a dropped watch
-and a 410 Gone are followed by a new list; an API server down at start is retried with
-backoff; the namespace, selectors and token go out as the client sends them."""
+Pods join when Running and Ready with an IP (IPv6 too), not before; a pod that stops
+being Ready is drained (its running request finishes), after its readiness held for
+drain_after, and taken back after undrain_after; a deleted pod leaves once idle, its
+connection pools and metric series with it; lists come in pages; a watch that ends is
+resumed from its last version or bookmark, without a list; a cut watch and a 410 Gone are
+followed by a new list; an API server down at start is retried with backoff; the
+namespace, selectors and token go out as the client sends them."""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from pathlib import Path
@@ -76,7 +80,8 @@ def discovery_config(tmp_path: Path, emulator: ApiServerEmulator, url: str, port
         "namespace": "llm", "prefill_selector": "app=vllm,pd-role=prefill",
         "decode_selector": "app=vllm,pd-role=decode", "port": port,
         "kubeconfig": str(kubeconfig), "backoff_base": 0.05, "backoff_max": 0.4,
-        "request_timeout": 5.0, **settings}}, "admin_token": "admin-token"}
+        "request_timeout": 5.0, "drain_after": 0, "undrain_after": 0, **settings}},
+        "admin_token": "admin-token"}
 
 
 def router_of(app: Any) -> Router:
@@ -89,6 +94,12 @@ def members(app: Any, cluster: str) -> dict[str, bool]:
     router = router_of(app)
     found = router.prefill if cluster == "prefill" else router.decode
     return {e.url: e.draining for e in found.endpoints}
+
+
+def open_pools(router: Router) -> set[str]:
+    """The servers the router's upstream client holds connection pools for."""
+    return {f"{scheme}://{host}:{port}" for lane in (router.client._requests, router.client._control)
+            for scheme, host, port in lane.http._pools}
 
 
 async def events(client: httpx.AsyncClient, url: str, cluster: str, kind: str) -> float:
@@ -218,6 +229,7 @@ async def test_a_deleted_pod_leaves_once_its_requests_finish(
         running = asyncio.create_task(client.post(f"{url}/v1/completions", json=BODY))
         try:
             await d0.until(lambda seen: len(seen) == 1)
+            assert pods.url("127.0.0.3") in open_pools(router_of(app))
             emulator.put_pod("d-1", labels=DECODE, ip="127.0.0.4", ready=True)
             emulator.delete_pod("d-0")
             await until(lambda: members(app, "decode").get(pods.url("127.0.0.3")) is True,
@@ -230,6 +242,11 @@ async def test_a_deleted_pod_leaves_once_its_requests_finish(
         await until(lambda: members(app, "decode") == {pods.url("127.0.0.4"): False},
                     "d-0 removed once its request finished")
 
+        # What the router kept for d-0 went with it: its connection pool.
+        await until(lambda: pods.url("127.0.0.3") not in open_pools(router_of(app)),
+                    "d-0's pool dropped")
+        assert pods.url("127.0.0.2") in open_pools(router_of(app))  # p-0 stays
+
         # The last P leaves too: the cluster is empty, and the router says so.
         emulator.delete_pod("p-0")
         await until(lambda: members(app, "prefill") == {}, "p-0 removed")
@@ -238,9 +255,8 @@ async def test_a_deleted_pod_leaves_once_its_requests_finish(
         assert await events(client, url, "decode", "left") == 1
 
 
-@pytest.mark.parametrize("clean", [True, False], ids=["ended", "cut"])
-async def test_a_watch_that_ends_is_followed_by_a_new_list(
-        tmp_path: Path, pods: Pods, apiserver: tuple[ApiServerEmulator, str], clean: bool) -> None:
+async def test_a_watch_that_is_cut_is_followed_by_a_new_list(
+        tmp_path: Path, pods: Pods, apiserver: tuple[ApiServerEmulator, str]) -> None:
     emulator, api_url = apiserver
     await emulator.listen()
     emulator.put_pod("p-0", labels=PREFILL, ip="127.0.0.2", ready=True)
@@ -252,14 +268,136 @@ async def test_a_watch_that_ends_is_followed_by_a_new_list(
         emulator.put_pod("d-1", labels=DECODE, ip="127.0.0.4", ready=True, notify=False)
         emulator.delete_pod("p-0", notify=False)
         lists = len(emulator.lists())
-        emulator.drop_watches(clean=clean)
+        emulator.drop_watches(clean=False)
         await until(lambda: members(app, "decode") == {
             pods.url("127.0.0.3"): False, pods.url("127.0.0.4"): False}, "d-1 found by a list")
         await until(lambda: members(app, "prefill") == {}, "p-0's absence found by a list")
         assert len(emulator.lists()) >= lists + 2
-        kind = "watch_closed" if clean else "watch_error"
-        assert await events(client, url, "decode", kind) >= 1
+        assert await events(client, url, "decode", "watch_error") >= 1
         await until(lambda: emulator.open_watches == 2, "watching again")
+
+
+async def test_a_watch_that_ends_is_resumed_from_its_last_version_or_bookmark(
+        tmp_path: Path, pods: Pods, apiserver: tuple[ApiServerEmulator, str]) -> None:
+    emulator, api_url = apiserver
+    await emulator.listen()
+    emulator.put_pod("p-0", labels=PREFILL, ip="127.0.0.2", ready=True)
+    emulator.put_pod("d-0", labels=DECODE, ip="127.0.0.3", ready=True)
+    config = discovery_config(tmp_path, emulator, api_url, pods.port)
+    async with serve_router(**config) as (url, app), httpx.AsyncClient(timeout=10) as client:
+        await until(lambda: emulator.open_watches == 2, "both clusters watch")
+        lists, watches = len(emulator.lists()), len(emulator.watches())
+        # An event on the decode watch, then pods neither selector matches: the versions
+        # move on, and only a bookmark tells the watches.
+        emulator.put_pod("d-1", labels=DECODE, ip="127.0.0.4", ready=True)
+        await until(lambda: len(members(app, "decode")) == 2, "d-1 joined")
+        d1_version = emulator.version
+        for i in range(3):
+            emulator.put_pod(f"web-{i}", labels={"app": "web"}, ip="127.0.0.9", ready=True)
+        emulator.bookmark()
+        bookmarked = emulator.version
+        emulator.expire(notify=False)  # history compacted: older versions get 410
+        emulator.drop_watches(clean=True)  # as the API server does after timeoutSeconds
+
+        await until(lambda: len(emulator.watches()) == watches + 2, "watching again")
+        await until(lambda: emulator.open_watches == 2, "both watches open")
+        resumed = emulator.watches()[watches:]
+        assert {int(w.query["resourceVersion"]) for w in resumed} == {bookmarked}
+        assert bookmarked > d1_version
+        assert len(emulator.lists()) == lists, "a watch that ended made a new list"
+        for cluster in ("prefill", "decode"):
+            assert await events(client, url, cluster, "gone") == 0
+            assert await events(client, url, cluster, "watch_closed") == 1
+        # and the resumed watches hear what comes next
+        emulator.delete_pod("d-0")
+        await until(lambda: members(app, "decode") == {pods.url("127.0.0.4"): False},
+                    "d-0 left, heard on the resumed watch")
+        assert len(emulator.lists()) == lists
+
+
+async def test_lists_come_in_pages(
+        tmp_path: Path, pods: Pods, apiserver: tuple[ApiServerEmulator, str]) -> None:
+    emulator, api_url = apiserver
+    await emulator.listen()
+    emulator.put_pod("p-0", labels=PREFILL, ip="127.0.0.2", ready=True)
+    ips = [f"127.0.0.{3 + i}" for i in range(5)]  # 5 D pods; the first two answer
+    for i, ip in enumerate(ips):
+        emulator.put_pod(f"d-{i}", labels=DECODE, ip=ip, ready=True)
+    emulator.expire_pages = 1  # the first next-page token is too old: the list starts over
+    config = discovery_config(tmp_path, emulator, api_url, pods.port, list_page_size=2)
+    async with serve_router(**config) as (url, app), httpx.AsyncClient(timeout=10) as client:
+        await until(lambda: set(members(app, "decode")) == {pods.url(ip) for ip in ips},
+                    "all five D pods joined")
+        assert await events(client, url, "decode", "list") == 1
+        assert await events(client, url, "decode", "list_error") == 1
+        await until(lambda: emulator.open_watches == 2, "both clusters watch")
+    decode = [r for r in emulator.lists() if r.query["labelSelector"] == "app=vllm,pd-role=decode"]
+    assert all(r.query["limit"] == "2" for r in decode)
+    # first page, a 410 on the second; then the whole list again: 3 pages
+    assert ["continue" in r.query for r in decode] == [False, True, False, True, True]
+    watch = next(w for w in emulator.watches()
+                 if w.query["labelSelector"] == "app=vllm,pd-role=decode")
+    assert int(watch.query["resourceVersion"]) == 106  # the first page's version
+
+
+async def test_readiness_has_hysteresis(
+        tmp_path: Path, pods: Pods, apiserver: tuple[ApiServerEmulator, str]) -> None:
+    emulator, api_url = apiserver
+    await emulator.listen()
+    emulator.put_pod("p-0", labels=PREFILL, ip="127.0.0.2", ready=True)
+    emulator.put_pod("d-0", labels=DECODE, ip="127.0.0.3", ready=True)
+    config = discovery_config(tmp_path, emulator, api_url, pods.port,
+                              drain_after=1.0, undrain_after=1.5)
+    d0 = pods.url("127.0.0.3")
+    async with serve_router(**config) as (url, app), httpx.AsyncClient(timeout=10) as client:
+        await until(lambda: members(app, "decode") == {d0: False}, "d-0 joined")
+        # A flap shorter than drain_after drains nothing.
+        emulator.put_pod("d-0", labels=DECODE, ip="127.0.0.3", ready=False)
+        emulator.put_pod("d-0", labels=DECODE, ip="127.0.0.3", ready=True)
+        emulator.put_pod("web", labels={"app": "web"})  # seen by no watch: a marker
+        await until(lambda: emulator.open_watches == 2, "watching")
+        await asyncio.sleep(1.5)  # longer than drain_after: time is what is tested here
+        assert members(app, "decode") == {d0: False}
+        assert await events(client, url, "decode", "drained") == 0
+        # Not Ready for drain_after: drained, not before.
+        emulator.put_pod("d-0", labels=DECODE, ip="127.0.0.3", ready=False)
+        unready_at = time.monotonic()
+        await until(lambda: members(app, "decode") == {d0: True}, "d-0 drained")
+        assert time.monotonic() - unready_at >= 1.0
+        # Ready for undrain_after: taken back, not before.
+        emulator.put_pod("d-0", labels=DECODE, ip="127.0.0.3", ready=True)
+        ready_at = time.monotonic()
+        await until(lambda: members(app, "decode") == {d0: False}, "d-0 taken back")
+        assert time.monotonic() - ready_at >= 1.5
+        assert await events(client, url, "decode", "drained") == 1
+        assert await events(client, url, "decode", "undrained") == 1
+        # Deleted: at once, whatever the hysteresis.
+        emulator.delete_pod("d-0")
+        await until(lambda: members(app, "decode") == {}, "d-0 left", timeout=1.0)
+
+
+async def test_an_ipv6_pod_is_reached_at_its_bracketed_address(
+        tmp_path: Path, apiserver: tuple[ApiServerEmulator, str]) -> None:
+    emulator, api_url = apiserver
+    await emulator.listen()
+    fabric = Fabric()
+    prefill = FakeVLLM("prefill", engine_id="engine-p", fabric=fabric)
+    decode = FakeVLLM("decode", engine_id="engine-d", fabric=fabric)
+    async with AsyncExitStack() as stack:
+        runner, p_url = await start(prefill, host="::1")
+        stack.push_async_callback(runner.cleanup)
+        port = int(p_url.rsplit(":", 1)[1])
+        runner, _ = await start(decode, host="127.0.0.3", port=port)
+        stack.push_async_callback(runner.cleanup)
+        emulator.put_pod("p-0", labels=PREFILL, ip="::1", ready=True)
+        emulator.put_pod("d-0", labels=DECODE, ip="127.0.0.3", ready=True)
+        config = discovery_config(tmp_path, emulator, api_url, port)
+        async with serve_router(**config) as (url, app), httpx.AsyncClient(timeout=10) as client:
+            await until(lambda: members(app, "prefill") == {f"http://[::1]:{port}": False},
+                        "the IPv6 P joined")
+            r = await client.post(f"{url}/v1/completions", json=BODY)
+            assert r.status_code == 200, r.text
+        assert [seen.headers["host"] for seen in prefill.seen] == [f"[::1]:{port}"]
 
 
 async def test_410_gone_is_followed_by_a_new_list(
@@ -359,9 +497,11 @@ def test_with_discovery_the_static_lists_may_be_empty() -> None:
     ({"namespace": "LLM_Pods"}, "not a namespace name"),
     ({"backoff_base": 5, "backoff_max": 1}, "backoff_base <= backoff_max"),
     ({"watch_timeout": 0}, "watch_timeout >= 1"),
+    ({"list_page_size": -1}, "list_page_size must be >= 0"),
+    ({"drain_after": -1}, "drain_after >= 0 and undrain_after >= 0"),
     ({"selector": "x"}, "unknown field"),
 ], ids=["prefill", "decode", "same", "port0", "port-high", "namespace", "backoff", "watch",
-        "unknown"])
+        "page", "hysteresis", "unknown"])
 def test_discovery_settings_are_checked(change: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build_config({"discovery": {"kubernetes": {**KUBERNETES, **change}}}, {})

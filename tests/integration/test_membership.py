@@ -313,3 +313,51 @@ async def test_sighup_reads_the_config_file_again(fakes: Fakes, tmp_path: Path) 
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def test_a_removed_server_leaves_no_state_once_its_requests_finish(fakes: Fakes) -> None:
+    """Its connection pools, credentials, name and metric series go, once idle."""
+    d0, d1 = fakes.d_urls[:2]
+    async with serve_router(prefill=[fakes.p_url], decode=[d0], admin_token=TOKEN) as (url, app), \
+            httpx.AsyncClient(timeout=10) as client:
+        router = app.state.router
+        http = router.client._requests.http
+
+        def state_of(server: str) -> list[str]:
+            """Where the router still keeps something for `server`."""
+            key = ("http", "127.0.0.1", int(server.rsplit(":", 1)[1]))
+            return [where for where, kept in (
+                ("pool", key in http._pools), ("credentials", key in http._extra_headers),
+                ("name", server in router.client._names)) if kept]
+
+        async def series_of(server: str) -> list[str]:
+            text = (await client.get(f"{url}/metrics")).text
+            return [line for line in text.splitlines() if f'endpoint="{server}"' in line]
+
+        r = await client.post(f"{url}/admin/endpoints", headers=AUTH,
+                              json={"cluster": "decode", "url": d1, "name": "d1"})
+        assert r.status_code == 201, r.text
+        await client.post(f"{url}/admin/endpoints/drain", headers=AUTH,
+                          json={"cluster": "decode", "url": d0})
+        fakes.decode[1].behavior.fail_status = 500
+        await complete(client, url, 1)  # fails on d1: an error series for it
+        fakes.decode[1].behavior.fail_status = None
+        assert await series_of(d1) and state_of(d1) == ["pool", "credentials", "name"]
+
+        fakes.decode[1].behavior.delay = 1.0
+        running = asyncio.create_task(complete(client, url, 1))
+        await fakes.decode[1].until(lambda seen: any(s.outcome == "running" for s in seen))
+        await client.post(f"{url}/admin/endpoints/drain", headers=AUTH,
+                          json={"cluster": "decode", "url": d0, "draining": False})
+        r = await client.delete(f"{url}/admin/endpoints", headers=AUTH,
+                                params={"cluster": "decode", "url": d1})
+        assert r.status_code == 200 and r.json()["in_flight"] == 1
+        assert state_of(d1) == ["pool", "credentials", "name"], "dropped under a request"
+        assert await running == [200]
+
+        async def gone() -> bool:
+            return not state_of(d1) and not await series_of(d1)
+
+        await until(gone, "d1's state dropped once its request finished")
+        assert await complete(client, url, 2) == [200, 200]
+        assert state_of(d0) == ["pool", "credentials", "name"]  # the one that stays

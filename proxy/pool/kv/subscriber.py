@@ -198,6 +198,7 @@ class KvEventSubscriber:
         self._publishers.pop(url, None)
         self._silent.discard(url)
         self.index.forget(url)
+        self._metrics.forget_endpoint(url)  # its series, which its tasks may have renewed
 
     # --- one source -------------------------------------------------------------------
 

@@ -78,7 +78,8 @@ class Pool:
         self.host = host
         self.port = port
         self._ssl = ssl
-        self._host_header = f"{host}:{port}".encode("latin-1")
+        self._host_header = authority(host, port).encode("latin-1")
+        self.closed = False  # its client forgot it: a connection given back is closed
         # Header lines sent with every request to this server, pre-encoded (credentials).
         self.extra_headers = b""
         self._idle: list[Connection] = []
@@ -145,6 +146,7 @@ class Pool:
             self._idle.remove(connection)
 
     def close(self) -> None:
+        self.closed = True
         for connection in list(self._all):
             connection.close()
 
@@ -215,7 +217,7 @@ class Pool:
                     self._slots.waiters.remove(waiter)
             if isinstance(exc, TimeoutError):
                 raise PoolTimeout(
-                    f"no connection to {self.host}:{self.port} free within "
+                    f"no connection to {authority(self.host, self.port)} free within "
                     f"{self._slots.wait_s:g} s (at the cap of {self._slots.cap})"
                 ) from None
             raise
@@ -241,7 +243,11 @@ class Pool:
 
     def _put_back(self, connection: Connection) -> None:
         """A connection free for another request: to the first waiter if it is for this
-        server, closed if it is for another (its slot passes to it), else idle."""
+        server, closed if it is for another (its slot passes to it) or this pool was
+        forgotten, else idle."""
+        if self.closed:
+            connection.close()
+            return
         waiter = self._slots.first_waiter()
         if waiter is None:
             connection.idle_since = time.monotonic()
@@ -332,7 +338,7 @@ class Client:
         """The pool for an absolute http URL, and the URL's path (with query).
 
         Remembered by URL (a few per server: its routes), so that the hot path parses
-        each URL once; pools are never dropped, so a remembered answer stays right."""
+        each URL once; `forget` drops a server's pool with the URLs remembered for it."""
         found = self._by_url.get(url)
         if found is not None:
             return found
@@ -362,6 +368,19 @@ class Client:
         if key in self._pools:
             self._pools[key].extra_headers = line
 
+    def forget(self, url: str) -> None:
+        """Drop the server of `url` (a server that left): its pool, whose connections
+        close (an answer still coming fails), and its credentials. A later request to it
+        starts afresh, without them."""
+        key, _ = _server(url)
+        self._extra_headers.pop(key, None)
+        pool = self._pools.pop(key, None)
+        if pool is None:
+            return
+        pool.close()
+        for remembered in [u for u, (p, _) in self._by_url.items() if p is pool]:
+            del self._by_url[remembered]
+
     def evict_idle(self) -> None:
         """At the connection cap, a request to one server must not wait for idle
         keep-alive connections to other servers (a burst of P legs would otherwise hold
@@ -375,6 +394,11 @@ class Client:
         self.deadlines.close()
         for pool in self._pools.values():
             pool.close()
+
+
+def authority(host: str, port: int) -> str:
+    """`host:port` as a Host header and a URL write it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _server(url: str) -> tuple[tuple[str, str, int], SplitResult]:
