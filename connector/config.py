@@ -50,6 +50,8 @@ KEYS = (
     "ack_timeout",
     "ping_interval",
     "peer_timeout",
+    "write_lease",
+    "write_timeout",
     "stats_interval",
     "pull_fallback_ttl",
     "fault_injection",
@@ -90,6 +92,14 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # from it when P has said nothing for peer_timeout (P died or is unreachable).
     ping_interval: float = 1.0
     peer_timeout: float = 3.0
+    # P: the write lease (docs/ARCHITECTURE.md, section 5). P starts a WRITE into a D's
+    # blocks only within write_lease of that D's last grant (D grants with its
+    # registrations and its pings, pinging at least three times per write_lease), and is
+    # done with it (posted, or cancelled) write_timeout after that lease ends; D, when it
+    # gives up on a push without P's word, frees the blocks only after both have passed.
+    # Longer: a WRITE may take longer, and D holds given-up blocks longer.
+    write_lease: float = 3.0
+    write_timeout: float = 10.0
     # At most this often, a log line with the push counts (when they changed).
     stats_interval: float = 30.0
     # P: when a push's WRITE fails, P keeps the prompt's blocks this long for D to read
@@ -150,7 +160,7 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.push_host is not None and not self.push_host:
             raise ConfigError("push_host must be a non-empty host name or address")
         for name in ("registration_ttl", "unclaimed_ttl", "ack_timeout", "ping_interval",
-                     "peer_timeout", "stats_interval"):
+                     "peer_timeout", "write_lease", "write_timeout", "stats_interval"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{name} must be a finite number of seconds > 0, got {value}")

@@ -19,10 +19,22 @@ retried with a growing interval (`RECONNECT_IVL_MS` up to `RECONNECT_IVL_MAX_MS`
 every 100 ms for ever. A registration for which no socket can be had (every one busy, or
 ZMQ refusing another) fails at once, and D computes that prompt itself. Each engine event
 and each message is handled under the thread's guard (`connector.channel_thread`).
+
+The write lease (protocol 5, `connector.messages`; the why is in docs/ARCHITECTURE.md,
+section 5). D keeps the latest lease token each P sent (on every Ack and Pong) and grants
+with it: on each registration, and on each ping (every `ping_interval`, or a third of
+P's lease when that is shorter), naming the registrations it sent before it had a token
+once their Ack came, and withholding the pushes it gave up on. When D gives up on a push
+without P's word (no Ack, the registration's deadline, P silent, or D's request ended),
+it tells P (Abort) and frees the blocks only when P says nothing more will be written
+(PushFailed, Nack, PushDone), or once P is surely done with them: P's lease and write
+time after the arrival of the latest token D had, plus a margin (`_give_up`). A push no
+grant named is freed at once: P cannot write it.
 """
 
 from __future__ import annotations
 
+import enum
 import logging
 import queue
 import time
@@ -30,17 +42,22 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import zmq
 
 from connector.channel_thread import ChannelThread, describe, drain
 from connector.keys import ClientKeys
 from connector.messages import (
+    MAX_WITHHELD,
     Abort,
     Ack,
     EngineId,
+    Grant,
+    LeaseToken,
     Message,
     Nack,
     Ping,
+    Pong,
     ProtocolError,
     PullOffer,
     PushDone,
@@ -59,6 +76,13 @@ PEER_IDLE_S = 60.0
 # each next one twice as late, up to RECONNECT_IVL_MAX_MS.
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 5000
+# When D gave up on a push without P's word, it frees the blocks once P is surely done
+# with them: P's lease and write time past the arrival of the latest token D had, times
+# 1 + CLOCK_RATE_SLACK (P's and D's clocks may tick at slightly different rates: NTP
+# slews a clock by at most 0.05 %), plus RELEASE_MARGIN_S (the step from P's scheduler
+# to its workers, and the last bytes of a WRITE that P cancelled at its deadline).
+CLOCK_RATE_SLACK = 1e-3
+RELEASE_MARGIN_S = 1.0
 
 
 # --- the engine's events for D's channel thread ----------------------------------------
@@ -103,15 +127,33 @@ class PushFailure:
     pull: PullOffer | None = None  # P kept the blocks: READ them instead
 
 
+class _Wait(enum.Enum):
+    """What D waits for, for one push, until its `deadline`."""
+
+    ACK = "ack"  # registered: P's Ack
+    WRITE = "write"  # acknowledged: the WRITE (its notification reaches D's workers)
+    RELEASE = "release"  # given up on: P's word that it will not write, or P surely done
+
+
 @dataclass(slots=True)
 class _Pending:
-    """One push D waits for."""
+    """One push D waits for.
+
+        ACK --(Ack)--> WRITE --(the push arrived: `forget`)--> gone
+        ACK, WRITE --(Nack, PushFailed)--> gone, reported failed
+        ACK, WRITE --(D gives up: no Ack, the deadline, P silent; or D's request ended)-->
+            RELEASE, Abort sent, withheld from every grant; or gone at once, reported,
+            when no grant ever named it (P cannot write into its blocks)
+        RELEASE --(P's word: PushFailed, Nack, PushDone; or its deadline: P is surely
+            done with the blocks)--> gone, reported"""
 
     registration: RegisterBlocks
     peer: str  # P's push side channel, tcp://host:port
-    deadline: float  # no Ack by then (or no answer to our Abort): give up
-    acked: bool = False
-    aborting: bool = False
+    deadline: float  # what `wait` waits for must come by then
+    wait: _Wait = _Wait.ACK
+    granted: bool = False  # a grant naming it went to P: P may write into its blocks
+    aborted: bool = False  # D's request is gone (not a give-up): P's offer is not taken
+    why: str = ""  # RELEASE: what D reports at the end, unless P says more
 
 
 @dataclass(slots=True)
@@ -122,6 +164,9 @@ class _Peer:
     last_ping: float = 0.0
     transfers: set[TransferId] = field(default_factory=set)
     unreachable: bool = False  # pushes failed for its silence: closed once it has none
+    token: LeaseToken | None = None  # the latest of P's lease tokens, for D's grants
+    token_at: float = 0.0  # when it arrived
+    withheld: set[TransferId] = field(default_factory=set)  # granted, then given up on
 
 
 class _NoSocket(Exception):
@@ -222,7 +267,9 @@ class DecodeChannel(ChannelThread[DecodeEvent]):
                     return
                 self._pending[tid] = waits
                 peer.transfers.add(tid)
-                self._send(peer, registration)
+                grant = self._grant(peer)  # None before D has a token: named after its Ack
+                waits.granted = grant is not None
+                self._send(peer, msgspec.structs.replace(registration, grant=grant))
             case AbortPush(tid, address):
                 pending = self._pending.get(tid)
                 if pending is None and address is not None:
@@ -232,15 +279,14 @@ class DecodeChannel(ChannelThread[DecodeEvent]):
                         logger.info("push %s: could not tell P at %s that D will not take "
                                     "it (%s); P frees it at its deadline", tid, address, exc)
                     return
-                if pending is None or pending.aborting:
+                if pending is None:
                     return
-                # P answers once nothing more will be written (a WRITE in flight finishes
-                # first). Until then D keeps its blocks: freeing them under a running
-                # WRITE would corrupt another request's KV. A dead P is caught by
-                # peer_timeout; the deadline stays the registration's (or the Ack's, if
-                # none came).
-                pending.aborting = True
-                self._send(self._peers[pending.peer], Abort(transfer_id=tid))
+                # D keeps the blocks until P says nothing more will be written (a WRITE
+                # in flight finishes first), or P is surely done with them: freeing them
+                # under a running WRITE would corrupt another request's KV.
+                pending.aborted = True
+                if pending.wait is not _Wait.RELEASE:
+                    self._give_up(pending, "D's request ended", now)
             case ForgetPush(tid):
                 self._drop(tid)
 
@@ -322,66 +368,136 @@ class DecodeChannel(ChannelThread[DecodeEvent]):
             except ProtocolError as exc:
                 logger.warning("push side channel: refused a message from %s: %s", address, exc)
                 continue
-            self._guarded(f"{describe(message)} from {address}", self._on_message, message)
+            self._guarded(f"{describe(message)} from {address}", self._on_message, message,
+                          peer)
 
-    def _on_message(self, message: Message) -> None:
+    def _on_message(self, message: Message, peer: _Peer) -> None:
+        if isinstance(message, (Ack, Pong)) and message.lease is not None:
+            self._take_token(peer, message.lease)
         if not isinstance(message, (Ack, Nack, PushFailed, PushDone)):
-            return  # a Pong (liveness only: heard), or nothing P sends
+            return  # a Pong (liveness: heard; a token), or nothing P sends
         pending = self._pending.get(message.transfer_id)
         if pending is None:
             return  # already over here (done, failed or timed out)
         if isinstance(message, Ack):
-            # From now on P is known to hold the registration: wait for its answer (the
-            # WRITE, or the reply to an abort) up to the registration's own deadline; a
-            # dead P is caught sooner by its silence (peer_timeout).
-            pending.acked = True
+            if pending.wait is not _Wait.ACK:
+                return  # late: D gave up on it meanwhile
+            # From now on P is known to hold the registration: wait for the WRITE up to
+            # the registration's own deadline; a dead P is caught sooner by its silence
+            # (peer_timeout). One sent before D had a token is named in a grant now.
+            pending.wait = _Wait.WRITE
             pending.deadline = time.monotonic() + min(
                 self.registration_ttl, pending.registration.ttl_s)
+            if not message.granted:  # sent before D had a token, or with an expired one
+                pending.granted = False
+                self._ping(peer, time.monotonic(), adds=[message.transfer_id])
         elif isinstance(message, Nack):
             self._fail(pending, f"P refused the registration: {message.reason.value}: "
                                 f"{message.message}")
         elif isinstance(message, PushFailed):
             self._fail(pending, f"P will not write: {message.reason.value}"
                                 f"{': ' + message.message if message.message else ''}",
-                       pull=None if pending.aborting else message.pull)
-        elif isinstance(message, PushDone) and not pending.aborting:
-            pass  # D's workers learn it from the WRITE's notification, then `forget`
+                       pull=None if pending.aborted else message.pull)
+        elif isinstance(message, PushDone) and pending.wait is _Wait.RELEASE:
+            self._fail(pending, pending.why)  # written, so nothing more will be
+        # A PushDone otherwise: D's workers learn it from the WRITE's notification, then
+        # `forget`.
+
+    def _take_token(self, peer: _Peer, token: LeaseToken) -> None:
+        """Keep P's latest token (a newer one, or the first of a P that restarted)."""
+        if peer.token is None or token.instance != peer.token.instance \
+                or token.sent > peer.token.sent:
+            peer.token, peer.token_at = token, time.monotonic()
+
+    def _grant(self, peer: _Peer, adds: list[TransferId] | None = None) -> Grant | None:
+        """D's grant for `peer`'s P, with its latest token: naming `adds`, and withholding
+        what D gave up on. None without a token, or with too many to withhold to say (P's
+        lease then lapses, and P lets go of every push of D's: D computes them)."""
+        if peer.token is None:
+            return None
+        if len(peer.withheld) > MAX_WITHHELD:
+            logger.warning("push side channel: %d pushes given up on at one P, more than a "
+                           "grant can name; no grant sent", len(peer.withheld))
+            return None
+        return Grant(token=peer.token, adds=adds or [], withheld=sorted(peer.withheld))
+
+    def _ping(self, peer: _Peer, now: float, adds: list[TransferId] | None = None) -> None:
+        """Ping `peer`'s P, with D's grant (if it has one to give)."""
+        peer.last_ping = now
+        grant = self._grant(peer, adds)
+        if grant is not None:
+            for tid in grant.adds:
+                self._pending[tid].granted = True
+        self._send(peer, Ping(grant=grant))
+
+    def _ping_every(self, peer: _Peer) -> float:
+        """Often enough to keep P's lease: a third of it, at the most ping_interval."""
+        if peer.token is None:
+            return self.ping_interval
+        return min(self.ping_interval, peer.token.lease_s / 3)
+
+    def _give_up(self, pending: _Pending, why: str, now: float) -> None:
+        """D stops waiting for the push (`why`): P is told (Abort), and the blocks are
+        freed once P says it will not write, or is surely done with them (RELEASE). At
+        once if no grant ever named it: P cannot write into its blocks."""
+        peer = self._peers[pending.peer]
+        tid = pending.registration.transfer_id
+        self._send(peer, Abort(transfer_id=tid))
+        if not pending.granted:
+            self._fail(pending, why)
+            return
+        assert peer.token is not None  # a grant needs one
+        terms = peer.token.lease_s + peer.token.write_s
+        pending.wait, pending.why = _Wait.RELEASE, why
+        pending.deadline = peer.token_at + terms * (1 + CLOCK_RATE_SLACK) + RELEASE_MARGIN_S
+        peer.withheld.add(tid)
+        if pending.deadline <= now:
+            self._fail(pending, why)
+            return
+        reg = pending.registration
+        logger.info("push %s for request %s: %s; D frees its blocks when P says it will not "
+                    "write, or in %.1f s, when P is surely done with them", tid,
+                    reg.request_id, why, pending.deadline - now)
 
     def _check_time(self, now: float) -> None:
         for pending in [p for p in self._pending.values() if now >= p.deadline]:
-            if pending.aborting:
-                why = "P did not answer the abort in time"
-            elif not pending.acked:
-                why = f"P did not acknowledge the registration within {self.ack_timeout:g} s"
+            if pending.wait is _Wait.RELEASE:
+                self._fail(pending, pending.why)  # P is surely done with the blocks
+            elif pending.wait is _Wait.ACK:
                 self._peers[pending.peer].unreachable = True
+                self._give_up(pending, "P did not acknowledge the registration within "
+                                       f"{self.ack_timeout:g} s", now)
             else:
-                why = "the push did not arrive before the registration's deadline"
-            self._fail(pending, why)
+                self._give_up(pending, "the push did not arrive before the registration's "
+                                       "deadline", now)
         for address, peer in self._peers.items():
             if not peer.transfers:
                 continue
             if now - peer.last_heard >= self.peer_timeout:
                 peer.unreachable = True
+                why = f"P at {address} silent for {now - peer.last_heard:.1f} s"
                 for tid in list(peer.transfers):
-                    self._fail(self._pending[tid],
-                               f"P at {address} silent for {now - peer.last_heard:.1f} s")
-            elif now - peer.last_ping >= self.ping_interval:
-                peer.last_ping = now
-                self._send(peer, Ping())
+                    waiting = self._pending.get(tid)
+                    if waiting is not None and waiting.wait is not _Wait.RELEASE:
+                        self._give_up(waiting, why, now)
+            if peer.transfers and now - peer.last_ping >= self._ping_every(peer):
+                self._ping(peer, now)
 
     def _next_deadline(self) -> float | None:
         deadlines = [p.deadline for p in self._pending.values()]
-        deadlines.extend(peer.last_ping + self.ping_interval
+        deadlines.extend(peer.last_ping + self._ping_every(peer)
                          for peer in self._peers.values() if peer.transfers)
         return min(deadlines, default=None)
 
     def _fail(self, pending: _Pending, why: str, pull: PullOffer | None = None) -> None:
+        """Report the push failed (released, for D's own abort): D frees or reuses its
+        blocks now."""
         reg = pending.registration
         self._failures.put(PushFailure(reg.request_id, reg.transfer_id, why, pull))
         self._drop(reg.transfer_id)
-        log = logger.info if pending.aborting else logger.warning
+        log = logger.info if pending.aborted else logger.warning
         log("push %s for request %s %s: %s%s", reg.transfer_id, reg.request_id,
-            "released" if pending.aborting else "failed", why,
+            "released" if pending.aborted else "failed", why,
             "; P offers its blocks to read instead" if pull is not None else "")
 
     def _drop(self, tid: TransferId) -> None:
@@ -390,6 +506,7 @@ class DecodeChannel(ChannelThread[DecodeEvent]):
             peer = self._peers.get(pending.peer)
             if peer is not None:
                 peer.transfers.discard(tid)
+                peer.withheld.discard(tid)
 
     def _send(self, peer: _Peer, message: Message) -> None:
         try:

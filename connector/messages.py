@@ -15,6 +15,20 @@ sides; nothing else is matched):
     R -> P  Abandon         the router's D leg failed before any D registered: P frees the
                             prompt's blocks now instead of after `unclaimed_ttl`. No answer.
 
+The write lease: P WRITEs into D's blocks only while D lets it. Every Ack and Pong carries
+a `LeaseToken` (P's instance, when P sent it, and P's terms: `lease_s`, `write_s`); D
+echoes the latest one it has in a `Grant` on its registrations and pings. A transfer
+becomes writable by a grant that names it: the grant on its own registration, or a
+ping's `adds` (a registration sent before D had a token, named once its Ack came). Every
+grant renews the lease of all that D's writable transfers: P may start WRITEs into their
+blocks for `lease_s` from the token's `sent` (P's own clock: no clock is shared), and is
+done with each WRITE (posted, or cancelled) `write_s` after the lease under which it
+started ends. A grant names the transfers it does not cover (`withheld`: those D gave
+up on, each also aborted); P aborts them first. So D, having given up on a push, knows
+when P is surely done with its blocks without a word from P: `write_s` after `lease_s`
+past the arrival of the latest token it had (`connector.decode_channel`; the design is
+in docs/ARCHITECTURE.md, section 5).
+
 Who may do what: a registered transfer is aborted only by the peer that registered it
 (its CURVE public key when the side channel is authenticated, else its ZMQ routing
 identity); for a transfer no D registered, knowing its `transfer_id` (128 random bits,
@@ -45,7 +59,9 @@ import msgspec
 #   4: RegisterBlocks.tp_size may differ from P's: P accepts a D whose tp is a multiple
 #      or a divisor of its own and its ranks WRITE D's ranks as `connector.tp_plan` maps
 #      them (version 3's P refused any other tp than its own).
-PROTOCOL_VERSION = 4
+#   5: the write lease: Ack.lease and Pong.lease (P's LeaseToken), RegisterBlocks.grant
+#      and Ping.grant (D's Grant); FailReason lease_expired.
+PROTOCOL_VERSION = 5
 
 TransferId = NewType("TransferId", str)
 EngineId = NewType("EngineId", str)
@@ -56,6 +72,9 @@ MAX_PORT = 65535
 # fit in one frame, and would keep P's side channel thread decoding for most of a second.
 MAX_KV_GROUPS = 1024
 BlockIds: TypeAlias = Annotated[list[list[int]], msgspec.Meta(max_length=MAX_KV_GROUPS)]
+# A grant names at most this many transfers it does not cover (D's give-ups at that P
+# that P has not answered yet): as many as one peer may hold registered on P by default.
+MAX_WITHHELD = 4096
 
 
 class ProtocolError(ValueError):
@@ -84,6 +103,7 @@ class FailReason(str, enum.Enum):
     ABORTED = "aborted"  # D aborted; nothing more will be written into its blocks
     PREFILL_ABORTED = "prefill_aborted"  # P's request ended without its KV (cancelled)
     SHUTTING_DOWN = "shutting_down"
+    LEASE_EXPIRED = "lease_expired"  # D stopped granting (gone, or cut off): P let go
 
 
 def _require(condition: bool, message: str) -> None:
@@ -106,6 +126,42 @@ class _TransferMessage(_Message, frozen=True, kw_only=True):
         _require_id(self.transfer_id, "transfer_id")
 
 
+class LeaseToken(msgspec.Struct, frozen=True, kw_only=True):
+    """P -> D, on every Ack and Pong, and back in D's grants: P's `instance` (a random
+    number per P channel: a token of another P, or of this one's former life, grants
+    nothing), when P sent it (`sent`, P's monotonic clock, read only by P), and P's terms:
+    a grant holds `lease_s` from `sent`; P is done with a WRITE `write_s` after its lease
+    ends."""
+
+    instance: int
+    sent: float
+    lease_s: float
+    write_s: float
+
+    def __post_init__(self) -> None:
+        _require(math.isfinite(self.sent), f"sent must be finite, got {self.sent}")
+        for name in ("lease_s", "write_s"):
+            value = getattr(self, name)
+            _require(math.isfinite(value) and value > 0,
+                     f"{name} must be a finite number > 0, got {value}")
+
+
+class Grant(msgspec.Struct, frozen=True, kw_only=True):
+    """D -> P, on a registration or a ping: P may WRITE into the blocks of this D's
+    writable transfers for `token.lease_s` from `token.sent` (the latest token D had from
+    this P). Writable are the transfers a grant named: its registration's own, and
+    `adds` (registrations sent before D had a token). Not those `withheld`: D gave up on
+    them; P aborts them before it takes the grant."""
+
+    token: LeaseToken
+    adds: Annotated[list[TransferId], msgspec.Meta(max_length=MAX_WITHHELD)] = []
+    withheld: Annotated[list[TransferId], msgspec.Meta(max_length=MAX_WITHHELD)] = []
+
+    def __post_init__(self) -> None:
+        for transfer_id in (*self.adds, *self.withheld):
+            _require_id(transfer_id, "a grant's transfer_id")
+
+
 class RegisterBlocks(_TransferMessage, frozen=True, kw_only=True, tag="register_blocks"):
     """D -> P: D's blocks for this transfer, one list per KV-cache group.
 
@@ -125,6 +181,7 @@ class RegisterBlocks(_TransferMessage, frozen=True, kw_only=True, tag="register_
     host: str
     port: int
     ttl_s: float  # how long D keeps the blocks, from when it sent this
+    grant: Grant | None = None  # None: D has no token from this P yet (it grants later)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -151,11 +208,15 @@ class RegisterBlocks(_TransferMessage, frozen=True, kw_only=True, tag="register_
 
 
 class Ack(_TransferMessage, frozen=True, kw_only=True, tag="ack"):
-    """P -> D: registration accepted; P's layout, for D's own checks and metrics."""
+    """P -> D: registration accepted; P's layout, for D's own checks and metrics, a lease
+    token for D's grants, and whether the registration's own grant made it writable
+    (False: none came with it, or its token had expired; D names it in a grant now)."""
 
     engine_id: EngineId
     block_size: int
     tp_size: int
+    lease: LeaseToken | None = None
+    granted: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -218,11 +279,17 @@ class Abandon(_TransferMessage, frozen=True, kw_only=True, tag="abandon"):
 
 
 class Ping(_Message, frozen=True, kw_only=True, tag="ping"):
-    """D -> P: are you there? Sent while D waits on this P."""
+    """D -> P: are you there? Sent while D waits on this P, with D's grant (the router's
+    pings, and a D's with no token yet, carry none)."""
+
+    grant: Grant | None = None
 
 
 class Pong(_Message, frozen=True, kw_only=True, tag="pong"):
-    """P -> D: yes (answered by P's side-channel thread, whatever its engine is doing)."""
+    """P -> D: yes (answered by P's side-channel thread, whatever its engine is doing),
+    with a fresh lease token."""
+
+    lease: LeaseToken | None = None
 
 
 Message: TypeAlias = (

@@ -7,6 +7,7 @@ workers' answer comes back through vLLM's worker-metadata hook as a `PushReport`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from connector.channel import StartWrite
@@ -29,17 +30,21 @@ class PushJob:
     decode_tp_size: int
     decode_block_ids: BlockIds
     fail_on_purpose: bool = False  # fault injection (`fail_write`): fail, do not WRITE
+    # Seconds, from when this was made: no part of the WRITE is posted later, and what is
+    # in flight then is cancelled (the write lease). A lifetime, not a clock reading: the
+    # worker may run on another host than the scheduler.
+    write_within: float = math.inf
 
     @classmethod
-    def of(cls, write: StartWrite) -> PushJob:
-        """The job for P's channel's `StartWrite`."""
+    def of(cls, write: StartWrite, now: float) -> PushJob:
+        """The job for P's channel's `StartWrite`, made at `now` (the channel's clock)."""
         reg = write.registration
         return cls(
             transfer_id=write.transfer_id, request_id=write.request_id,
             block_ids=write.block_ids, decode_engine_id=reg.engine_id,
             decode_request_id=reg.request_id, decode_host=reg.host, decode_port=reg.port,
             decode_tp_size=reg.tp_size, decode_block_ids=reg.block_ids,
-            fail_on_purpose=write.fail_on_purpose)
+            fail_on_purpose=write.fail_on_purpose, write_within=write.write_by - now)
 
 
 @dataclass(slots=True)

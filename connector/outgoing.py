@@ -14,7 +14,10 @@ to the step that hands them back to vLLM:
     RELEASED --(get_transfer_results: reported finished sending)--> gone
 
 Each end also goes in the next `PushReport` (`take_report`), by transfer: the outcome
-for the scheduler, kept apart from the record, which may be gone by then.
+for the scheduler, kept apart from the record, which may be gone by then. A record
+carries its job's write deadline (`deadline`, this worker's monotonic clock: the write
+lease, `PushJob.write_within` from when the job reached the worker): the worker posts no
+WRITE after it, and cancels the WRITE handles still in flight then.
 
 The transitions are the methods below; each checks the state it starts from against
 one table (`_NEXT`), so nothing but `_move` changes a state or removes a record. A
@@ -29,6 +32,7 @@ Owned by the worker's engine thread; no lock.
 from __future__ import annotations
 
 import enum
+import math
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -69,6 +73,7 @@ class OutgoingPush:
     started: float = 0.0  # perf_counter, when the job started (its PushEnd's seconds)
     failed: bool = False  # WRITING: one of its WRITE handles failed
     lease_until: float = 0.0  # HELD: when vLLM's pull lease ends (perf_counter)
+    deadline: float = math.inf  # no WRITE posted after it (time.monotonic; write lease)
 
 
 class OutgoingPushes:
@@ -84,10 +89,11 @@ class OutgoingPushes:
     def get(self, request_id: str) -> OutgoingPush | None:
         return self._records.get(request_id)
 
-    def early(self, job: PushJob, step: int | None) -> None:
+    def early(self, job: PushJob, step: int | None, *, deadline: float = math.inf) -> None:
         """An early WRITE, to start once engine step `step`'s forward pass is done (None:
-        at once)."""
-        record = OutgoingPush(job.request_id, OutgoingState.EARLY, job, early_step=step)
+        at once), and posted by `deadline`."""
+        record = OutgoingPush(job.request_id, OutgoingState.EARLY, job, early_step=step,
+                              deadline=deadline)
         self._move(record, OutgoingState.EARLY)
 
     def early_due(self, step: int) -> list[OutgoingPush]:
@@ -98,10 +104,12 @@ class OutgoingPushes:
         return [r for r in self._records.values() if r.state is OutgoingState.EARLY
                 and (r.early_step is None or r.early_step <= step)]
 
-    def start(self, job: PushJob, *, handshaking: bool, now: float) -> OutgoingPush:
-        """The job starts: HANDSHAKING (D's handshake is under way) or WRITING."""
+    def start(self, job: PushJob, *, handshaking: bool, now: float,
+              deadline: float = math.inf) -> OutgoingPush:
+        """The job starts: HANDSHAKING (D's handshake is under way) or WRITING, to be
+        posted by `deadline` (an early WRITE keeps the one it came with)."""
         record = self._records.get(job.request_id) or OutgoingPush(
-            job.request_id, OutgoingState.HANDSHAKING, job)
+            job.request_id, OutgoingState.HANDSHAKING, job, deadline=deadline)
         record.job, record.started = job, now
         self._move(record, OutgoingState.HANDSHAKING if handshaking else OutgoingState.WRITING)
         return record

@@ -30,7 +30,9 @@ counted and logged, and the thread goes on.
 from __future__ import annotations
 
 import logging
+import math
 import queue
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +49,8 @@ from connector.messages import (
     Abort,
     Ack,
     FailReason,
+    Grant,
+    LeaseToken,
     Message,
     Nack,
     NackReason,
@@ -112,6 +116,9 @@ class StartWrite:
     # None: matched after the prefill.
     early_step: int | None = None
     fail_on_purpose: bool = False  # fault injection (`fail_write`): fail, do not WRITE
+    # P's monotonic clock (this host's): no part of the WRITE is posted after it, and
+    # what is still in flight then is cancelled (the write lease; `Ready.write_by`).
+    write_by: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +201,9 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         keys (None: anyone, with a warning)."""
         super().__init__()
         self.registry = registry
+        # Names this channel's lease tokens: a token of another P, or of this one's
+        # former life, grants nothing.
+        self._instance = secrets.randbits(62)
         self._early: EarlyOutbox | None = None
         self._auth: ThreadAuthenticator | None = None
         self._monitor: zmq.Socket[Any] | None = None
@@ -401,23 +411,22 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
     def _on_message(self, identity: bytes, message: Message, peer: PeerId) -> None:
         now = time.monotonic()
         if isinstance(message, Ping):
-            self._send(identity, Pong())
+            if message.grant is not None:
+                for started in self._grant(identity, message.grant, peer, now):
+                    self._on_outcome(started, registration=None)
+            self._send(identity, Pong(lease=self._lease_token()))
         elif isinstance(message, RegisterBlocks):
-            self._on_outcome(self.registry.register(message, now=now, peer=peer),
-                             registration=message)
+            if message.grant is not None:
+                self._withhold(identity, message.grant, peer, now)
+            registered = self.registry.register(message, now=now, peer=peer)
+            granted = [] if message.grant is None else self._grant(
+                identity, message.grant, peer, now, withheld_done=True,
+                adds=(message.transfer_id,))
+            self._on_outcome(registered, registration=message)  # its Ack says if granted
+            for started in granted:
+                self._on_outcome(started, registration=None)
         elif isinstance(message, Abort):
-            tid = message.transfer_id
-            outcome = self.registry.abort(tid, now=now, peer=peer)
-            if isinstance(outcome, Ignored):
-                logger.debug("push %s: abort ignored: %s", tid, outcome.why)
-                return
-            if outcome is not None:
-                self._released(outcome)
-            elif self.registry.state_of(tid) is None:
-                # Nothing here (yet) for this transfer: nothing will be written into D's
-                # blocks, so D may free them now.
-                self._send(identity, PushFailed(transfer_id=tid, reason=FailReason.ABORTED))
-            logger.info("push %s: D aborted", tid)
+            self._abort(identity, message.transfer_id, peer, now)
         elif isinstance(message, Abandon):
             tid = message.transfer_id
             outcome = self.registry.abandon(tid, now=now)
@@ -431,6 +440,49 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
             logger.warning("push side channel: unexpected %s from %r",
                            type(message).__name__, identity)
 
+    def _abort(self, identity: bytes, tid: TransferId, peer: PeerId, now: float, *,
+               again: bool = False) -> None:
+        """D gave up on `tid` (an Abort; `again`: a grant's `withheld`, said with every
+        grant until P answers): end it, or once its WRITE ends, and tell D."""
+        outcome = self.registry.abort(tid, now=now, peer=peer)
+        if isinstance(outcome, Ignored):
+            logger.debug("push %s: abort ignored: %s", tid, outcome.why)
+            return
+        if outcome is not None:
+            self._released(outcome)
+        elif self.registry.state_of(tid) is None:
+            # Nothing here (yet) for this transfer: nothing will be written into D's
+            # blocks, so D may free them now.
+            self._send(identity, PushFailed(transfer_id=tid, reason=FailReason.ABORTED))
+        logger.log(logging.DEBUG if again else logging.INFO, "push %s: D aborted", tid)
+
+    def _withhold(self, identity: bytes, grant: Grant, peer: PeerId, now: float) -> None:
+        """The transfers D's grant does not cover: aborted before the grant is taken."""
+        for tid in grant.withheld:
+            self._abort(identity, tid, peer, now, again=True)
+
+    def _grant(self, identity: bytes, grant: Grant, peer: PeerId, now: float, *,
+               withheld_done: bool = False,
+               adds: tuple[TransferId, ...] = ()) -> list[Ready | Release]:
+        """D's grant: its `withheld` transfers aborted first (unless done already), then,
+        if its token is this channel's own and not from the future, its lease taken, with
+        the transfers it names (its `adds`, and `adds`: a registration's own). What it
+        starts or ends, for `_on_outcome`."""
+        if not withheld_done:
+            self._withhold(identity, grant, peer, now)
+        token = grant.token
+        if token.instance != self._instance or token.sent > now:
+            logger.debug("push side channel: a grant from %r with a token that is not this "
+                         "P's; ignored", identity)
+            return []
+        return self.registry.grant(peer, sent=token.sent, now=now, adds=(*adds, *grant.adds))
+
+    def _lease_token(self) -> LeaseToken:
+        """For an Ack or a Pong: D grants with the latest it has."""
+        config = self.registry.config
+        return LeaseToken(instance=self._instance, sent=time.monotonic(),
+                          lease_s=config.lease_s, write_s=config.write_s)
+
     def _on_engine_event(self, event: PrefillEvent) -> None:
         now = time.monotonic()
         match event:
@@ -441,7 +493,7 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
                 self._on_outcome(outcome, registration=None)
             case PrefillCompleting(tid, request_id, block_ids, step, fail_on_purpose):
                 ready = self.registry.prefill_completing(
-                    tid, block_ids, request_id=request_id, step=step,
+                    tid, block_ids, request_id=request_id, step=step, now=now,
                     fail_on_purpose=fail_on_purpose)
                 if ready is not None:
                     self._on_outcome(ready, registration=None)
@@ -476,12 +528,15 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
             config = self.registry.config
             self._send(registration.engine_id.encode(), Ack(
                 transfer_id=registration.transfer_id, engine_id=config.engine_id,
-                block_size=config.block_size, tp_size=config.tp_size))
+                block_size=config.block_size, tp_size=config.tp_size,
+                lease=self._lease_token(),
+                granted=self.registry.granted(registration.transfer_id)))
         if isinstance(outcome, Ready):
             self.registry.write_started(outcome.transfer_id)
             write = StartWrite(outcome.transfer_id, outcome.request_id, outcome.block_ids,
                                outcome.registration, early_step=outcome.early_step,
-                               fail_on_purpose=outcome.fail_on_purpose)
+                               fail_on_purpose=outcome.fail_on_purpose,
+                               write_by=outcome.write_by)
             if write.early_step is not None:
                 self._start_early(write)
             else:

@@ -28,7 +28,25 @@ States of one transfer:
   finished       | abort:    ABORTED               | write_failed: FAILED   | write_failed: FAILED
                                                                           | abort: ABORTED, once
                                                                           |   the WRITE ends
-  A match whose KV-cache group counts differ goes straight to FAILED.
+  A match whose KV-cache group counts differ goes straight to FAILED. A match (READY)
+  needs a grant that named the registration (below): until one comes, the record is
+  AWAITING_GRANT (grant: READY; none within lease_s: EXPIRED, reason LEASE_EXPIRED; abort:
+  ABORTED). AWAITING_PREFILL also ends EXPIRED (LEASE_EXPIRED) when that grant does not
+  come in time, or its lease lapses.
+
+The write lease (protocol 5; docs/ARCHITECTURE.md, section 5, has the why). P may start a
+WRITE into a registration's blocks only under a lease its registrant granted: each grant
+(`grant`, from a registration's or a ping's `Grant`, its token's `sent` taken by the
+caller from P's own token) holds `lease_s` from when P sent that token, per peer. A
+registration is granted by a grant that names it (`adds`: the caller passes the
+registration's own with its grant), within `lease_s` of being registered (`grant_by`),
+else it ends. A match of a granted transfer is READY with `write_by`, the lease's end
+plus `write_s`: P posts no WRITE into D's blocks after it, and cancels what is still in
+flight then. A peer's lease that lapses (no grant for `lease_s`) ends that peer's
+granted transfers that no WRITE has started for (LEASE_EXPIRED; an AWAITING_PREFILL one
+leaves a D_ABORTED tombstone, so its prefill is freed the moment it finishes); a lapsed
+lease is ended before a late grant could renew it, so a transfer it ended cannot come
+back. The caller aborts a grant's `withheld` transfers before it applies it.
 
   prefill_completing (engine step `step`, being built, completes the prompt) matches an
   AWAITING_PREFILL registration early (READY with `early_step`: P WRITEs right after that
@@ -66,7 +84,8 @@ P holds any, and to tell D, if D registered: PushDone, or PushFailed with the re
 
 Deadlines use the caller's monotonic clock (`now`, seconds). A registration waits at most
 min(registration_ttl, D's ttl_s); a finished prefill waits for D at most unclaimed_ttl.
-READY and WRITING have no deadline here: the writer bounds them and reports the result.
+READY and WRITING have no deadline here: the writer bounds them (`write_by`) and reports
+the result.
 """
 
 from __future__ import annotations
@@ -77,6 +96,7 @@ import hashlib
 import heapq
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -90,6 +110,9 @@ PeerId: TypeAlias = bytes  # who sent a message: CURVE public key, else ZMQ rout
 
 DEFAULT_REGISTRATION_TTL_S = 120.0
 DEFAULT_UNCLAIMED_TTL_S = 120.0
+# The write lease's terms (the settings write_lease and write_timeout).
+DEFAULT_LEASE_S = 3.0
+DEFAULT_WRITE_S = 10.0
 DEFAULT_MAX_PENDING_PER_PEER = 4096
 # All peers together: four D servers at their per-peer limit. A flood from ever new
 # identities (no CURVE) meets this one.
@@ -111,6 +134,7 @@ class TransferState(enum.Enum):
     COMPLETING = "completing"  # P's prompt completes in the step being built; not live
     AWAITING_PREFILL = "awaiting_prefill"
     AWAITING_REGISTRATION = "awaiting_registration"
+    AWAITING_GRANT = "awaiting_grant"  # both halves here; no grant named it yet
     READY = "ready"
     WRITING = "writing"
     DONE = "done"
@@ -120,7 +144,7 @@ class TransferState(enum.Enum):
 
 
 LIVE_STATES = (TransferState.AWAITING_PREFILL, TransferState.AWAITING_REGISTRATION,
-               TransferState.READY, TransferState.WRITING)
+               TransferState.AWAITING_GRANT, TransferState.READY, TransferState.WRITING)
 
 
 class InvalidTransition(RuntimeError):
@@ -139,6 +163,9 @@ class RegistryConfig(msgspec.Struct, frozen=True, kw_only=True):
     mla: bool = False
     registration_ttl: float = DEFAULT_REGISTRATION_TTL_S
     unclaimed_ttl: float = DEFAULT_UNCLAIMED_TTL_S
+    # The write lease: a grant holds lease_s; P is done with a WRITE write_s after that.
+    lease_s: float = DEFAULT_LEASE_S
+    write_s: float = DEFAULT_WRITE_S
     # P's KV cache blocks in all: no registration may name more block ids (None: unknown).
     num_blocks: int | None = None
     # P's KV-cache groups: a registration must name as many (None: unknown, not checked).
@@ -166,7 +193,8 @@ class RegistryConfig(msgspec.Struct, frozen=True, kw_only=True):
                 f"block_size={self.block_size}, tp_size={self.tp_size}, kv_heads={self.kv_heads}"
             )
         for name, ttl in (("registration_ttl", self.registration_ttl),
-                          ("unclaimed_ttl", self.unclaimed_ttl)):
+                          ("unclaimed_ttl", self.unclaimed_ttl), ("lease_s", self.lease_s),
+                          ("write_s", self.write_s)):
             if not (math.isfinite(ttl) and ttl > 0):
                 raise ValueError(f"{name} must be a finite number of seconds > 0, got {ttl}")
 
@@ -185,6 +213,9 @@ class Ready:
     # ran: WRITE right after its forward pass. None: matched after the prefill.
     early_step: int | None = None
     fail_on_purpose: bool = False  # fault injection (`fail_write`): fail, do not WRITE
+    # The caller's clock: no WRITE into D's blocks is posted after this, and one still in
+    # flight then is cancelled (the lease's end plus write_s).
+    write_by: float = math.inf
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +281,8 @@ class RegistryCounters:
     foreign_aborts: int = 0  # aborts of a registered transfer from another peer: ignored
     abandoned: int = 0  # the router's abandons honoured
     abandons_ignored: int = 0  # abandons of a transfer a D registered: ignored
+    lease_expired: int = 0  # transfers ended: their D's grant did not come, or lapsed
+    stale_grants: int = 0  # grants whose lease had ended when they came: ignored
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +312,21 @@ class _Transfer:
     footprint: int = 0  # what its registration holds, once owned (`footprint`)
     early_step: int | None = None  # COMPLETING: the step that completes the prompt
     fail_on_purpose: bool = False  # P's fault injection, for its Ready
+    granted: bool = False  # a grant of its registrant named it
+    grant_by: float | None = None  # registered, not granted: the grant must come by then
+
+    def due(self) -> float | None:
+        """When it ends unless something happens first (None: no deadline here)."""
+        if self.grant_by is None:
+            return self.deadline
+        return self.grant_by if self.deadline is None else min(self.deadline, self.grant_by)
+
+
+@dataclass(frozen=True, slots=True)
+class _LeaseKey:
+    """A peer's lease's entry in the deadline heap."""
+
+    peer: PeerId
 
 
 class _Tombstone(enum.Enum):
@@ -289,6 +337,7 @@ class _Tombstone(enum.Enum):
 
 
 Grave: TypeAlias = bytes  # a tombstone's key: a digest of its transfer id (`_grave`)
+DeadlineKey: TypeAlias = TransferId | Grave | _LeaseKey  # what a heap entry is the deadline of
 
 
 def _grave(transfer_id: TransferId) -> Grave:
@@ -328,12 +377,13 @@ class PushRegistry:
         self._completing = 0  # records in COMPLETING (not live)
         # Cause and deadline, oldest first (what max_tombstones evicts).
         self._tombstones: dict[Grave, tuple[_Tombstone, float]] = {}
-        self._pending_by_peer: dict[PeerId, int] = {}  # live registrations per owner
+        self._owned: dict[PeerId, set[TransferId]] = {}  # live registrations per owner
+        self._leases: dict[PeerId, float] = {}  # each owner's lease: its end
         self._pending = 0  # live registrations of all owners together
         self._pending_bytes = 0  # the footprints of the owned records
-        # (deadline, sequence, key): a record's transfer id, or a tombstone's Grave. Lazy:
-        # an entry counts only while its record or tombstone still has that deadline.
-        self._deadlines: list[tuple[float, int, TransferId | Grave]] = []
+        # (deadline, sequence, key): a record's transfer id, a tombstone's Grave, or a
+        # peer's lease. Lazy: an entry counts only while what it names has that deadline.
+        self._deadlines: list[tuple[float, int, DeadlineKey]] = []
         self._sequence = itertools.count()  # orders equal deadlines; keys never compared
         self._counters = RegistryCounters()
 
@@ -379,12 +429,11 @@ class PushRegistry:
             deadline = now + min(self.config.registration_ttl, reg.ttl_s)
             record = _Transfer(tid, TransferState.AWAITING_PREFILL, deadline, registration=reg)
             self._transfers[tid] = record
-            self._schedule(tid, deadline)
-            self._own(record, peer, reg)
+            self._own(record, peer, reg, now)
             return Waiting(tid, TransferState.AWAITING_PREFILL)
         record.registration = reg
-        self._own(record, peer, reg)
-        return self._match(record)
+        self._own(record, peer, reg, now)
+        return self._match(record, now)
 
     def abort(self, transfer_id: TransferId, *, now: float,
               peer: PeerId = b"") -> Release | Ignored | None:
@@ -421,6 +470,44 @@ class PushRegistry:
             return None
         return self._end(record, TransferState.ABORTED, FailReason.ABORTED)
 
+    def grant(self, peer: PeerId, *, sent: float, now: float,
+              adds: Iterable[TransferId] = ()) -> list[Ready | Release]:
+        """`peer` grants its lease, from P's token sent at `sent` (the caller checked that
+        it is P's own, and not from the future): P may start WRITEs into the blocks of its
+        granted transfers until `sent + lease_s`. Its registrations named in `adds` are
+        granted from now: those whose prefill is here become Ready. A lease that had
+        lapsed ends its transfers first (Release each), and is not taken back by this one."""
+        until = sent + self.config.lease_s
+        if until <= now:
+            self._counters.stale_grants += 1
+            return []
+        if peer not in self._owned:
+            return []  # nothing of its to write into: no lease to keep
+        outcomes: list[Ready | Release] = []
+        lapsed = self._leases.get(peer)
+        if lapsed is not None and lapsed <= now:
+            outcomes.extend(self._lapse(peer, now))
+            if peer not in self._owned:
+                return outcomes
+        if until > self._leases.get(peer, -math.inf):
+            self._leases[peer] = until
+            self._schedule(_LeaseKey(peer), until)
+        for tid in adds:
+            record = self._transfers.get(tid)
+            if record is None or record.owner != peer or record.granted:
+                continue  # gone already, or not this peer's to grant
+            record.granted, record.grant_by = True, None
+            completing = record.state is TransferState.AWAITING_PREFILL \
+                and record.early_step is not None  # its prompt's last step is under way
+            if record.state is TransferState.AWAITING_GRANT or completing:
+                self._counters.early += completing
+                match = self._match(record, now)
+                assert not isinstance(match, Waiting)
+                outcomes.append(match)
+            elif (due := record.due()) is not None:
+                self._schedule(tid, due)
+        return outcomes
+
     # --- events from P's engine ----------------------------------------------------------
 
     def prefill_finished(
@@ -431,7 +518,8 @@ class PushRegistry:
         a Release frees them. `fail_on_purpose`: its WRITE is to fail (fault injection)."""
         record = self._forget_completing(self._transfers.get(transfer_id))
         if record is not None and record.request_id == request_id \
-                and record.state in (TransferState.READY, TransferState.WRITING):
+                and record.state in (TransferState.AWAITING_GRANT, TransferState.READY,
+                                     TransferState.WRITING):
             self._counters.prefills += 1
             return Waiting(transfer_id, record.state)  # matched early: its WRITE is under way
         if record is not None and record.state is not TransferState.AWAITING_PREFILL:
@@ -457,16 +545,17 @@ class PushRegistry:
         record.block_ids = block_ids
         record.request_id = request_id
         record.fail_on_purpose = fail_on_purpose
-        return self._match(record)
+        return self._match(record, now)
 
     def prefill_completing(
         self, transfer_id: TransferId, block_ids: BlockIds, *, request_id: RequestId,
-        step: int, fail_on_purpose: bool = False,
+        step: int, now: float, fail_on_purpose: bool = False,
     ) -> Ready | None:
         """P's request `request_id` completes its prompt, into `block_ids`, in engine step
-        `step`, being built. Ready: D had registered; WRITE right after that step's forward
-        pass. None: not now (with no registration yet, the record is COMPLETING, for one
-        that comes before `prefill_finished`, which follows the step)."""
+        `step`, being built. Ready: D had registered, and granted; WRITE right after that
+        step's forward pass. None: not now (with no registration yet, the record is
+        COMPLETING, for one that comes before `prefill_finished`, which follows the step;
+        with no grant yet, the record waits for one, or for `prefill_finished`)."""
         record = self._transfers.get(transfer_id)
         if record is None and _grave(transfer_id) not in self._tombstones:
             record = self._transfers[transfer_id] = _Transfer(transfer_id,
@@ -483,10 +572,10 @@ class PushRegistry:
         record.request_id = request_id
         record.early_step = step
         record.fail_on_purpose = fail_on_purpose
-        if record.state is TransferState.COMPLETING:
+        if record.state is TransferState.COMPLETING or not self._writable(record, now):
             return None
         self._counters.early += 1
-        match = self._match(record)
+        match = self._match(record, now)
         assert isinstance(match, Ready)
         return match
 
@@ -536,11 +625,17 @@ class PushRegistry:
             key = entry[2]
             if not self._holds(*entry):
                 continue
-            if isinstance(key, bytes):
+            if isinstance(key, _LeaseKey):
+                releases.extend(self._lapse(key.peer, now))
+            elif isinstance(key, bytes):
                 del self._tombstones[key]
             else:
                 record = self._transfers[key]
-                releases.append(self._end(record, TransferState.EXPIRED, FailReason.EXPIRED))
+                if record.grant_by is not None and record.grant_by <= now:
+                    releases.append(self._lease_ended(record, now))
+                else:
+                    releases.append(self._end(record, TransferState.EXPIRED,
+                                              FailReason.EXPIRED))
         return releases
 
     def next_deadline(self) -> float | None:
@@ -560,7 +655,17 @@ class PushRegistry:
 
     def pending_of(self, peer: PeerId) -> int:
         """Live registrations `peer` made (what max_pending_per_peer limits)."""
-        return self._pending_by_peer.get(peer, 0)
+        return len(self._owned.get(peer, ()))
+
+    def granted(self, transfer_id: TransferId) -> bool:
+        """Whether a grant named this transfer (P may write into its blocks, under the
+        lease)."""
+        record = self._transfers.get(transfer_id)
+        return record is not None and record.granted
+
+    def lease_of(self, peer: PeerId) -> float | None:
+        """When `peer`'s lease ends (None: it holds none)."""
+        return self._leases.get(peer)
 
     def tombstones(self) -> int:
         return len(self._tombstones)
@@ -604,7 +709,7 @@ class PushRegistry:
     def _check_limits(self, peer: PeerId, size: int) -> tuple[NackReason, str] | None:
         """May `peer` hold one more live registration, of `size` bytes?"""
         local = self.config
-        if self._pending_by_peer.get(peer, 0) >= local.max_pending_per_peer:
+        if self.pending_of(peer) >= local.max_pending_per_peer:
             return NackReason.OVER_LIMIT, (
                 f"this peer already holds {local.max_pending_per_peer} pending registrations "
                 "on this P (kv_connector_extra_config.max_pending_per_peer)")
@@ -619,13 +724,18 @@ class PushRegistry:
                 f"would pass the limit of {local.max_pending_bytes}")
         return None
 
-    def _own(self, record: _Transfer, peer: PeerId, reg: RegisterBlocks) -> None:
-        """`peer` registered `record`: only it may abort it; it counts to the limits."""
+    def _own(self, record: _Transfer, peer: PeerId, reg: RegisterBlocks, now: float) -> None:
+        """`peer` registered `record`: only it may abort it; it counts to the limits; its
+        grant must come within lease_s."""
         record.owner = peer
         record.footprint = footprint(reg)
-        self._pending_by_peer[peer] = self._pending_by_peer.get(peer, 0) + 1
+        self._owned.setdefault(peer, set()).add(record.transfer_id)
+        record.grant_by = now + self.config.lease_s
         self._pending += 1
         self._pending_bytes += record.footprint
+        due = record.due()
+        assert due is not None
+        self._schedule(record.transfer_id, due)
 
     def _bury(self, transfer_id: TransferId, cause: _Tombstone, now: float) -> None:
         """Leave a tombstone until `unclaimed_ttl`; past max_tombstones, the oldest goes."""
@@ -637,23 +747,26 @@ class PushRegistry:
         self._tombstones[grave] = (cause, deadline)  # the newest, last
         self._schedule(grave, deadline)
 
-    def _schedule(self, key: TransferId | Grave, deadline: float) -> None:
+    def _schedule(self, key: DeadlineKey, deadline: float) -> None:
         """Put `key`'s deadline in the heap. Entries for records and tombstones that are
         gone, or have another deadline now, stay until they come up (`_holds`), unless
         they outnumber the live ones: then the heap is rebuilt, so it holds at most twice
         the live records and tombstones (plus _HEAP_SLACK), whatever a peer sends."""
         heapq.heappush(self._deadlines, (deadline, next(self._sequence), key))
-        live = len(self._transfers) + len(self._tombstones)
+        live = len(self._transfers) + len(self._tombstones) + len(self._leases)
         if len(self._deadlines) > 2 * live + _HEAP_SLACK:
             self._deadlines = [entry for entry in self._deadlines if self._holds(*entry)]
             heapq.heapify(self._deadlines)
 
-    def _holds(self, deadline: float, _sequence: int, key: TransferId | Grave) -> bool:
-        """Whether this heap entry is still its record's or its tombstone's deadline."""
+    def _holds(self, deadline: float, _sequence: int, key: DeadlineKey) -> bool:
+        """Whether this heap entry is still its record's, its tombstone's or its lease's
+        deadline."""
+        if isinstance(key, _LeaseKey):
+            return self._leases.get(key.peer) == deadline
         if isinstance(key, bytes):
             return self._tombstones.get(key, (None, None))[1] == deadline
         record = self._transfers.get(key)
-        return record is not None and record.deadline == deadline
+        return record is not None and record.due() == deadline
 
     def _check_layout(self, reg: RegisterBlocks) -> tuple[NackReason, str] | None:
         local = self.config
@@ -681,17 +794,52 @@ class PushRegistry:
         self._completing -= 1
         return None
 
-    def _match(self, record: _Transfer) -> Ready | Release:
-        """Both sides are known: READY (early if the record has `early_step`)."""
+    def _writable(self, record: _Transfer, now: float) -> bool:
+        """Whether P may start a WRITE into `record`'s blocks now: granted, under a lease
+        that has not ended."""
+        return record.granted and self._leases.get(record.owner or b"", -math.inf) > now
+
+    def _match(self, record: _Transfer, now: float) -> Ready | Waiting | Release:
+        """Both sides are known: READY (early if the record has `early_step`), under its
+        registrant's lease; AWAITING_GRANT until it grants; LEASE_EXPIRED if that lease
+        has ended."""
         assert record.registration is not None and record.block_ids is not None
         record.deadline = None
         if len(record.block_ids) != len(record.registration.block_ids):
             return self._end(record, TransferState.FAILED, FailReason.LAYOUT_MISMATCH)
+        if not record.granted:
+            record.state = TransferState.AWAITING_GRANT
+            assert record.grant_by is not None
+            self._schedule(record.transfer_id, record.grant_by)
+            return Waiting(record.transfer_id, TransferState.AWAITING_GRANT)
+        if not self._writable(record, now):
+            return self._lease_ended(record, now)
         record.state = TransferState.READY
         self._counters.matched += 1
-        assert record.request_id is not None
+        assert record.request_id is not None and record.owner is not None
         return Ready(record.transfer_id, record.registration, record.block_ids, record.request_id,
-                     record.early_step, record.fail_on_purpose)
+                     record.early_step, record.fail_on_purpose,
+                     write_by=self._leases[record.owner] + self.config.write_s)
+
+    def _lapse(self, peer: PeerId, now: float) -> list[Release]:
+        """`peer`'s lease ended: end its granted transfers that no WRITE has started for
+        (one that has is bounded by its `write_by`), and forget the lease."""
+        del self._leases[peer]
+        releases = []
+        for tid in list(self._owned.get(peer, ())):
+            record = self._transfers[tid]
+            if record.granted and record.state not in (TransferState.READY,
+                                                       TransferState.WRITING):
+                releases.append(self._lease_ended(record, now))
+        return releases
+
+    def _lease_ended(self, record: _Transfer, now: float) -> Release:
+        """End `record`: its registrant's grant did not come in time, or lapsed. A prefill
+        still to come is freed the moment it finishes (a tombstone, as for D's abort)."""
+        self._counters.lease_expired += 1
+        if record.state is TransferState.AWAITING_PREFILL:
+            self._bury(record.transfer_id, _Tombstone.D_ABORTED, now)
+        return self._end(record, TransferState.EXPIRED, FailReason.LEASE_EXPIRED)
 
     def _end(
         self, record: _Transfer, state: TransferState, reason: FailReason | None = None
@@ -701,14 +849,16 @@ class PushRegistry:
         if record.owner is not None:
             self._pending -= 1
             self._pending_bytes -= record.footprint
-            left = self._pending_by_peer[record.owner] - 1
-            if left:
-                self._pending_by_peer[record.owner] = left
-            else:
-                del self._pending_by_peer[record.owner]
+            owned = self._owned[record.owner]
+            owned.discard(record.transfer_id)
+            if not owned:  # nothing of this peer's left to write into: its lease goes
+                del self._owned[record.owner]
+                self._leases.pop(record.owner, None)
         if record.abort_requested:
             state, reason = TransferState.ABORTED, FailReason.ABORTED
-        if state is TransferState.EXPIRED:
+        if state is TransferState.EXPIRED and reason is FailReason.LEASE_EXPIRED:
+            pass  # counted in lease_expired
+        elif state is TransferState.EXPIRED:
             if record.state is TransferState.AWAITING_PREFILL:
                 self._counters.expired_registrations += 1
             else:

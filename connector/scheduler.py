@@ -134,6 +134,7 @@ class DualScheduler(NixlPullConnectorScheduler):
             unclaimed_ttl=config.unclaimed_ttl, num_blocks=kv_cache_config.num_blocks or None,
             num_groups=len(kv_cache_config.kv_cache_groups) or None,
             max_pending_per_peer=config.max_pending_per_peer, max_pending=config.max_pending,
+            lease_s=config.write_lease, write_s=config.write_timeout,
             kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
             mla=vllm_config.model_config.use_mla))
         self.prefill_channel = PrefillChannel(
@@ -158,7 +159,7 @@ class DualScheduler(NixlPullConnectorScheduler):
         # worker, for the next step.
         self._prefill_pushes = PrefillPushes()
         self._step_number = 0
-        self._next_step_jobs: list[PushJob] = []
+        self._next_step_jobs: list[StartWrite] = []
         self.stats = PushStats()
         self._logged = (PushStats(), time.monotonic())
         self._refused: tuple[int, ...] = (0,) * 13  # the drop counts last logged
@@ -314,7 +315,9 @@ class DualScheduler(NixlPullConnectorScheduler):
         step, self._step = self._step, PushStep()
         self._step_number += 1
         step.number = self._step_number
-        step.jobs, self._next_step_jobs = self._next_step_jobs, []
+        now = time.monotonic()  # each job's write lease, as a lifetime from here
+        step.jobs = [PushJob.of(write, now) for write in self._next_step_jobs]
+        self._next_step_jobs = []
         for record in self._prompts_completing(scheduler_output):
             # If D has registered, or does before this step ends, P's worker WRITEs right
             # after this step's forward pass.
@@ -339,11 +342,10 @@ class DualScheduler(NixlPullConnectorScheduler):
         self.prefill_channel.wait_caught_up(CATCH_UP_S)  # a prefill that just finished
         for action in self.prefill_channel.take_actions():
             if isinstance(action, StartWrite):
-                job = PushJob.of(action)
                 if action.early_step is not None and action.early_step >= self._step_number:
-                    self._next_step_jobs.append(job)  # its prompt's forward has not run yet
+                    self._next_step_jobs.append(action)  # its prompt's forward has not run yet
                 else:
-                    step.jobs.append(job)
+                    step.jobs.append(PushJob.of(action, time.monotonic()))
             elif isinstance(action, FreeBlocks):
                 step.release.add(action.request_id)
         meta.push = step  # type: ignore[attr-defined]

@@ -18,6 +18,11 @@ Push adds, per step (`PushStep`, from the scheduler):
 - P, a WRITE that failed or could not start: the blocks stay, under vLLM's own pull
   lease (`pull_fallback_ttl`), so that D can READ them instead; D's READ notification,
   the lease's end or a `release` order frees them.
+- P, the write lease: each job comes with its deadline (`PushJob.write_within`): a WRITE
+  not posted by then is not posted (it fails, as above), and the poller cancels the
+  WRITE handles still in flight then (NIXL's release of a transfer in progress), so that
+  D, which may have given up on the push, can reuse its blocks once that deadline, known
+  to it, has passed (docs/ARCHITECTURE.md, section 5).
 - D: `pull` requests (the push failed, P offered its blocks) READ them with vLLM's pull
   code, as if they had been a pull from the start.
 
@@ -36,6 +41,7 @@ stops the engine and fails vLLM's health check, instead of leaving pushes stuck.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -92,6 +98,10 @@ class DualWorker(PullPushWorker):
         self._sending_transfers: defaultdict[str, list[int]] = defaultdict(list)
         self._sending_transfers_lock = threading.Lock()
         self._send_failures: set[str] = set()
+        # P, under that lock too: each posted WRITE's deadline (the write lease), and the
+        # WRITEs the poller cancelled at theirs.
+        self._write_deadlines: dict[str, float] = {}
+        self._cancelled: set[str] = set()
         # P: one record per push this rank WRITEs, from its job (or early WRITE) to the
         # step that hands its blocks back to vLLM, and the ends for the next PushReport.
         self._outgoing = OutgoingPushes()
@@ -183,8 +193,10 @@ class DualWorker(PullPushWorker):
         or this one once its forward pass is done."""
         if self._early_inbox is None:
             return
-        for write in self._early_inbox.take():
-            self._outgoing.early(PushJob.of(write), write.early_step)
+        for write in self._early_inbox.take():  # from P's channel thread, on this host
+            now = time.monotonic()
+            job = PushJob.of(write, now)
+            self._outgoing.early(job, write.early_step, deadline=now + job.write_within)
         due = self._step_number if forward_done else self._step_number - 1
         for record in self._outgoing.early_due(due):
             assert record.job is not None
@@ -236,7 +248,8 @@ class DualWorker(PullPushWorker):
         future = self._ensure_handshake(
             job.decode_engine_id, job.decode_host, job.decode_port, job.decode_tp_size)
         record = self._outgoing.start(job, handshaking=future is not None,
-                                      now=time.perf_counter())
+                                      now=time.perf_counter(),
+                                      deadline=time.monotonic() + job.write_within)
         if future is None:
             self._write(record)
             return
@@ -251,6 +264,10 @@ class DualWorker(PullPushWorker):
         assert job is not None and record.state is OutgoingState.WRITING
         if job.fail_on_purpose:
             self._end(record, "WRITE failed on purpose (fail_write, fault_injection on)")
+            return
+        if time.monotonic() >= record.deadline:
+            self._end(record, "not posted: its write lease ended first (D may have given up "
+                              "on the push, and may reuse its blocks)")
             return
         local = [list(group) for group in job.block_ids]
         meta = ReqMeta(
@@ -271,6 +288,8 @@ class DualWorker(PullPushWorker):
             return
         with self._sending_transfers_lock:
             submitted = bool(self._sending_transfers.get(job.request_id))
+            if submitted:
+                self._write_deadlines[job.request_id] = record.deadline
         if not submitted:
             self._end(record, "WRITE could not start (see the log above)")
             return
@@ -321,17 +340,37 @@ class DualWorker(PullPushWorker):
         """Poll every WRITE in flight once: NIXL moves a WRITE's bytes, and sends its
         notification, only while it is polled. True while any is still going.
 
-        Only polls: the engine thread collects and releases finished handles (under the
-        same lock) in `get_transfer_results`."""
+        Only polls, but for a WRITE still in flight at its deadline (the write lease),
+        whose handles it cancels (NIXL's release of a transfer in progress; one that NIXL
+        cannot cancel yet is tried again at the next poll). The engine thread collects
+        and releases finished handles (under the same lock) in `get_transfer_results`."""
         pending = False
+        now = time.monotonic()
         with self._sending_transfers_lock:
-            for handles in self._sending_transfers.values():
-                for handle in handles:
+            for rid, handles in self._sending_transfers.items():
+                overdue = self._write_deadlines.get(rid, math.inf) <= now
+                for handle in list(handles):
                     try:
-                        pending |= self.nixl_wrapper.check_xfer_state(handle) == "PROC"
+                        in_flight = self.nixl_wrapper.check_xfer_state(handle) == "PROC"
                     except Exception:  # the engine thread reports it when it polls
                         continue
+                    if in_flight and overdue and self._cancel(rid, handle):
+                        handles.remove(handle)
+                    else:
+                        pending |= in_flight
         return pending
+
+    def _cancel(self, rid: str, handle: int) -> bool:
+        """Cancel a WRITE handle of `rid` in flight past its deadline (under the lock):
+        True once NIXL released it (nothing more of it is written)."""
+        if not self._try_release_xfer_handle(rid, handle):  # logs why, keeps the handle
+            return False
+        if rid not in self._cancelled:
+            logger.warning("request %s: a push WRITE still in flight at the end of its write "
+                           "lease was cancelled", rid)
+        self._cancelled.add(rid)
+        self._send_failures.add(rid)
+        return True
 
     def _poll_notifs(self, wake: WakeSender) -> bool:
         """D: while a push is awaited, fetch the notifications (P's WRITE completes only
@@ -365,11 +404,16 @@ class DualWorker(PullPushWorker):
             done, failed = self._pop_done_transfers(self._sending_transfers)
             failed |= self._send_failures  # from submitting WRITEs, since the last step
             self._send_failures.clear()
+            cancelled = self._cancelled & done
+            self._cancelled -= done
+            for rid in done:
+                self._write_deadlines.pop(rid, None)
         self._outgoing.failed(failed)
         for rid in done:
             record = self._outgoing.get(rid)
             if record is not None and record.state is OutgoingState.WRITING:
-                self._end(record, "WRITE failed" if record.failed else None)
+                self._end(record, "WRITE cancelled: not done when its write lease ended"
+                          if rid in cancelled else "WRITE failed" if record.failed else None)
         released = self._outgoing.take_released()
         if released:
             results.finished_sending.update(released)
@@ -456,4 +500,5 @@ class DualWorker(PullPushWorker):
                 for handle in handles:
                     self._try_release_xfer_handle("shutdown", handle)
             self._sending_transfers.clear()
+            self._write_deadlines.clear()
         super().shutdown()

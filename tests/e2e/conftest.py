@@ -65,7 +65,8 @@ DUAL = "NixlDualConnector"
 # that do not ask are unaffected.
 DUAL_EXTRA_CONFIG: dict[str, object] = {
     "registration_ttl": 8.0, "unclaimed_ttl": 8.0, "ack_timeout": 3.0, "ping_interval": 0.5,
-    "peer_timeout": 2.0, "stats_interval": 1.0, "fault_injection": True}
+    "peer_timeout": 2.0, "write_lease": 2.0, "write_timeout": 3.0, "stats_interval": 1.0,
+    "fault_injection": True}
 _EXTRA_CONFIG: dict[str, dict[str, object]] = {DUAL: DUAL_EXTRA_CONFIG}
 
 

@@ -4,7 +4,9 @@ under a waiting D, deadlines on both sides, bad frames, and clean stops."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 import select
 import signal
@@ -29,11 +31,13 @@ from connector.channel import (
     PushFailure,
     StartWrite,
 )
+from connector.decode_channel import RELEASE_MARGIN_S
 from connector.early import EarlyInbox, EarlyOutbox
 from connector.messages import (
     PROTOCOL_VERSION,
     Ack,
     EngineId,
+    Grant,
     Ping,
     Pong,
     PullOffer,
@@ -191,6 +195,22 @@ def receive(sock: zmq.Socket[Any], timeout: float = 2.0) -> Any:
     return decode(sock.recv(zmq.NOBLOCK))
 
 
+def grant(sock: zmq.Socket[Any], ack: Ack) -> None:
+    """A raw D's grant for the transfer P just acknowledged, with the Ack's lease token
+    (what D's channel sends when it registered without a token)."""
+    assert ack.lease is not None and not ack.granted
+    sock.send(encode(Ping(grant=Grant(token=ack.lease, adds=[ack.transfer_id]))))
+
+
+def plain(write: Any) -> Any:
+    """A StartWrite without what the write lease adds to it: its deadline, and the grant
+    that came with D's registration (tests/integration/test_write_lease.py has those)."""
+    if not isinstance(write, StartWrite):
+        return write
+    return dataclasses.replace(write, write_by=math.inf, registration=msgspec.structs.replace(
+        write.registration, grant=None))
+
+
 def failures_until_d_passed(d: DecodeChannel, moment: float) -> list[PushFailure]:
     """D's failures once D's own thread has checked its deadlines at `moment` or later.
 
@@ -265,7 +285,8 @@ def test_registration_and_finished_prefill_start_one_write(
     second()
 
     (action,) = wait_actions(p)
-    assert action == StartWrite(tid, P_REQ, P_BLOCKS, reg), action
+    assert isinstance(action, StartWrite)
+    assert plain(action) == StartWrite(tid, P_REQ, P_BLOCKS, reg), action
     assert action.registration.engine_id == d.engine_id
     assert_acked(d, registered_at)
     assert p.take_actions() == [], "one StartWrite per transfer"
@@ -354,7 +375,8 @@ def test_a_prompt_d_registered_for_by_its_last_step_is_written_early_by_the_work
         assert inbox.take() == [] and len(p.registry) == 0, "nothing to match yet"
         d.register(p.address, reg)
     (write,) = take_early(inbox)
-    assert write == StartWrite(tid, P_REQ, P_BLOCKS, reg, early_step=7, fail_on_purpose=True)
+    assert plain(write) == StartWrite(tid, P_REQ, P_BLOCKS, reg, early_step=7,
+                                      fail_on_purpose=True)
     p.prefill_finished(tid, P_REQ, P_BLOCKS)  # the step is over: a known prefill
     p.wait_caught_up(SOON)
     assert p.take_actions() == [], "no second WRITE, and no blocks freed mid-WRITE"
@@ -378,7 +400,7 @@ def test_a_prompt_that_finished_before_d_registered_is_written_by_the_engine(
     p.prefill_finished(tid, P_REQ, P_BLOCKS)
     d.register(p.address, reg)
     (action,) = wait_actions(p)
-    assert action == StartWrite(tid, P_REQ, P_BLOCKS, reg), action
+    assert plain(action) == StartWrite(tid, P_REQ, P_BLOCKS, reg), action
     assert inbox.take() == [] and p.registry.snapshot().counters.early == 0
 
 
@@ -391,7 +413,8 @@ def test_a_write_to_fail_on_purpose_says_so_when_it_starts_after_the_prefill(
     p.prefill_finished(reg.transfer_id, P_REQ, P_BLOCKS, fail_on_purpose=True)
     d.register(p.address, reg)
     (action,) = wait_actions(p)
-    assert action == StartWrite(reg.transfer_id, P_REQ, P_BLOCKS, reg, fail_on_purpose=True)
+    assert plain(action) == StartWrite(reg.transfer_id, P_REQ, P_BLOCKS, reg,
+                                       fail_on_purpose=True)
 
 
 def test_an_early_write_no_worker_takes_goes_to_the_engine_for_the_next_step(
@@ -404,7 +427,8 @@ def test_an_early_write_no_worker_takes_goes_to_the_engine_for_the_next_step(
     wait_for(lambda: len(p.registry) == 1, 2.0, "P holds the registration")
     p.prefill_completing(reg.transfer_id, P_REQ, P_BLOCKS, 7)
     (action,) = wait_actions(p)
-    assert action == StartWrite(reg.transfer_id, P_REQ, P_BLOCKS, reg, early_step=7), action
+    assert plain(action) == StartWrite(reg.transfer_id, P_REQ, P_BLOCKS, reg,
+                                       early_step=7), action
     assert d.take_failures() == []
 
 
@@ -571,12 +595,14 @@ def test_an_abort_without_registration_frees_the_late_prefill_at_once(
 
 # --- P dying under a waiting D ----------------------------------------------------------------
 
-P_SCRIPT = """
+CHILD_LEASE_S, CHILD_WRITE_S = 1.0, 0.5  # the write lease of P's process below
+P_SCRIPT = f"""
 import sys, time
 from connector.channel import PrefillChannel
 from connector.registry import PushRegistry, RegistryConfig
 channel = PrefillChannel(
-    PushRegistry(RegistryConfig(engine_id="engine-p-child", block_size=int(sys.argv[2]))),
+    PushRegistry(RegistryConfig(engine_id="engine-p-child", block_size=int(sys.argv[2]),
+                                lease_s={CHILD_LEASE_S}, write_s={CHILD_WRITE_S})),
     "127.0.0.1", int(sys.argv[1]))
 channel.start()
 print("ready", flush=True)
@@ -608,9 +634,11 @@ def p_process() -> Iterator[tuple[subprocess.Popen[str], str]]:
             process.stdout.close()
 
 
-def test_p_killed_after_d_registered_ends_d_wait_within_peer_timeout(
+def test_p_killed_after_d_registered_ends_d_wait_once_p_is_surely_done(
     channels: Channels, p_process: tuple[subprocess.Popen[str], str],
 ) -> None:
+    """D gives up on a silent P after peer_timeout, and frees the blocks once P's write
+    lease and write time have passed since P's last word (P cannot say so: it is dead)."""
     process, address = p_process
     d = channels.decode(ack_timeout=1.5, ping_interval=0.2, peer_timeout=1.0)
     reg = registration(d, "t-1")
@@ -622,9 +650,11 @@ def test_p_killed_after_d_registered_ends_d_wait_within_peer_timeout(
 
     killed_at = time.monotonic()
     process.send_signal(signal.SIGKILL)
-    (failure,) = wait_failures(d, timeout=d.peer_timeout + 1.0)
+    surely_done = CHILD_LEASE_S + CHILD_WRITE_S + RELEASE_MARGIN_S
+    (failure,) = wait_failures(d, timeout=surely_done + 1.0)
     elapsed = time.monotonic() - killed_at
-    assert elapsed < d.peer_timeout + 1.0, elapsed
+    assert max(d.peer_timeout, surely_done - d.ping_interval) <= elapsed, elapsed
+    assert elapsed < surely_done + 0.5, elapsed
     assert failure.request_id == reg.request_id and failure.transfer_id == reg.transfer_id
     assert f"P at {address} silent for" in failure.why, failure
     wait_for(lambda: not d.has_pending_work(), 2.0, "D no longer waits")
@@ -686,12 +716,13 @@ def test_garbage_and_another_version_are_refused_and_p_keeps_serving(
     sock.send(encode(reg))
 
     answer = receive(sock)
-    assert answer == Ack(transfer_id=reg.transfer_id, engine_id=P_ENGINE,
-                         block_size=BLOCK_SIZE, tp_size=1), answer
+    assert msgspec.structs.replace(answer, lease=None) == Ack(
+        transfer_id=reg.transfer_id, engine_id=P_ENGINE, block_size=BLOCK_SIZE,
+        tp_size=1), answer
     assert len(p.registry) == 1
     assert p.registry.snapshot().counters.registered == 1, "the newer copy was refused"
     sock.send(encode(Ping()))
-    assert receive(sock) == Pong()
+    assert isinstance(receive(sock), Pong)
     refused = [r.getMessage() for r in caplog.records if "refused a message" in r.getMessage()]
     assert len(refused) == 3, refused
     assert "malformed side-channel message" in refused[0], refused
@@ -745,7 +776,9 @@ def test_a_flood_of_garbage_holds_up_engine_events_and_expiry_by_one_batch_at_mo
         block_size=BLOCK_SIZE, host=HOST, port=5601, ttl_s=30.0)
     sock.send(encode(reg))
     wait_for(lambda: (one_pass(p), sock.poll(0))[1], 2.0, "P read the registration, answered")
-    assert isinstance(receive(sock), Ack)
+    grant(sock, receive(sock))
+    wait_for(lambda: (one_pass(p), sock.poll(0))[1], 2.0, "P read the grant, answered")
+    assert isinstance(receive(sock), Pong)
 
     flood = 4 * _BATCH_MESSAGES
     for _ in range(flood):
@@ -772,7 +805,7 @@ def test_a_flood_of_garbage_holds_up_engine_events_and_expiry_by_one_batch_at_mo
         return bool(sock.poll(0))
 
     wait_for(answered, 5.0, "P read through the flood and answered the Ping")
-    assert receive(sock) == Pong()
+    assert isinstance(receive(sock), Pong)
     assert passes[0] + 2 >= (flood + 1) / _BATCH_MESSAGES
     assert p.bad_messages == flood
 

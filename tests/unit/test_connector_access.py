@@ -31,6 +31,7 @@ from connector.registry import (
     Waiting,
     footprint,
 )
+from tests.unit.registry_kit import GrantedRegistry
 
 S = TransferState
 T1 = TransferId("t-1")
@@ -42,7 +43,7 @@ D1, D2 = b"d-one", b"d-two"  # two peers (CURVE keys, or routing identities)
 
 def registry(**overrides: Any) -> PushRegistry:
     config = {"engine_id": EngineId("p"), "block_size": 16, **overrides}
-    return PushRegistry(RegistryConfig(**config))
+    return GrantedRegistry(RegistryConfig(**config))
 
 
 def reg(transfer_id: str = T1, **overrides: Any) -> RegisterBlocks:
@@ -143,7 +144,7 @@ def test_an_abandon_of_a_registered_transfer_is_ignored_and_counted(
 def test_an_abandon_before_the_prefill_finished_frees_it_when_it_does(completing: bool) -> None:
     r = registry()
     if completing:
-        assert r.prefill_completing(T1, P_BLOCKS, request_id=P_REQ, step=3) is None
+        assert r.prefill_completing(T1, P_BLOCKS, request_id=P_REQ, step=3, now=0.0) is None
     assert r.abandon(T1, now=1.0) is None
     outcome = finish(r, now=2.0)
     assert isinstance(outcome, Release) and outcome.state is S.ABORTED

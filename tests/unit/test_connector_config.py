@@ -23,6 +23,7 @@ def test_only_our_keys_are_read_and_the_defaults_fill_the_rest() -> None:
     assert config.nixl_progress_thread == "event"
     assert config.push_wait_pause is None
     assert config.max_peers == 256
+    assert (config.write_lease, config.write_timeout) == (3.0, 10.0)
 
 
 @pytest.mark.parametrize("mode", ["event", "off", "spin"])
@@ -98,6 +99,9 @@ def test_push_port_is_required(extra: dict[str, Any] | None) -> None:
                  id="pending-limit-zero"),
     pytest.param({"push_port": 5700, "max_pending": 0}, "max_pending must",
                  id="global-pending-limit-zero"),
+    pytest.param({"push_port": 5700, "write_lease": 0}, "write_lease", id="no-lease"),
+    pytest.param({"push_port": 5700, "write_timeout": float("inf")}, "write_timeout",
+                 id="endless-write"),
     pytest.param({"push_port": 5700, "max_peers": 0}, "max_peers", id="peer-limit-zero"),
     pytest.param({"push_port": 5700, "max_peers": 1024}, "ZMQ's sockets per context",
                  id="peer-limit-past-zmqs"),

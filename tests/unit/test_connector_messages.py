@@ -11,6 +11,7 @@ import pytest
 
 from connector.messages import (
     MAX_KV_GROUPS,
+    MAX_WITHHELD,
     MESSAGE_TYPES,
     PROTOCOL_VERSION,
     Abandon,
@@ -18,6 +19,8 @@ from connector.messages import (
     Ack,
     EngineId,
     FailReason,
+    Grant,
+    LeaseToken,
     Message,
     Nack,
     NackReason,
@@ -47,9 +50,15 @@ def register_blocks() -> RegisterBlocks:
     return RegisterBlocks(**fields)
 
 
+TOKEN = LeaseToken(instance=2**61 + 5, sent=1234.5, lease_s=3.0, write_s=10.0)
+GRANT = Grant(token=TOKEN, adds=[TransferId("t-0")], withheld=[TransferId("t-9")])
+
 ONE_OF_EACH: list[Message] = [
     register_blocks(),
+    msgspec.structs.replace(register_blocks(), grant=GRANT),
     Ack(transfer_id=TID, engine_id=EngineId("p"), block_size=16, tp_size=2),
+    Ack(transfer_id=TID, engine_id=EngineId("p"), block_size=16, tp_size=2, lease=TOKEN,
+        granted=True),
     Nack(transfer_id=TID, reason=NackReason.DUPLICATE, message="again"),
     Abort(transfer_id=TID),
     Abandon(transfer_id=TID),
@@ -58,7 +67,9 @@ ONE_OF_EACH: list[Message] = [
     PushFailed(transfer_id=TID, reason=FailReason.WRITE_ERROR, message="nixl",
                pull=PullOffer(request_id="p-req", block_ids=[[4, 9], [2]], ttl_s=30.0)),
     Ping(),
+    Ping(grant=GRANT),
     Pong(),
+    Pong(lease=TOKEN),
 ]
 
 TRANSFER_MESSAGES: list[Message] = [m for m in ONE_OF_EACH if not isinstance(m, (Ping, Pong))]
@@ -88,13 +99,14 @@ def test_the_message_union_and_the_known_types_agree() -> None:
     assert {"ping", "pong"} <= MESSAGE_TYPES
 
 
-@pytest.mark.parametrize("message", [Ping(), Pong()], ids=["ping", "pong"])
-def test_ping_and_pong_round_trip_and_carry_only_their_type_and_version(
-    message: Message,
+@pytest.mark.parametrize(("message", "lease"), [(Ping(), "grant"), (Pong(), "lease")],
+                         ids=["ping", "pong"])
+def test_ping_and_pong_round_trip_and_carry_only_their_type_version_and_lease(
+    message: Message, lease: str,
 ) -> None:
     data = encode(message)
     assert msgspec.msgpack.decode(data) == {
-        "type": message.__struct_config__.tag, "version": PROTOCOL_VERSION}
+        "type": message.__struct_config__.tag, "version": PROTOCOL_VERSION, lease: None}
     decoded = decode(data)
     assert decoded == message and type(decoded) is type(message)
     assert not hasattr(decoded, "transfer_id"), "liveness names no transfer"
@@ -273,6 +285,32 @@ def test_protocol_error_is_a_value_error_chained_to_its_cause() -> None:
         decode(raw(port=0))
     assert isinstance(caught.value, ProtocolError)
     assert isinstance(caught.value.__cause__, msgspec.ValidationError)
+
+
+@pytest.mark.parametrize(("token", "named"), [
+    pytest.param({"sent": math.nan}, "sent", id="sent-nan"),
+    pytest.param({"lease_s": 0.0}, "lease_s", id="no-lease"),
+    pytest.param({"lease_s": math.inf}, "lease_s", id="endless-lease"),
+    pytest.param({"write_s": -1.0}, "write_s", id="negative-write"),
+])
+def test_a_lease_token_with_a_bad_term_is_refused(token: dict[str, Any], named: str) -> None:
+    fields = {"instance": 1, "sent": 1.0, "lease_s": 3.0, "write_s": 10.0, **token}
+    with pytest.raises(ProtocolError, match=named):
+        LeaseToken(**fields)
+    wire = msgspec.to_builtins(Pong(lease=TOKEN))
+    wire["lease"] = fields
+    with pytest.raises(ProtocolError, match=named):
+        decode(msgspec.msgpack.encode(wire))
+
+
+@pytest.mark.parametrize("names", ["adds", "withheld"])
+def test_a_grant_names_no_empty_id_and_no_more_than_its_limit(names: str) -> None:
+    with pytest.raises(ProtocolError, match="transfer_id must be a non-empty string"):
+        Grant(token=TOKEN, **{names: [TransferId("")]})
+    wire = msgspec.to_builtins(Ping(grant=GRANT))
+    wire["grant"][names] = ["t"] * (MAX_WITHHELD + 1)
+    with pytest.raises(ProtocolError, match=f"length <= {MAX_WITHHELD}"):
+        decode(msgspec.msgpack.encode(wire))
 
 
 def test_messages_are_immutable() -> None:

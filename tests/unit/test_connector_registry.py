@@ -23,6 +23,7 @@ from connector.registry import (
     TransferState,
     Waiting,
 )
+from tests.unit.registry_kit import GrantedRegistry
 
 T1 = TransferId("t-1")
 P_REQ = "p-req-1"  # P's request holding P_BLOCKS
@@ -35,7 +36,7 @@ S = TransferState
 def registry(**overrides: Any) -> PushRegistry:
     config = {"engine_id": EngineId("p"), "block_size": 16, "tp_size": 2, "kv_heads": 8,
               "registration_ttl": REG_TTL, "unclaimed_ttl": UNCLAIMED_TTL, **overrides}
-    return PushRegistry(RegistryConfig(**config))
+    return GrantedRegistry(RegistryConfig(**config))
 
 
 def reg(transfer_id: str = T1, **overrides: Any) -> RegisterBlocks:
@@ -149,7 +150,7 @@ STEP = 7  # the engine step that completes the prompt
 
 def complete(r: PushRegistry, *, blocks: list[list[int]] = P_BLOCKS,
              fail_on_purpose: bool = False) -> Ready | None:
-    return r.prefill_completing(T1, blocks, request_id=P_REQ, step=STEP,
+    return r.prefill_completing(T1, blocks, request_id=P_REQ, step=STEP, now=0.0,
                                 fail_on_purpose=fail_on_purpose)
 
 
@@ -422,7 +423,7 @@ def churn(r: PushRegistry, rng: random.Random, now: float) -> None:
         outcome = finish(r, tid, now=now, request_id=f"p-{tid}")
     elif kind == 2:
         outcome = r.prefill_completing(tid, P_BLOCKS, request_id=f"p-{tid}",
-                                       step=rng.randrange(9))
+                                       step=rng.randrange(9), now=now)
     elif kind == 3:
         outcome = r.abort(tid, now=now, peer=peer)
     elif kind == 4:

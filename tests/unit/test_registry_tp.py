@@ -18,12 +18,13 @@ from connector.registry import (
     Waiting,
 )
 from connector.tp_plan import HeadWrite
+from tests.unit.registry_kit import GrantedRegistry
 
 T1 = TransferId("t-1")
 
 
 def registry(prefill_tp: int, **overrides: Any) -> PushRegistry:
-    return PushRegistry(RegistryConfig(engine_id=EngineId("p"), block_size=16,
+    return GrantedRegistry(RegistryConfig(engine_id=EngineId("p"), block_size=16,
                                        tp_size=prefill_tp, **overrides))
 
 
