@@ -422,7 +422,8 @@ class DualScheduler(NixlPullConnectorScheduler):
         logger.info(
             "push stats: P prefills pull %d push %d probes %d; writes done %d failed %d "
             "(%d blocks, mean %.1f ms, early %d), offered for pull %d; registry matched %d "
-            "expired %d+%d aborted %d refused %d; D registered %d received %d pulled instead "
+            "expired %d+%d aborted %d refused %d, write leases lapsed %d; D registered %d "
+            "received %d pulled instead "
             "%d fell back %d aborted %d; abandoned %d (ignored %d); dropped: over the "
             "pending limits %d, too many blocks or groups %d, aborts not from the registrant "
             "%d, oldest tombstones %d, peers refused by CURVE %d, unidentified messages %d, "
@@ -431,7 +432,7 @@ class DualScheduler(NixlPullConnectorScheduler):
             s.pull_prefills, s.push_prefills, s.probes, s.writes_done, s.writes_failed,
             s.blocks_written, mean_ms, r.early, s.pull_offers, r.matched,
             r.expired_registrations, r.expired_unclaimed, r.aborted, r.rejected + r.duplicates,
-            s.registrations, s.received, s.pulled_instead, s.fell_back, s.aborted,
+            r.lease_expired, s.registrations, s.received, s.pulled_instead, s.fell_back, s.aborted,
             r.abandoned, r.abandons_ignored, r.over_limit, r.too_many_blocks,
             r.foreign_aborts, r.tombstones_dropped, channel.refused_handshakes,
             channel.unidentified, channel.bad_messages, channel.errors, decode.errors,
