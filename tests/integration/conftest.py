@@ -1,12 +1,16 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import pytest
+import zmq
 
 from scripts.fake_vllm import Fabric, FakeVLLM, start
+
+if TYPE_CHECKING:
+    from tests.integration.test_push_channel import Channels
 
 
 class Pair:
@@ -38,3 +42,38 @@ async def fake_pair(**prefill_options: Any) -> AsyncIterator[Pair]:
 async def pair() -> AsyncIterator[Pair]:
     async with fake_pair() as made:
         yield made
+
+
+@pytest.fixture
+def channels() -> Iterator[Channels]:
+    """P's and D's real side channels, started by the test and all stopped after it
+    (`Channels` lives with the push channel's own tests)."""
+    from tests.integration.test_push_channel import Channels
+
+    made = Channels()
+    try:
+        yield made
+    finally:
+        made.stop_all()
+
+
+@pytest.fixture
+def raw_dealer() -> Iterator[Callable[[str, bytes], zmq.Socket[Any]]]:
+    """A bare DEALER (its own context) to speak to P's ROUTER byte for byte."""
+    context = zmq.Context()
+    sockets: list[zmq.Socket[Any]] = []
+
+    def connect(address: str, identity: bytes) -> zmq.Socket[Any]:
+        sock = context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, identity)
+        sock.connect(address)
+        sockets.append(sock)
+        return sock
+
+    try:
+        yield connect
+    finally:
+        for sock in sockets:
+            sock.close()
+        context.term()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -34,15 +33,6 @@ from tests.integration.test_push_channel import (
     wait_failures,
     wait_for,
 )
-
-
-@pytest.fixture
-def channels() -> Iterator[Channels]:
-    made = Channels()
-    try:
-        yield made
-    finally:
-        made.stop_all()
 
 
 def dead_address() -> str:

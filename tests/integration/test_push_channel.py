@@ -159,37 +159,6 @@ class Channels:
             self.stop(self._running[-1])
 
 
-@pytest.fixture
-def channels() -> Iterator[Channels]:
-    made = Channels()
-    try:
-        yield made
-    finally:
-        made.stop_all()
-
-
-@pytest.fixture
-def raw_dealer() -> Iterator[Callable[[str, bytes], zmq.Socket[Any]]]:
-    """A bare DEALER (its own context) to speak to P's ROUTER byte for byte."""
-    context = zmq.Context()
-    sockets: list[zmq.Socket[Any]] = []
-
-    def connect(address: str, identity: bytes) -> zmq.Socket[Any]:
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, identity)
-        sock.connect(address)
-        sockets.append(sock)
-        return sock
-
-    try:
-        yield connect
-    finally:
-        for sock in sockets:
-            sock.close()
-        context.term()
-
-
 def receive(sock: zmq.Socket[Any], timeout: float = 2.0) -> Any:
     assert sock.poll(int(timeout * 1000), zmq.POLLIN), f"nothing received within {timeout} s"
     return decode(sock.recv(zmq.NOBLOCK))

@@ -6,7 +6,7 @@ wait, and everything closes."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -32,15 +32,6 @@ from tests.integration.test_push_channel import (
     registration,
     wait_for,
 )
-
-
-@pytest.fixture
-def channels() -> Iterator[Channels]:
-    made = Channels()
-    try:
-        yield made
-    finally:
-        made.stop_all()
 
 
 @pytest.fixture

@@ -159,37 +159,6 @@ class DataPath:
 
 
 @pytest.fixture
-def channels() -> Iterator[Channels]:
-    made = Channels()
-    try:
-        yield made
-    finally:
-        made.stop_all()
-
-
-@pytest.fixture
-def dealer() -> Iterator[Callable[[str, bytes], zmq.Socket[Any]]]:
-    """A bare DEALER, as a D that speaks to P's push port byte for byte."""
-    context = zmq.Context()
-    made: list[zmq.Socket[Any]] = []
-
-    def connect(address: str, identity: bytes) -> zmq.Socket[Any]:
-        sock = context.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IDENTITY, identity)
-        sock.connect(address)
-        made.append(sock)
-        return sock
-
-    try:
-        yield connect
-    finally:
-        for sock in made:
-            sock.close()
-        context.term()
-
-
-@pytest.fixture
 def data_path() -> Iterator[DataPath]:
     path = DataPath()
     try:
@@ -300,14 +269,14 @@ def test_a_waiting_d_keeps_ps_lease_and_a_gone_d_loses_it(channels: Channels) ->
 
 
 def test_a_grant_withholds_what_d_gave_up_on_even_when_its_abort_was_lost(
-    channels: Channels, dealer: Callable[[str, bytes], zmq.Socket[Any]],
+    channels: Channels, raw_dealer: Callable[[str, bytes], zmq.Socket[Any]],
 ) -> None:
     """A D whose Abort was lost on a broken connection still withholds that transfer in
     every grant: P ends it before it takes the grant, and says so, so no later grant
     keeps it writable."""
     p = channels.prefill(lease_s=LEASE_S, write_s=WRITE_S)
     identity = b"engine-d-raw"
-    sock = dealer(p.address, identity)
+    sock = raw_dealer(p.address, identity)
     given_up, kept = (RegisterBlocks(
         transfer_id=TransferId(tid), engine_id=EngineId(identity.decode()),
         request_id=f"d-{tid}", tp_size=1, tp_rank=0, block_ids=[D_SLOTS], block_size=16,
