@@ -5,13 +5,19 @@
     .venv/bin/python -m scripts.bench --scenarios overhead,streams
     .venv/bin/python -m scripts.bench --compare-cmd "my-router --prefill {prefill} --decode {decode} --port {port}"
     .venv/bin/python -m scripts.bench --compare http://127.0.0.1:9000   # see --backend-ports
+    .venv/bin/python -m scripts.bench --scenarios overhead --kv-aware --prompt-tokens 1024 \
+        --modes pull --concurrency 64 --rounds 3 [--token-ids]   # kv_aware's CPU cost
 
 Scenarios (each measured in this run, so the ratios compare like with like):
   overhead  fast emulated P and D (canned answers at once): requests/s and latency for
             calling D directly (the floor), through our router in pull and in push mode,
             and through another router (--compare / --compare-cmd), non-streamed and
             streamed, at each concurrency of --concurrency. Also the router's CPU
-            seconds per 1,000 requests.
+            seconds per 1,000 requests. --kv-aware adds our router with the kv_aware
+            policy on both clusters (targets ours-kv-<mode>) against emulated servers
+            whose prefix caches publish KV events and which serve /tokenize, and the
+            ratio of its CPU per request to the default policy's; --prompt-tokens N
+            sends a text prompt of N (fake-tokenizer) tokens, --token-ids as token ids.
   streams   --streams concurrent open SSE streams through our router (slow emulated
             tokens keep them all open at once) plus --slow-clients clients that read 1
             byte a second: the router's peak memory, memory per stream, and whether the
@@ -51,7 +57,8 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from scripts.bench_proxy import free_port, process, request_body, serve_fake
+from scripts.bench_proxy import DEFAULT_PROMPT, free_port, process, request_body, serve_fake
+from scripts.fake_kv_cache import fake_tokenize
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = ("overhead", "streams", "real")
@@ -110,9 +117,10 @@ class ProcessGauge:
 
 
 def wrk_load(url: str, *, seconds: float, concurrency: int, stream: bool,
-             headers: dict[str, str]) -> dict[str, Any]:
+             headers: dict[str, str], prompt: str | list[int] = DEFAULT_PROMPT) -> dict[str, Any]:
     """Load with wrk (one thread); its Lua `done` hook prints the latency percentiles."""
-    lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(json.dumps(request_body(stream)))}",
+    body = json.dumps(request_body(stream, prompt))
+    lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(body)}",
              'wrk.headers["Content-Type"] = "application/json"']
     lines += [f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in headers.items()]
     lines += ["done = function(summary, latency, requests)",
@@ -146,9 +154,10 @@ def wrk_load(url: str, *, seconds: float, concurrency: int, stream: bool,
 
 
 async def python_load(url: str, *, seconds: float, concurrency: int, stream: bool,
-                      headers: dict[str, str]) -> dict[str, Any]:
+                      headers: dict[str, str],
+                      prompt: str | list[int] = DEFAULT_PROMPT) -> dict[str, Any]:
     """Load from Python (aiohttp): `concurrency` workers, each one request at a time."""
-    body = json.dumps(request_body(stream)).encode()
+    body = json.dumps(request_body(stream, prompt)).encode()
     headers = {"Content-Type": "application/json", **headers}
     latencies: list[float] = []
     errors = 0
@@ -199,41 +208,66 @@ class Targets:
 
 
 @contextlib.contextmanager
-def emulated_backends(ports: tuple[int, int]) -> Iterator[tuple[str, str]]:
+def emulated_backends(ports: tuple[int, int], kv_cache: bool = False,
+                      servers: int = 1) -> Iterator[tuple[list[str], list[str]]]:
+    """The emulated P and D URLs (the first ones at `ports`), `servers` of each;
+    `kv_cache`: each with a prefix cache that publishes KV events, /tokenize and
+    /kv_event_sources (for kv_aware)."""
     py = sys.executable
-    p_url, d_url = (f"http://127.0.0.1:{port}" for port in ports)
-    with process([py, "-m", "scripts.bench", "--serve-fake", "prefill", str(ports[0])], p_url,
-                 "emulated P"), \
-            process([py, "-m", "scripts.bench", "--serve-fake", "decode", str(ports[1])], d_url,
-                    "emulated D"):
-        yield p_url, d_url
+    kv = ["--fake-kv-cache"] if kv_cache else []
+    urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+    with contextlib.ExitStack() as stack:
+        for role, first in (("prefill", ports[0]), ("decode", ports[1])):
+            for i in range(servers):
+                port = first if i == 0 else free_port()
+                url = f"http://127.0.0.1:{port}"
+                stack.enter_context(process(
+                    [py, "-m", "scripts.bench", "--serve-fake", role, str(port), *kv], url,
+                    f"emulated {role[0].upper()}{i + 1 if servers > 1 else ''}"))
+                urls[role].append(url)
+        yield urls["prefill"], urls["decode"]
 
 
-def router_command(p_url: str, d_url: str, port: int, *extra: str, workers: int = 1) -> list[str]:
-    return [sys.executable, "-m", "proxy", "serve", "--prefill", p_url, "--decode", d_url,
+def router_command(p_url: str | list[str], d_url: str | list[str], port: int, *extra: str,
+                   workers: int = 1) -> list[str]:
+    """Our router's command line; a list of URLs gives a cluster of several servers."""
+    urls = [arg for flag, given in (("--prefill", p_url), ("--decode", d_url))
+            for url in ([given] if isinstance(given, str) else given) for arg in (flag, url)]
+    return [sys.executable, "-m", "proxy", "serve", *urls,
             "--port", str(port), "--log-level", "warning", "--workers", str(workers), *extra]
 
 
-def ours_name(workers: int) -> str:
-    """Our router's target name: "ours" alone, "ours-w<N>" with --workers N > 1."""
-    return "ours" if workers == 1 else f"ours-w{workers}"
+KV_AWARE = ("--prefill-policy", "kv_aware", "--decode-policy", "kv_aware")
+
+
+def ours_name(workers: int, kv_aware: bool = False) -> str:
+    """Our router's target name: "ours" alone, "ours-w<N>" with --workers N > 1, and
+    "-kv" after it with the kv_aware policy."""
+    return ("ours" if workers == 1 else f"ours-w{workers}") + ("-kv" if kv_aware else "")
 
 
 def run_overhead(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
-        p_url, d_url = stack.enter_context(emulated_backends(args.backend_ports))
+        p_urls, d_urls = stack.enter_context(
+            emulated_backends(args.backend_ports, args.kv_aware, args.servers))
+        p_url, d_url = p_urls[0], d_urls[0]
         targets = Targets()
         targets.add("direct", f"{d_url}/v1/completions")
         for workers in args.workers:
-            port = free_port()
-            ours = stack.enter_context(process(
-                router_command(p_url, d_url, port, workers=workers),
-                f"http://127.0.0.1:{port}", f"our router ({workers} workers)"))
-            gauge = ProcessGauge(ours.pid)
-            for mode in args.modes:
-                targets.add(f"{ours_name(workers)}-{mode}",
-                            f"http://127.0.0.1:{port}/v1/completions",
-                            {"X-KV-Transfer-Mode": mode}, gauge)
+            # With --kv-aware, each default router is followed by a kv_aware one, so the
+            # rounds interleave them.
+            for kv_aware in (False, True) if args.kv_aware else (False,):
+                port = free_port()
+                ours = stack.enter_context(process(
+                    router_command(p_urls, d_urls, port, *(KV_AWARE if kv_aware else ()),
+                                   workers=workers),
+                    f"http://127.0.0.1:{port}",
+                    f"our router ({workers} workers{', kv_aware' if kv_aware else ''})"))
+                gauge = ProcessGauge(ours.pid)
+                for mode in args.modes:
+                    targets.add(f"{ours_name(workers, kv_aware)}-{mode}",
+                                f"http://127.0.0.1:{port}/v1/completions",
+                                {"X-KV-Transfer-Mode": mode}, gauge)
         if args.compare_cmd:
             peer_port = free_port()
             p_port, d_port = args.backend_ports
@@ -257,17 +291,21 @@ def run_overhead(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
                         row = measure(args, name, url, headers, gauge_of, concurrency, stream)
                         rows.append({**row, "round": round_ + 1})
                         bar.update()
-    return {"backends": {"prefill": p_url, "decode": d_url}, "rows": rows}
+    return {"backends": {"prefill": p_urls, "decode": d_urls} if args.servers > 1
+            else {"prefill": p_url, "decode": d_url}, "rows": rows,
+            "prompt_tokens": len(args.prompt) if isinstance(args.prompt, list)
+            else len(args.prompt.split()),
+            "token_ids": isinstance(args.prompt, list), "kv_cache": args.kv_aware}
 
 
 def measure(args: argparse.Namespace, name: str, url: str, headers: dict[str, str],
             gauge: ProcessGauge | None, concurrency: int, stream: bool) -> dict[str, Any]:
     def load(seconds: float) -> dict[str, Any]:
         kwargs = {"seconds": seconds, "concurrency": concurrency, "stream": stream,
-                  "headers": headers}
+                  "headers": headers, "prompt": args.prompt}
         if args.loader == "wrk":
-            return wrk_load(url, **kwargs)  # type: ignore[arg-type]
-        return asyncio.run(python_load(url, **kwargs))  # type: ignore[arg-type]
+            return wrk_load(url, **kwargs)
+        return asyncio.run(python_load(url, **kwargs))
 
     load(args.warmup)
     cpu_before = gauge.cpu_seconds() if gauge else None
@@ -310,6 +348,21 @@ def overhead_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
         peer = by_key.get(("peer", concurrency, stream))
         if target.startswith("ours") and target.endswith("-pull") and peer:
             ratios[f"{target}/peer {point}"] = round(req_per_s / peer, 3)
+    return ratios
+
+
+def kv_cpu_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The kv_aware router's CPU per request over the default policy's, per target and
+    point (medians over the rounds): "ours-kv-pull/ours-pull c64" -> 1.18."""
+    cpu = _medians(rows, "cpu_s_per_1000")
+    ratios = {}
+    for (target, concurrency, stream), value in cpu.items():
+        if "-kv-" not in target:
+            continue
+        base = cpu.get((target.replace("-kv-", "-"), concurrency, stream))
+        if base:
+            point = f"c{concurrency}{'-stream' if stream else ''}"
+            ratios[f"{target}/{target.replace('-kv-', '-')} {point}"] = round(value / base, 3)
     return ratios
 
 
@@ -616,6 +669,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "router per value, targets ours-w<N>-...; default 1)")
     parser.add_argument("--modes", default="pull,push",
                         help="overhead: our router's modes, comma-separated (default pull,push)")
+    parser.add_argument("--kv-aware", action="store_true",
+                        help="overhead: also our router with --prefill-policy kv_aware "
+                             "--decode-policy kv_aware (targets ours-kv-<mode>), and emulated "
+                             "servers with a prefix cache that publishes KV events and serve "
+                             "/tokenize; the summary gives its CPU per request over the "
+                             "default policy's")
+    parser.add_argument("--servers", type=int, metavar="N",
+                        help="overhead: emulated P and D servers, N of each, behind our "
+                             "router (direct and --compare-cmd get the first; default 1, "
+                             "with --kv-aware 2: a policy scores only between candidates)")
+    parser.add_argument("--prompt-tokens", type=int, metavar="N",
+                        help="overhead: a prompt of N words, N tokens of the emulated "
+                             "servers' tokenizer (default: a 2-word prompt)")
+    parser.add_argument("--token-ids", action="store_true",
+                        help="overhead: send the prompt as token ids instead of text")
     parser.add_argument("--rounds", type=int, default=1,
                         help="overhead: measure every point this many times, the targets "
                              "interleaved (ours, peer, ours, peer...); ratios use the medians")
@@ -642,6 +710,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--plots", type=Path, default=REPO / "bench-results",
                         help="directory for the PNG plots")
     parser.add_argument("--serve-fake", nargs=2, metavar=("ROLE", "PORT"), help=argparse.SUPPRESS)
+    parser.add_argument("--fake-kv-cache", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--serve-slow-fake", nargs=4, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_fake or args.serve_slow_fake:
@@ -657,6 +726,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--modes takes pull and/or push")
     if args.rounds < 1 or min(args.workers) < 1:
         parser.error("--rounds and --workers must be >= 1")
+    args.servers = args.servers or (2 if args.kv_aware else 1)
+    if args.servers < 1:
+        parser.error("--servers must be >= 1")
+    if args.prompt_tokens is not None and args.prompt_tokens < 1:
+        parser.error("--prompt-tokens must be >= 1")
+    args.prompt = (DEFAULT_PROMPT if args.prompt_tokens is None
+                   else " ".join(f"word{i}" for i in range(args.prompt_tokens)))
+    if args.token_ids:
+        args.prompt = fake_tokenize(args.prompt)
     quick = args.quick
     args.concurrency = args.concurrency or ((1, 16, 64) if quick else (1, 16, 64, 256, 512))
     args.seconds = args.seconds or (1.0 if quick else 3.0)
@@ -672,7 +750,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def steps(args: argparse.Namespace) -> int:
     """How many progress steps the chosen scenarios take."""
-    targets = 1 + len(args.workers) * len(args.modes) + bool(args.compare or args.compare_cmd)
+    routers = len(args.workers) * (2 if args.kv_aware else 1)
+    targets = 1 + routers * len(args.modes) + bool(args.compare or args.compare_cmd)
     count = 0
     if "overhead" in args.scenarios:
         count += len(args.stream_modes) * len(args.concurrency) * targets * args.rounds
@@ -689,6 +768,11 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         rows = result["overhead"]["rows"]
         summary["ratios"] = overhead_ratios(rows)
         summary["req_per_cpu_s"] = per_core(rows)
+        if any("-kv-" in r["target"] for r in rows):
+            summary["kv_aware_cpu_ratios"] = kv_cpu_ratios(rows)
+            summary["router_cpu_ms_per_request"] = {
+                f"{target} c{concurrency}{'-stream' if stream else ''}": round(value, 3)
+                for (target, concurrency, stream), value in _medians(rows, "cpu_s_per_1000").items()}
         cpu = [r["cpu_s_per_1000"] for r in rows if r["target"] == "ours-pull" and not r["stream"]
                and "cpu_s_per_1000" in r]
         if cpu:
@@ -712,7 +796,7 @@ SCENARIO_RUNNERS: dict[str, Callable[[argparse.Namespace, tqdm], dict[str, Any]]
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.serve_fake:
-        serve_fake(args.serve_fake[0], int(args.serve_fake[1]))
+        serve_fake(args.serve_fake[0], int(args.serve_fake[1]), kv_cache=args.fake_kv_cache)
         return 0
     if args.serve_slow_fake:
         role, port, tokens, delay = args.serve_slow_fake

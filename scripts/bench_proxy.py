@@ -80,11 +80,12 @@ def _chunked(body: bytes) -> bytes:
 class _FakeProtocol(asyncio.Protocol):
     """Answers each request at once with a canned body: the cheapest possible upstream."""
 
-    def __init__(self, role: str, delay_s: float = 0.0) -> None:
+    def __init__(self, role: str, delay_s: float = 0.0, kv: _BenchKV | None = None) -> None:
         import httptools
 
         self._role = role
         self._delay_s = delay_s
+        self._kv = kv
         self._parser = httptools.HttpRequestParser(self)
         self._url = b""
         self._body: list[bytes] = []
@@ -110,12 +111,17 @@ class _FakeProtocol(asyncio.Protocol):
             answer = _http(_MODELS)
         elif self._url.startswith(b"/health"):
             answer = _http(b"")
+        elif self._kv is not None and not self._url.startswith(b"/v1/"):
+            answer = self._kv.answer(self._url, body)
         elif self._role == "prefill":
             answer = _http(_P_ANSWER)
         elif b'"stream":true' in body or b'"stream": true' in body:
             answer = _chunked(_D_EVENTS)
         else:
             answer = _http(_D_ANSWER)
+        if self._kv is not None and body and self._url.startswith((b"/v1/completions",
+                                                                   b"/v1/chat/")):
+            self._kv.serve(body)
         if self._delay_s and self._url.startswith(b"/v1/"):
             asyncio.get_running_loop().call_later(self._delay_s, self._write_if_open, answer)
         else:
@@ -126,13 +132,84 @@ class _FakeProtocol(asyncio.Protocol):
             self._transport.write(answer)
 
 
-def serve_fake(role: str, port: int, delay_s: float = 0.0) -> None:
+class _BenchKV:
+    """The fast fake's prefix cache, for kv_aware runs: a `FakePrefixCache` (vLLM's KV
+    events over ZMQ) that every inference request's prompt goes through, plus vLLM's
+    `POST /tokenize` (the fake tokenizer), `GET /kv_event_sources` and a `/metrics` with
+    the cache's config. Tokenizations and block hashes are memoized by prompt, so the
+    fake stays cheap next to the router (a benchmark repeats its prompts)."""
+
+    def __init__(self, num_blocks: int = 100_000, block_size: int = 16) -> None:
+        from scripts.fake_kv_cache import FakePrefixCache
+
+        self.cache = FakePrefixCache(num_blocks, block_size)
+        self.cache.start()
+        self._tokens: dict[str, list[int]] = {}
+        self._tokenized: dict[bytes, bytes] = {}  # /tokenize body -> answer
+        self._hashes: dict[tuple[int, ...], list[bytes]] = {}
+        hashes = self.cache.hashes
+        self.cache.hashes = lambda tokens: self._memo(self._hashes, tuple(tokens),  # type: ignore[method-assign]
+                                                      lambda: hashes(tokens))
+        self._metrics = (
+            'vllm:num_requests_waiting{engine="0",model_name="fake-model"} 0.0\n'
+            'vllm:num_requests_running{engine="0",model_name="fake-model"} 0.0\n'
+            'vllm:kv_cache_usage_perc{engine="0",model_name="fake-model"} 0.0\n'
+            f'vllm:cache_config_info{{block_size="{block_size}",engine="0",'
+            f'num_gpu_blocks="{num_blocks}"}} 1.0\n').encode()
+
+    @staticmethod
+    def _memo(memo: dict[Any, Any], key: Any, make: Any) -> Any:
+        found = memo.get(key)
+        if found is None:
+            if len(memo) > 10_000:
+                memo.clear()
+            found = memo[key] = make()
+        return found
+
+    def tokens(self, body: dict[str, Any]) -> list[int] | None:
+        from scripts.fake_kv_cache import fake_chat_tokens, fake_tokenize
+
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            return prompt
+        if isinstance(prompt, str):
+            return self._memo(self._tokens, prompt, lambda: fake_tokenize(prompt))  # type: ignore[no-any-return]
+        messages = body.get("messages")
+        return fake_chat_tokens(messages) if isinstance(messages, list) else None
+
+    def serve(self, raw: bytes) -> None:
+        import msgspec
+
+        tokens = self.tokens(msgspec.json.decode(raw))
+        if tokens:
+            self.cache.serve(tokens)
+
+    def answer(self, url: bytes, raw: bytes) -> bytes:
+        import msgspec
+
+        if url.startswith(b"/tokenize"):
+            def tokenize() -> bytes:
+                tokens = self.tokens(msgspec.json.decode(raw)) or []
+                return msgspec.json.encode({"tokens": tokens, "count": len(tokens),
+                                            "max_model_len": 1 << 20})
+            return _http(self._memo(self._tokenized, raw, tokenize))
+        if url.startswith(b"/kv_event_sources"):
+            return _http(msgspec.json.encode(self.cache.sources()))
+        if url.startswith(b"/metrics"):
+            return _http(self._metrics, b"text/plain")
+        return b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
+
+
+def serve_fake(role: str, port: int, delay_s: float = 0.0, kv_cache: bool = False) -> None:
+    """A canned fast fake P or D; `kv_cache`: with a prefix cache publishing KV events
+    and vLLM's /tokenize (`_BenchKV`), for kv_aware runs."""
     import uvloop
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
-        server = await loop.create_server(lambda: _FakeProtocol(role, delay_s), "127.0.0.1", port,
-                                          backlog=1024)
+        kv = _BenchKV() if kv_cache else None
+        server = await loop.create_server(lambda: _FakeProtocol(role, delay_s, kv), "127.0.0.1",
+                                          port, backlog=1024)
         async with server:
             await server.serve_forever()
 
@@ -190,8 +267,11 @@ def _host_port(url: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def request_body(stream: bool) -> dict[str, Any]:
-    return {"model": "fake-model", "prompt": "Hello, benchmark!", "max_tokens": 1, "stream": stream}
+DEFAULT_PROMPT = "Hello, benchmark!"
+
+
+def request_body(stream: bool, prompt: str | list[int] = DEFAULT_PROMPT) -> dict[str, Any]:
+    return {"model": "fake-model", "prompt": prompt, "max_tokens": 1, "stream": stream}
 
 
 def wrk_load(url: str, *, seconds: float, concurrency: int, stream: bool,

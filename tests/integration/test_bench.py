@@ -55,3 +55,28 @@ def test_bench_help_explains_the_scenarios() -> None:
     assert done.returncode == 0
     for word in ("overhead", "streams", "real", "--compare", "--quick"):
         assert word in done.stdout
+
+
+def test_kv_aware_overhead_measures_both_policies_against_caching_fakes(tmp_path: Path) -> None:
+    """--kv-aware: a kv_aware router beside the default one, on two emulated P and D whose
+    prefix caches publish KV events, with a prompt of --prompt-tokens tokens; the summary
+    has the kv_aware router's CPU per request over the default's."""
+    for token_ids in (False, True):
+        out = tmp_path / f"kv-{token_ids}.json"
+        done = subprocess.run(
+            [sys.executable, "-m", "scripts.bench", "--scenarios", "overhead", "--quick",
+             "--kv-aware", "--prompt-tokens", "64", *(["--token-ids"] if token_ids else []),
+             "--modes", "pull", "--concurrency", "4", "--seconds", "0.5", "--no-stream",
+             "--loader", "python", "--out", str(out), "--plots", str(tmp_path)],
+            capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        result = json.loads(out.read_text())
+        overhead = result["overhead"]
+        assert overhead["prompt_tokens"] == 64 and overhead["token_ids"] is token_ids
+        assert len(overhead["backends"]["prefill"]) == 2 == len(overhead["backends"]["decode"])
+        rows = overhead["rows"]
+        assert {r["target"] for r in rows} == {"direct", "ours-pull", "ours-kv-pull"}
+        assert all(r["errors"] == 0 and r["req_per_s"] > 0 for r in rows)
+        summary = result["summary"]
+        assert summary["kv_aware_cpu_ratios"]["ours-kv-pull/ours-pull c4"] > 0
+        assert summary["router_cpu_ms_per_request"]["ours-kv-pull c4"] > 0
