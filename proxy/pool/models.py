@@ -22,6 +22,14 @@ logger = logging.getLogger("pdproxy.models")
 REFRESH_AT_MOST_EVERY_S = 5.0
 
 
+# What an upstream's /v1/models may put in the router's own listing: at most this many
+# models per server, names of at most this many characters, and only these fields of a
+# card (vLLM's: the OpenAI card plus root, parent and max_model_len).
+MAX_MODELS_PER_SERVER = 256
+MAX_MODEL_NAME_CHARS = 256
+CARD_FIELDS = ("id", "object", "created", "owned_by", "root", "parent", "max_model_len")
+
+
 class ModelCatalog:
     """Which models the router serves. A request for an unknown name refreshes the list
     (at most every few seconds) before it is refused with 404."""
@@ -118,10 +126,23 @@ class ModelCatalog:
         data = answer.get("data") if isinstance(answer, dict) else None
         if not isinstance(data, list):
             return None
-        cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
+        cards = [_bounded(c) for c in data[:MAX_MODELS_PER_SERVER]
+                 if isinstance(c, dict) and isinstance(c.get("id"), str)
+                 and 0 < len(c["id"]) <= MAX_MODEL_NAME_CHARS]
+        if len(data) > MAX_MODELS_PER_SERVER:
+            logger.warning("%s lists %d models; only its first %d are served",
+                           endpoint.url, len(data), MAX_MODELS_PER_SERVER)
         endpoint.learned_models = frozenset(c["id"] for c in cards)
         return cards
 
 
 def _card(name: str) -> dict[str, Any]:
     return {"id": name, "object": "model", "owned_by": "pd-proxy"}
+
+
+def _bounded(card: dict[str, Any]) -> dict[str, Any]:
+    """What of an upstream's model card clients are shown: the OpenAI card's own fields,
+    when they are plain scalars (a server cannot pass anything else on through us)."""
+    return {key: card[key] for key in CARD_FIELDS
+            if key in card and isinstance(card[key], str | int | float | bool | None)
+            and not (isinstance(card[key], str) and len(card[key]) > MAX_MODEL_NAME_CHARS)}

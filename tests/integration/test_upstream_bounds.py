@@ -226,3 +226,45 @@ async def test_show_upstream_urls_gives_clients_the_logs_text() -> None:
     assert r.status_code == 502, r.text
     assert r.json()["error"]["message"].startswith(
         "cannot connect to decode server http://127.0.0.1:9 (")
+
+
+async def test_a_servers_model_list_reaches_clients_only_within_bounds() -> None:
+    """A server (or any pod with the selector's labels) answering /v1/models with
+    thousands of cards, huge names or extra fields shows clients its first
+    MAX_MODELS_PER_SERVER plain cards, with the OpenAI card's fields only."""
+    from proxy.pool.models import MAX_MODEL_NAME_CHARS, MAX_MODELS_PER_SERVER
+
+    cards: list[dict[str, Any]] = [
+        {"id": MODEL, "object": "model", "owned_by": "vllm", "max_model_len": 1024,
+         "secret": "leak", "permission": [{"id": "x" * 100_000}]},
+        {"id": "n" * (MAX_MODEL_NAME_CHARS + 1), "object": "model"},
+        *({"id": f"m{i}", "object": "model"} for i in range(5000)),
+    ]
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": cards})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async with fake_pair() as pair:
+        app = web.Application()
+        app.router.add_get("/v1/models", models)
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        flood_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with serve_router(prefill=[pair.p_url], decode=[flood_url]) as (url, _), \
+                    httpx.AsyncClient(timeout=10) as client:
+                listed = (await client.get(f"{url}/v1/models")).json()["data"]
+        finally:
+            await runner.cleanup()
+    by_id = {card["id"]: card for card in listed}
+    assert by_id[MODEL] == {"id": MODEL, "object": "model", "owned_by": "vllm",
+                            "max_model_len": 1024}
+    assert "n" * (MAX_MODEL_NAME_CHARS + 1) not in by_id
+    from_flood = [name for name in by_id if name.startswith("m") and name[1:].isdigit()]
+    assert len(from_flood) == MAX_MODELS_PER_SERVER - 2  # its first 256 cards, 2 of them above
