@@ -15,6 +15,7 @@ import pytest
 
 from proxy.flow.router import Router
 from proxy.pool.endpoints import ClusterName
+from proxy.pool.kv.blocks import PromptBlocks
 from proxy.pool.kv.index import SourceState
 from scripts.fake_kv_cache import FakePrefixCache, fake_tokenize
 from scripts.fake_vllm import Fabric, FakeVLLM, start
@@ -264,7 +265,8 @@ async def test_a_publisher_whose_replay_does_not_answer_stays_unknown_until_it_i
         await until(lambda: cache.replay_requests >= 1, "the catch-up asked")
         source = index.sources(pools.p_urls[0])[0]
         await until(lambda: source.state is SourceState.UNKNOWN and source.last_seq is None
-                    and index.hits(pools.p_urls[0], [bytes(8)], now=0) is None, "P0 still unknown")
+                    and index.hit_tokens(pools.p_urls[0], PromptBlocks(list(range(BLOCK))), now=0,
+                                         fallback_block_size=BLOCK) is None, "P0 still unknown")
         cache.seq = 5  # it published 0-4 before the router came
         cache.serve(list(range(1, BLOCK + 1)))
         await until(lambda: source.state is SourceState.SYNCED and len(source) == 1,

@@ -241,17 +241,32 @@ def test_credits_count_until_they_expire_and_are_bounded() -> None:
 
 def test_the_index_is_unknown_until_a_source_is_synced_and_forgets_servers() -> None:
     index = KvIndex()
-    keys = prompt_keys(TOKENS, BS)
-    assert index.hits("http://p", keys, now=0) is None
+    prompt = PromptBlocks(TOKENS)
+
+    def hit_tokens() -> int | None:  # the events' block size wins over the fallback
+        return index.hit_tokens("http://p", prompt, now=0, fallback_block_size=2 * BS)
+
+    assert hit_tokens() is None
     source = index.source("http://p", 0)
-    assert index.hits("http://p", keys, now=0) is None  # nothing heard yet: unknown
+    assert hit_tokens() is None  # nothing heard yet: unknown
     source.accept(0, batch(stored([1], None, TOKENS[:4])))
     other = index.source("http://p", 1)  # a second data-parallel rank holds more
     other.accept(0, batch(stored([1, 2], None, TOKENS[:8])))
-    assert index.hits("http://p", keys, now=0) == 2
-    assert index.block_size("http://p") == BS
+    assert hit_tokens() == 2 * BS
+    assert source.block_size == other.block_size == BS
     index.forget("http://p")
-    assert index.sources("http://p") == [] and index.hits("http://p", keys, now=0) is None
+    assert index.sources("http://p") == [] and hit_tokens() is None
+
+
+def test_a_source_with_no_stored_block_yet_takes_another_servers_block_size() -> None:
+    index = KvIndex()
+    index.source("http://p", 0).accept(0, batch(stored([1], None, TOKENS[:4])))
+    fresh = index.source("http://q", 0)
+    fresh.start_empty()
+    prompt = PromptBlocks(TOKENS)
+    index.credit("http://q", prompt, until=10.0, fallback_block_size=2 * BS)
+    assert index.hit_tokens("http://q", prompt, now=0, fallback_block_size=2 * BS) == 16
+    assert fresh.hits(prompt.keys(BS), now=0) == 4  # credited in the other server's size
 
 
 def test_prompt_blocks_compute_keys_once_per_block_size() -> None:

@@ -42,7 +42,7 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
-from proxy.pool.kv.blocks import ROOT, Key, chain_key
+from proxy.pool.kv.blocks import ROOT, Key, PromptBlocks, chain_key
 from proxy.pool.kv.events import (
     ROUTED_MEDIA,
     AllBlocksCleared,
@@ -309,23 +309,30 @@ class KvIndex:
         """A server left: its entries go with it."""
         self._by_url.pop(url, None)
 
-    def urls(self) -> list[str]:
-        return list(self._by_url)
-
     def lora_names(self) -> set[str]:
         return {name for s in self.all_sources() for name in s.lora_names}
 
-    def block_size(self, url: str) -> int | None:
-        return next((s.block_size for s in self.sources(url) if s.block_size), None)
-
-    def hits(self, url: str, keys: Sequence[Key], now: float) -> int | None:
-        """How many of `keys` (this server's block size), from the first, the server holds
-        on its best rank; None while none of its sources is in sync (unknown, not 0)."""
+    def hit_tokens(self, url: str, prompt: PromptBlocks, now: float, *,
+                   fallback_block_size: int) -> int | None:
+        """The prompt's tokens, from its start, that the server holds on its best rank;
+        None while none of its sources is in sync (unknown, not 0)."""
         synced = [s for s in self.sources(url) if s.state is SourceState.SYNCED]
         if not synced:
             return None
-        return max(s.hits(keys, now) for s in synced)
+        best = 0
+        for source in synced:
+            size = self._block_size(source, fallback_block_size)
+            best = max(best, source.hits(prompt.keys(size), now) * size)
+        return min(best, len(prompt))
 
-    def credit(self, url: str, keys: Sequence[Key], until: float) -> None:
+    def credit(self, url: str, prompt: PromptBlocks, until: float, *,
+               fallback_block_size: int) -> None:
+        """Count the prompt's blocks as held by every source of the server until `until`."""
         for source in self.sources(url):
-            source.credit(keys, until)
+            source.credit(prompt.keys(self._block_size(source, fallback_block_size)), until)
+
+    def _block_size(self, source: SourceIndex, fallback: int) -> int:
+        """A source's block size; one whose events have stored nothing yet (so a burst's
+        credit counts before its first events) takes another server's, else `fallback`."""
+        return source.block_size or next(
+            (s.block_size for s in self.all_sources() if s.block_size), fallback)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 from proxy.config import Balance, KvAware
 from proxy.metrics import RouterMetrics
 from proxy.pool.kv.blocks import PromptBlocks
-from proxy.pool.kv.index import KvIndex, SourceState
+from proxy.pool.kv.index import KvIndex
 from proxy.pool.load import endpoint_load
 from proxy.pool.pick import PickRequest
 
@@ -84,23 +84,14 @@ class PrefixCacheScorer:
     def __init__(self, kv: KvContext) -> None:
         self.kv = kv
         self._fallback_logged: set[str] = set()
+        # The hits `scores` found for the request being picked, for `picked` (a pick
+        # runs both at once, with no await between them: the index is walked once).
+        self._scored: tuple[PickRequest, dict[str, int | None]] | None = None
 
     def hit_tokens(self, url: str, prompt: PromptBlocks, now: float) -> int | None:
         """The prompt's tokens, from its start, that the server holds; None: unknown."""
-        sources = [s for s in self.kv.index.sources(url) if s.state is SourceState.SYNCED]
-        if not sources:
-            return None
-        best = 0
-        for source in sources:
-            size = source.block_size or self.default_block_size()
-            best = max(best, source.hits(prompt.keys(size), now) * size)
-        return min(best, len(prompt))
-
-    def default_block_size(self) -> int:
-        """The block size of a server whose events have stored nothing yet (so a burst's
-        credit counts before its first events): another server's, else the config's."""
-        return next((s.block_size for s in self.kv.index.all_sources() if s.block_size),
-                    self.kv.settings.block_size)
+        return self.kv.index.hit_tokens(url, prompt, now,
+                                        fallback_block_size=self.kv.settings.block_size)
 
     def scores(self, candidates: Sequence[Endpoint], request: PickRequest,
                now: float) -> list[float]:
@@ -109,6 +100,7 @@ class PrefixCacheScorer:
             self._fell_back("no_tokens")
             return [0.0] * len(candidates)
         hits = [self.hit_tokens(e.url, prompt, now) for e in candidates]
+        self._scored = (request, {e.url: h for e, h in zip(candidates, hits, strict=True)})
         known = [h for h in hits if h is not None]
         if not known:
             self._fell_back("not_synced")
@@ -117,20 +109,23 @@ class PrefixCacheScorer:
         return [float(len(prompt) - (best if h is None else h)) for h in hits]
 
     def picked(self, chosen: Endpoint, request: PickRequest, now: float) -> None:
+        scored, self._scored = self._scored, None
         prompt = request.prompt
         if prompt is None:
             return
         kv = self.kv
-        hit = self.hit_tokens(chosen.url, prompt, now)
+        if scored is not None and scored[0] is request:
+            hit = scored[1][chosen.url]
+        else:  # a lone candidate is not scored
+            hit = self.hit_tokens(chosen.url, prompt, now)
         prompt.predicted[kv.cluster] = hit
         if kv.tracks_work:  # P: the tokens it will compute calibrate a request's weight
             kv.calibration.observe(len(prompt) - (hit or 0))
         if kv.metrics is not None and hit is not None and len(prompt):
             kv.metrics.child(kv.metrics.kv_predicted_hits, kv.cluster).observe(hit / len(prompt))
         if kv.settings.credit_s > 0:
-            for source in kv.index.sources(chosen.url):
-                size = source.block_size or self.default_block_size()
-                source.credit(prompt.keys(size), now + kv.settings.credit_s)
+            kv.index.credit(chosen.url, prompt, now + kv.settings.credit_s,
+                            fallback_block_size=kv.settings.block_size)
 
     def _fell_back(self, reason: str) -> None:
         kv = self.kv

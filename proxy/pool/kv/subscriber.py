@@ -141,9 +141,6 @@ class KvEventSubscriber:
         self._tasks.clear()
         self._context.destroy(linger=0)
 
-    def synced_urls(self) -> set[str]:
-        return {s.url for s in self.index.all_sources() if s.state.value == "synced"}
-
     async def reconcile(self) -> None:
         """One round: follow new servers, drop those that left, and bound each server's
         index by its KV cache's blocks once its /metrics said how many."""
