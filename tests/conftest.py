@@ -30,18 +30,20 @@ async def serve_router(
         yield url, app
 
 
-async def until(condition: Callable[[], object], what: str, timeout: float = 5.0) -> None:
-    """Poll `condition()` every 10 ms until it is truthy (an async condition's result is
-    awaited); fail naming `what` after `timeout` seconds."""
+async def until(condition: Callable[[], Any], what: str, timeout: float = 5.0, *,
+                poll: float = POLL_S) -> Any:
+    """Poll `condition()` every `poll` seconds (10 ms) until it is truthy (an async
+    condition's result is awaited) and return what it returned; fail naming `what` after
+    `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
         if inspect.isawaitable(value):
             value = await value
         if value:
-            return
+            return value
         assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        await asyncio.sleep(POLL_S)
+        await asyncio.sleep(poll)
 
 
 def until_sync(condition: Callable[[], T], what: str, timeout: float = 5.0) -> T:

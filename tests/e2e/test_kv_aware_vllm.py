@@ -21,15 +21,13 @@ session's pair is stopped (conftest orders these tests with the other pools').
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -39,6 +37,7 @@ from proxy.protocol import Route, parse_request
 from scripts.pd_protocol import metric, parse_metrics
 from scripts.tiny_model import sample_text
 from scripts.vllm_cpu import ServerStartError, VllmServer, free_port, run_servers, server_spec
+from tests.conftest import until
 from tests.e2e.conftest import (
     DUAL,
     DUAL_EXTRA_CONFIG,
@@ -47,18 +46,23 @@ from tests.e2e.conftest import (
     PairManager,
     RouterProcess,
 )
-from tests.e2e.vllm_client import CHAT, COMPLETIONS, MAX_TOKENS, TIMEOUT, reference_tokens
+from tests.e2e.vllm_client import (
+    CHAT,
+    COMPLETIONS,
+    MAX_TOKENS,
+    TIMEOUT,
+    common_prefix,
+    reference_tokens,
+)
 
 pytestmark = pytest.mark.e2e
-
-T = TypeVar("T")
 
 BLOCK_SIZE = 32  # vLLM's CPU attention wants multiples of 32 (its default there is 128)
 PREFIX_BLOCKS = 8  # the shared prompt's full blocks
 SYNC_TIMEOUT_S = 60.0  # discovery runs at the router's start; a replay takes at most 2 s
 INDEX_TIMEOUT_S = 30.0  # a served prompt's blocks reach the index (one engine step + ZMQ)
 LOG_TIMEOUT_S = 10.0  # the router writes a request's access line as it finishes
-POLL_S = 0.2
+POLL_S = 0.2  # each look asks a server's /metrics or reads the router's log
 SYNCED = "pdproxy_kv_index_synced"
 INDEX_BLOCKS = "pdproxy_kv_index_blocks"
 FALLBACKS = "pdproxy_kv_fallbacks_total"
@@ -128,18 +132,6 @@ def kv_pool_2p1d(pair_manager: PairManager, tiny_model: Path) -> Iterator[KvPool
 # --- helpers ------------------------------------------------------------------------
 
 
-async def eventually(probe: Callable[[], Awaitable[T | None]], what: str, timeout_s: float) -> T:
-    """Poll `probe()` until it returns something other than None or False; fail naming
-    `what` after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = await probe()
-        if value is not None and value is not False:
-            return value
-        assert time.monotonic() < deadline, f"not within {timeout_s:.0f} s: {what}"
-        await asyncio.sleep(POLL_S)
-
-
 async def samples_of(client: httpx.AsyncClient, url: str) -> dict[Any, float]:
     resp = await client.get(f"{url}/metrics")
     resp.raise_for_status()
@@ -165,15 +157,6 @@ async def tokenize(client: httpx.AsyncClient, url: str, body: dict[str, Any]) ->
     resp = await client.post(f"{url}/tokenize", json=body)
     assert resp.status_code == 200, resp.text
     return [int(t) for t in resp.json()["tokens"]]
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 async def long_text(client: httpx.AsyncClient, url: str, seed: int, min_tokens: int) -> str:
@@ -217,8 +200,8 @@ async def through_router(client: httpx.AsyncClient, pool: KvPool, path: str,
     async def logged() -> str | None:
         return access_line(pool.router, request_id)
 
-    line = await eventually(logged, f"the router's access line for {request_id}",
-                            LOG_TIMEOUT_S)
+    line = await until(logged, f"the router's access line for {request_id}", LOG_TIMEOUT_S,
+                       poll=POLL_S)
     fields = dict(part.split("=", 1) for part in line.split() if "=" in part)
     prompt = PROMPT_RE.search(line)
     assert prompt is not None, f"kv_aware's prediction is not in the access line: {line}"
@@ -251,8 +234,8 @@ async def holds_new_blocks(client: httpx.AsyncClient, pool: KvPool, url: str,
     async def grown() -> bool:
         return await index_blocks(client, pool, url) >= before + blocks
 
-    await eventually(grown, f"{blocks} more blocks of {url} in the router's KV index",
-                     INDEX_TIMEOUT_S)
+    await until(grown, f"{blocks} more blocks of {url} in the router's KV index",
+                INDEX_TIMEOUT_S, poll=POLL_S)
 
 
 # --- tests --------------------------------------------------------------------------
@@ -273,7 +256,8 @@ async def test_the_router_finds_and_syncs_every_servers_kv_events(kv_pool_2p1d: 
             ok = all(metric(samples, SYNCED, endpoint=u) == 1 for u in pool.urls)
             return samples if ok else None
 
-        samples = await eventually(all_synced, f"{SYNCED} = 1 for {pool.urls}", SYNC_TIMEOUT_S)
+        samples = await until(all_synced, f"{SYNCED} = 1 for {pool.urls}", SYNC_TIMEOUT_S,
+                              poll=POLL_S)
         for url in pool.urls:  # no request yet: every index is empty
             assert metric(samples, INDEX_BLOCKS, endpoint=url) == 0, url
 
@@ -317,8 +301,8 @@ async def test_requests_sharing_a_prefix_go_to_the_p_that_caches_it(kv_pool_2p1d
             async def hits_grown(before: float = hits_before, want: int = shared) -> bool:
                 return await prefix_hits(client, holder) - before >= want
 
-            await eventually(hits_grown, f"{holder}'s {PREFIX_HITS} up by {shared}",
-                             INDEX_TIMEOUT_S)
+            await until(hits_grown, f"{holder}'s {PREFIX_HITS} up by {shared}",
+                        INDEX_TIMEOUT_S, poll=POLL_S)
             assert served.tokens == await reference_tokens(client, d_url, COMPLETIONS,
                                                            completion(text)), mode
 
@@ -355,8 +339,8 @@ async def test_requests_sharing_a_prefix_go_to_the_p_that_caches_it(kv_pool_2p1d
             async def chat_hits_grown(before: float = hits_before, want: int = shared) -> bool:
                 return await prefix_hits(client, chat_holder) - before >= want
 
-            await eventually(chat_hits_grown, f"{chat_holder}'s {PREFIX_HITS} up by {shared}",
-                             INDEX_TIMEOUT_S)
+            await until(chat_hits_grown, f"{chat_holder}'s {PREFIX_HITS} up by {shared}",
+                        INDEX_TIMEOUT_S, poll=POLL_S)
             assert served.tokens == await reference_tokens(client, d_url, CHAT, body)
 
         # --- an unrelated prompt: nobody holds it, and it is served right -----------

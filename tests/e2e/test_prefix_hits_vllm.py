@@ -30,6 +30,7 @@ from tests.e2e.vllm_client import (
     COMPLETIONS,
     MAX_TOKENS,
     TIMEOUT,
+    common_prefix,
     get_metrics,
     reference_tokens,
     tokenize,
@@ -44,15 +45,6 @@ SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 
 def by_source(samples: dict[Any, float]) -> dict[str, float]:
     return {source: metric(samples, EXTERNAL_KV_TOKENS, source=source) for source in SOURCES}
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 async def text_of(client: httpx.AsyncClient, url: str, seed: int, lines: int,

@@ -109,3 +109,13 @@ async def reference_tokens(
     tokens, _ = await decode(client, base_url + path, fresh, stream=False)
     assert len(tokens) == MAX_TOKENS
     return tokens
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many ids two prompts share from their start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
