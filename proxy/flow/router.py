@@ -108,13 +108,13 @@ class Router:
         auth = config.auth
         self.prefill = Cluster(ClusterName.PREFILL, config.prefill,
                                Balancer(balance.prefill, balance,
-                                        kv=self._kv_scorer(ClusterName.PREFILL)),
+                                        kv=self._kv_context(ClusterName.PREFILL)),
                                config.ejection,
                                api_key=cluster_api_key(auth.prefill_api_key, "PREFILL"),
                                on_add=credentials)
         self.decode = Cluster(ClusterName.DECODE, config.decode,
                               Balancer(balance.decode, balance,
-                                       kv=self._kv_scorer(ClusterName.DECODE)),
+                                       kv=self._kv_context(ClusterName.DECODE)),
                               config.ejection,
                               api_key=cluster_api_key(auth.decode_api_key, "DECODE"),
                               on_add=credentials)
@@ -182,7 +182,7 @@ class Router:
         self.client.forget(url)
         self.metrics.forget_endpoint(url)
 
-    def _kv_scorer(self, cluster: ClusterName) -> KvContext | None:
+    def _kv_context(self, cluster: ClusterName) -> KvContext | None:
         """What kv_aware scores a cluster with, when it balances by it (None otherwise)."""
         balance = self.config.balance
         policy = balance.prefill if cluster is ClusterName.PREFILL else balance.decode
