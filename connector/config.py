@@ -81,8 +81,8 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Address P advertises to D for its push side channel, and binds. None: vLLM's
     # VLLM_NIXL_SIDE_CHANNEL_HOST (the host its NIXL handshake listener advertises).
     push_host: str | None = None
-    # P: how long a registration waits for P's prefill, and a finished prefill waits for
-    # D's registration, before both are dropped (seconds).
+    # P: how long a registration waits for P's prefill (registration_ttl), and a finished
+    # prefill for D's registration (unclaimed_ttl), before both are dropped (seconds).
     registration_ttl: float = 120.0
     unclaimed_ttl: float = 120.0
     # D: how long to wait for P's Ack to a registration (and for P's answer to an Abort)
@@ -144,12 +144,14 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Authentication of the push side channel (ZMQ CURVE; connector/keys.py makes keys).
     # All three, or none (then anyone who reaches the push port is trusted, and the
     # server logs a warning at start):
-    # - this server's key pair (a `.key_secret` file): P's push port serves with it, and
-    #   D connects to P's with it;
-    # - the public keys P accepts (D servers', and the router's for its abandons): a
-    #   directory of `*.key` files, or a list of files; others are refused and counted;
-    # - the P servers' public key (a `.key` file), that D checks P by. Every P a D pushes
-    #   from must hold that key pair: in a pool, give the P servers the same pair.
+    # - curve_secret_key_file: this server's key pair (a `.key_secret` file): P's push
+    #   port serves with it, and D connects to P's with it;
+    # - curve_allowed_keys: the public keys P accepts (D servers', and the router's for
+    #   its abandons): a directory of `*.key` files, or a list of files; others are
+    #   refused and counted;
+    # - curve_server_key_file: the P servers' public key (a `.key` file), that D checks P
+    #   by. Every P a D pushes from must hold that key pair: in a pool, give the P servers
+    #   the same pair.
     curve_secret_key_file: str | None = None
     curve_allowed_keys: str | list[str] | None = None
     curve_server_key_file: str | None = None

@@ -168,7 +168,7 @@ class Ejection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     consecutive_failures: int = 5  # failed legs in a row that eject a server (0 = off)
     base_seconds: float = 5.0  # first ejection's length; doubled at each further one
-    max_seconds: float = 120.0
+    max_seconds: float = 120.0  # the longest one ejection lasts, however often doubled
 
     def __post_init__(self) -> None:
         if self.consecutive_failures < 0:
@@ -255,7 +255,8 @@ class Auth(Settings, frozen=True, kw_only=True, forbid_unknown_fields=True):
 
     secret_fields = frozenset({"prefill_api_key", "decode_api_key", "client_api_keys"})
 
-    # Sent to every P / D as "Authorization: Bearer <key>" (vLLM's --api-key); an
+    # prefill_api_key to every P, decode_api_key to every D, as
+    # "Authorization: Bearer <key>" (vLLM's --api-key); an
     # endpoint's own api_key wins. Env PDPROXY_PREFILL_API_KEY / PDPROXY_DECODE_API_KEY.
     prefill_api_key: str | None = None
     decode_api_key: str | None = None
@@ -310,7 +311,7 @@ class PushChannel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     With CURVE keys on the connectors (`python -m connector.keys`), the router needs its
     key pair (its public key among P's `curve_allowed_keys`) and P's public key."""
 
-    abandon: bool = True
+    abandon: bool = True  # false: send no abandons (P frees the blocks after unclaimed_ttl)
     curve_secret_key_file: str | None = None  # the router's .key_secret file
     curve_server_key_file: str | None = None  # the P servers' public .key file
 
@@ -349,6 +350,9 @@ class Timeouts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 
 class Limits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Bounds on what the router takes and holds: request bodies, upstream connections,
+    requests in flight, slow clients and the size of upstream answers."""
+
     max_body_bytes: int = 8 * 1024 * 1024  # larger request bodies are refused with 413
     max_connections: int = 1024  # open upstream connections for requests (0 = no limit)
     # Connections for health checks, probes, model lists and /metrics scrapes: a budget
@@ -405,7 +409,7 @@ class EndpointConfig(Settings, frozen=True, kw_only=True, forbid_unknown_fields=
 
     secret_fields = frozenset({"api_key"})
 
-    url: str
+    url: str  # its base URL, http(s)://host:port, without a path
     # How error messages name it to clients ("prefill server <name>"); None: its number
     # in its cluster, in the order servers joined ("prefill server 2"). Never its URL,
     # unless show_upstream_urls.
@@ -415,12 +419,15 @@ class EndpointConfig(Settings, frozen=True, kw_only=True, forbid_unknown_fields=
     # Takes no new request while true; running ones finish (a watched config file can
     # drain a server this way before removing it).
     drain: bool = False
+    # A P's KV coordinates, as a probe would learn them: its vLLM engine id, its NIXL side
+    # channel (side_channel_host, side_channel_port) and its tp_size. With the first three
+    # given, the P is never probed.
     engine_id: str | None = None
     side_channel_host: str | None = None
     side_channel_port: int | None = None
     tp_size: int | None = None
-    # kv_aware: its KV event publisher ("tcp://host:port"), and the replay socket's;
-    # unset: found at its GET /kv_event_sources (vLLM 0.32+).
+    # kv_aware: its KV event publisher ("tcp://host:port"), and kv_events_replay its replay
+    # socket's; unset: found at its GET /kv_event_sources (vLLM 0.32+).
     kv_events: str | None = None
     kv_events_replay: str | None = None
     # What its KV connector can do. For a P, learned from a probe when not given; for a D,
@@ -468,9 +475,9 @@ class KubernetesDiscoveryConfig(msgspec.Struct, frozen=True, kw_only=True, forbi
     """P and D servers found as pods by label selectors (see `proxy.pool.discovery`): a pod
     joins its cluster when it is Running and Ready with an IP, as http://{podIP}:{port}."""
 
-    namespace: str
+    namespace: str  # where the P and D pods are
     prefill_selector: str  # a label selector, e.g. "app=vllm,pd-role=prefill"
-    decode_selector: str
+    decode_selector: str  # the same, for the D pods
     port: int = 8000  # the pods' vLLM HTTP port
     # A kubeconfig file; None: the pod's own service account (in-cluster).
     kubeconfig: str | None = None
@@ -565,8 +572,8 @@ class RouterConfig(Settings, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     decode: list[EndpointConfig] = []
     # Servers found in Kubernetes, joining the static lists (which may then be empty).
     discovery: Discovery = Discovery()
-    host: str = "127.0.0.1"
-    port: int = 8000
+    host: str = "127.0.0.1"  # the address to listen on (0.0.0.0: every interface)
+    port: int = 8000  # the port to listen on
     mode: Mode = Mode.PULL
     # The modes a client may ask for with X-KV-Transfer-Mode; another is refused with 400
     # naming these (asking for `mode` itself is always allowed). Not local by default: a
@@ -609,7 +616,7 @@ class RouterConfig(Settings, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     # lists when it changed (0 = never).
     config_watch_interval: float = 2.0
     shutdown_grace: int = 30  # seconds; on SIGTERM: stop accepting, let running requests finish this long
-    log_level: str = "info"
+    log_level: str = "info"  # debug, info, warning, error or critical
     access_log: bool = False  # uvicorn's access log; the router logs one line per request
     # Processes serving the one port (see proxy.workers); 1: the router is this process.
     workers: int = 1
