@@ -161,6 +161,7 @@ class RegistryConfig(msgspec.Struct, frozen=True, kw_only=True):
     # latent: what decides whether D's tp can be pushed to (`tp_plan.refusal`).
     kv_heads: int | None = None
     mla: bool = False
+    mamba: bool = False  # Mamba (or other recurrent) state besides the KV: equal tp only
     registration_ttl: float = DEFAULT_REGISTRATION_TTL_S
     unclaimed_ttl: float = DEFAULT_UNCLAIMED_TTL_S
     # The write lease: a grant holds lease_s; P is done with a WRITE write_s after that.
@@ -780,7 +781,7 @@ class PushRegistry:
                 f"tensor-parallel mismatch: a registration speaks for all of D's ranks "
                 f"(tp_rank 0), this one for rank {reg.tp_rank} of decode tp {reg.tp_size}")
         why = tp_plan.refusal(local.tp_size, reg.tp_size, kv_heads=local.kv_heads,
-                              mla=local.mla)
+                              mla=local.mla, mamba=local.mamba)
         if why is not None:
             return NackReason.TP_MISMATCH, (
                 f"tensor-parallel mismatch: {why} (pull serves any tp pair vLLM reads)")

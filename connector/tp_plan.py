@@ -22,9 +22,13 @@ the heads both hold:
   heads that rank holds (k WRITEs from one rank). One notification per D rank.
 
 Refused: sizes of which neither divides the other (vLLM's transfer topology has no
-mapping for them), and, except for MLA, a D tp larger than both P's tp and the model's
-KV heads: D's ranks would then hold replicated heads that vLLM's push worker writes to
-one rank only (it dedups by head), so the other ranks would never be written.
+mapping for them); except for MLA, a D tp larger than both P's tp and the model's KV
+heads: D's ranks would then hold replicated heads that vLLM's push worker writes to one
+rank only (it dedups by head), so the other ranks would never be written; and, for a
+model with Mamba (or other recurrent) state besides its KV, any two different sizes: the
+state is sharded by rank and written as whole pages, which this plan (heads only) does
+not map, so such a push is refused before any WRITE and D computes the prompt (pull
+reads what vLLM's own pull can).
 """
 
 from __future__ import annotations
@@ -44,11 +48,15 @@ class HeadWrite:
 
 
 def refusal(prefill_tp: int, decode_tp: int, *, kv_heads: int | None = None,
-            mla: bool = False) -> str | None:
+            mla: bool = False, mamba: bool = False) -> str | None:
     """Why a push from P (`prefill_tp`) to D (`decode_tp`) cannot be done; None: it can.
-    `kv_heads`: the model's KV heads, None when unknown (that check is then skipped)."""
+    `kv_heads`: the model's KV heads, None when unknown (that check is then skipped);
+    `mamba`: the model keeps Mamba (or other recurrent) state besides its KV."""
     if prefill_tp < 1 or decode_tp < 1:
         raise ValueError(f"tp sizes must be >= 1, got prefill {prefill_tp}, decode {decode_tp}")
+    if mamba and prefill_tp != decode_tp:
+        return (f"the model keeps Mamba state, which push moves only between equal tp sizes; "
+                f"decode tp {decode_tp}, prefill tp {prefill_tp}")
     if prefill_tp % decode_tp and decode_tp % prefill_tp:
         return (f"push maps ranks only when one tp size is a multiple of the other; decode "
                 f"tp {decode_tp}, prefill tp {prefill_tp}")

@@ -214,3 +214,31 @@ def test_d_worker_lands_a_push_only_with_its_last_write(
         assert not landed, f"landed after {notification} of {writes} WRITEs"
         DualWorker._push_arrived(worker, "d-req", prefill_tp)  # type: ignore[arg-type]
     assert landed == [0] and worker._incoming.landed() == ["d-req"]
+
+
+# --- models with Mamba state: equal tp sizes only ------------------------------------------
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (4, 2)])
+def test_a_mamba_model_is_refused_unequal_tp_sizes(prefill_tp: int, decode_tp: int) -> None:
+    why = tp_plan.refusal(prefill_tp, decode_tp, kv_heads=8, mamba=True)
+    assert why is not None and "Mamba state" in why
+    assert f"decode tp {decode_tp}, prefill tp {prefill_tp}" in why
+    assert tp_plan.refusal(prefill_tp, decode_tp, kv_heads=8) is None  # KV alone maps
+
+
+def test_a_mamba_registry_refuses_unequal_tp_before_any_write() -> None:
+    r = registry(2, kv_heads=8, mamba=True)
+    r.prefill_finished(T1, [[7, 8]], request_id="p-req", now=0.0)  # P's prefill is done
+    outcome = r.register(registration(1), now=1.0)
+    assert isinstance(outcome, Rejected) and outcome.reason is NackReason.TP_MISMATCH
+    assert "Mamba state" in outcome.message and "tensor-parallel mismatch" in outcome.message
+    assert outcome.block_ids == [[7, 8]]  # P frees its blocks; nothing is written
+    assert len(r) == 0 and r.snapshot().counters.rejected == 1
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_mamba_registry_matches_equal_tp(tp: int) -> None:
+    r = registry(tp, kv_heads=8, mamba=True)
+    assert r.register(registration(tp), now=0.0) == Waiting(T1, TransferState.AWAITING_PREFILL)
+    assert isinstance(r.prefill_finished(T1, [[7, 8]], request_id="p-req", now=1.0), Ready)
