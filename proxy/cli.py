@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="processes serving the one port, to use N cores (default 1). Each "
                             "keeps its own health checks, ejections, retry budget and auto "
                             "mode's learning; /metrics and the admin API cover them all "
-                            "(README: Workers)")
+                            "(docs/operating/workers.md)")
     policies = [p.value for p in Policy]
     serve.add_argument("--prefill-policy", choices=policies,
                        help="how a prefill server is picked (default least_outstanding; "

@@ -80,8 +80,8 @@ QUICK_PROMPTS = (512, 2048)
 BUSY_PROMPT_TOKENS = 64
 BUSY_MAX_TOKENS = 2048
 SLOW_STEP = 1.10  # a step lasting more than this x its target ran long
-# What the emulation leaves out, besides the profile module's own list (README, "The GPU
-# regime, emulated").
+# What the emulation leaves out, besides the profile module's own list (docs/benchmarks.md,
+# "The GPU regime, emulated").
 LEFT_OUT = (
     "the host's own speed: vLLM's scheduler, the API servers, the router and this client "
     "run at this machine's CPU speed on 2 shared cores",

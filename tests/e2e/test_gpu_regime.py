@@ -14,7 +14,7 @@ on a slower one the test fails, saying so.
   that of the same prompt sent again (its prefix cached, one block computed) within 10%
   of the profile's difference between the two steps. Both pay the same host work for
   the prompt (the server's HTTP, reading and hashing the token ids, scheduling), at this
-  CPU's speed, which the emulation leaves out (see the README): the difference is the
+  CPU's speed, which the emulation leaves out (see docs/benchmarks.md): the difference is the
   emulated GPU time alone, on any machine.
 - Decode: the gaps between streamed tokens, and the period of the server's decode
   steps, within 10% of the profile's step time for that batch and context; a decode
