@@ -13,7 +13,8 @@ event-driven): on a 2-core machine they would starve each other (memory, ~2.6 Gi
 would fit). So a session-scoped `PairManager` owns the single running pair: asking for
 the other kind stops the running one first. To start each kind once per session, the tests that use a pair are reordered
 (stably): all `pull_pair` users first, then `push_pair` users, then `dual_pair` users,
-then `dual_dp_pair` users.
+then `dual_dp_pair` users; last, the modules that start pairs of their own (other TP
+sizes, model families, block sizes), each once.
 A test cannot use two pairs.
 
 Nothing here skips. If vLLM or NIXL is missing or a server does not come up, the
@@ -80,7 +81,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     with nothing else running, so they close any pair) go before the first pair starts.
     """
     rank = {"pull_pair": 0, "push_pair": 1, "dual_pair": 2, "dual_dp_pair": 3, "pool_2p1d": 4,
-            "kv_pool_2p1d": 4, "tp_pair": 5}
+            "kv_pool_2p1d": 4, "tp_pair": 5, "family_pair": 6, "block_size_pair": 6}
     positions = []
     for index, item in enumerate(items):
         used = [rank[name] for name in getattr(item, "fixturenames", ()) if name in rank]
