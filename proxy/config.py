@@ -430,8 +430,9 @@ class EndpointConfig(Settings, frozen=True, kw_only=True, forbid_unknown_fields=
     # socket's; unset: found at its GET /kv_event_sources (vLLM 0.32+).
     kv_events: str | None = None
     kv_events_replay: str | None = None
-    # What its KV connector can do. For a P, learned from a probe when not given; for a D,
-    # both unless given (a D without our connector cannot take a push: say [pull]).
+    # What its KV connector can do. For a P, learned from a probe when not given (both,
+    # when its coordinates are given here); for a D, both unless given (a D without our
+    # connector cannot take a push: say [pull]).
     transfer_modes: list[Mode] | None = None
     # Our connector's push side channel on this P (its kv_connector_extra_config
     # push_port); learned from P's answers when not given.
