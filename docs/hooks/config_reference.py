@@ -262,16 +262,29 @@ def sections(spec: str, type_name: str) -> list[Section]:
                 description += ("<br>" if description else "") + "One of " + ", ".join(
                     f"`{value}`" for value in literals) + "."
             type_text = ast.unparse(node.annotation) if node is not None else str(info.type)
+            default = _default(info, node)
             for struct in _struct_types(info.type):
                 if struct is not cls:
                     suffix = "[]" if type_text.startswith("list[") else ""
+                    earlier = [key for other, key in nested if other is struct]
+                    at = (seen[struct].key.split("`")[0] if struct in seen
+                          else earlier[0] if earlier else full + suffix)
                     nested.append((struct, full + suffix))
-            section.fields.append(Field(full, type_text, _default(info, node), description))
+                    if default == "see below":
+                        default = f"[see below](#{anchor(at)})"
+                    else:
+                        description += f" Its settings: [`{at}`](#{anchor(at)})."
+            section.fields.append(Field(full, type_text, default, description))
         for struct, at in nested:
             visit(struct, at)
 
     visit(root, "")
     return result
+
+
+def anchor(key: str) -> str:
+    """The id of a section's heading: its key, `.` and `[]` made plain."""
+    return re.sub(r"[^\w-]", "-", key.replace("[]", "")) or "top-level"
 
 
 def _cell(text: str) -> str:
@@ -283,7 +296,7 @@ def render(spec: str, type_name: str, root: str | None = None) -> str:
     out: list[str] = []
     for section in sections(spec, type_name):
         title = f"`{section.key}`" if section.key else (f"`{root}`" if root else "Top level")
-        out.append(f"## {title}\n")
+        out.append(f"## {title} {{ #{anchor(section.key.split('`')[0])} }}\n")
         out.append(f"`{section.type_name}`, in `{spec.replace('.', '/')}.py`.")
         out.append("")
         if section.doc:
