@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up everything pd-proxy needs on a fresh machine, in ./.venv (idempotent):
-# vLLM for CPU 0.32.0 with its CPU torch, NIXL, the router itself and its test tools, the
-# GPU-regime testbed, and vLLM 0.33's code (not installed) for the connector's
-# compatibility tests.
+# vLLM for CPU 0.32.0 with its CPU torch, NIXL, the router itself and its test tools,
+# MkDocs for the docs site, the GPU-regime testbed, and vLLM 0.33's code (not installed)
+# for the connector's compatibility tests.
 # Usage: bash scripts/setup.sh        (about 3-5 minutes the first time, seconds after)
 set -euo pipefail
 cd "$(dirname "$0")/.."
