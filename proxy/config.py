@@ -103,6 +103,10 @@ class KvAware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     max_blocks_per_server: int = 1 << 20  # the index's bound per publisher
     max_event_bytes: int = 16 * 1024 * 1024  # a larger event message is dropped
     tokenize_timeout: float = 2.0  # s: POST /tokenize to a server of the request's model
+    # The ids and block keys of prompts seen lately are kept, up to this many tokens in all
+    # (8 bytes a token, plus the keys), so a prompt sent again is neither tokenized nor
+    # hashed again; 0: no cache.
+    tokenize_cache_tokens: int = 1 << 21
 
     def __post_init__(self) -> None:
         for name in ("tokens_per_request", "decode_token_weight", "credit_s"):
@@ -113,6 +117,8 @@ class KvAware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
                 raise ValueError(f"balance.kv_aware.{name} must be > 0")
         if self.block_size < 1:
             raise ValueError("balance.kv_aware.block_size must be >= 1")
+        if self.tokenize_cache_tokens < 0:
+            raise ValueError("balance.kv_aware.tokenize_cache_tokens must be >= 0")
         if self.max_blocks_per_server < 1 or self.max_event_bytes < 1024:
             raise ValueError("balance.kv_aware.max_blocks_per_server must be >= 1 and "
                              "max_event_bytes >= 1024")

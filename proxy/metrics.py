@@ -200,6 +200,13 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.kv_tokenize_cache = Counter(
+            "pdproxy_kv_tokenize_cache_total",
+            "kv_aware prompts found in the cache of prompts seen lately (hit: no /tokenize "
+            "call and no hashing) or not (miss)",
+            ["result"],
+            registry=r,
+        )
 
         # The metrics with an `endpoint` label (a server's URL): `forget_endpoint`'s.
         self._per_endpoint: list[Counter | Gauge | Histogram] = [

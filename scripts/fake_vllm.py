@@ -147,6 +147,7 @@ class FakeVLLM:
         self.random = random.Random(seed)  # draws the random faults (fault_rate)
         self.record = True  # keep a `Seen` per request (off for long benchmarks)
         self.seen: list[Seen] = []
+        self.tokenized = 0  # POST /tokenize calls answered
         self._changed = asyncio.Event()  # set (and replaced) whenever `seen` changes
         self.app = web.Application(middlewares=[self._check_api_key])
         self.app.router.add_get("/health", self._health)
@@ -242,6 +243,7 @@ class FakeVLLM:
         tokens = prompt_tokens(body)
         if tokens is None:
             return web.json_response({"error": {"message": "no prompt or messages"}}, status=400)
+        self.tokenized += 1
         return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": 1 << 20})
 
     async def _kv_event_sources(self, request: web.Request) -> web.Response:

@@ -186,6 +186,9 @@ ROWS: list[tuple[str, list[Panel]]] = [
               [(f"histogram_quantile(0.99, sum by (le) (rate("
                 f"pdproxy_kv_tokenize_seconds_bucket{{{SELECT}}}[{WINDOW}])))", "p99")], "s",
               width=12),
+        Panel("Prompts seen lately", "kv_aware prompts found in the cache of prompts seen "
+              "lately (hit: no /tokenize call, no hashing) or not (miss).",
+              [(rate("pdproxy_kv_tokenize_cache_total", "result"), "{{result}}")], width=12),
     ]),
 ]
 

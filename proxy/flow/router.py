@@ -157,7 +157,8 @@ class Router:
             self.tokenizer = PromptTokenizer(
                 self.client, lambda: self.decode.endpoints + self.prefill.endpoints,
                 timeout=balance.kv_aware.tokenize_timeout, metrics=self.metrics,
-                lora_names=index.lora_names)
+                lora_names=index.lora_names,
+                cache_tokens=balance.kv_aware.tokenize_cache_tokens)
         self._warmup: asyncio.Task[None] | None = None
         self.context = FlowContext(
             config=config, prefill=self.prefill, decode=self.decode, client=self.client,

@@ -254,15 +254,17 @@ class UpstreamClient:
         cluster: str,
         timeout: float,
         control: bool = False,
+        type: Any = Any,
     ) -> Any:
-        """POST and decode the whole JSON answer; error statuses raise UpstreamStatusError.
+        """POST and decode the whole JSON answer (as `type`, a msgspec type: an answer that
+        is not one raises UpstreamError); error statuses raise UpstreamStatusError.
         `control`: on the control lane (probes), not behind user traffic."""
         lane = self._control if control else self._requests
         content = await self._whole(
             lane, "POST", url, msgspec.json.encode(body), {**_JSON_HEADERS, **headers},
             endpoint, cluster, timeout,
         )
-        return self._decode_json(content, endpoint, cluster)
+        return self._decode_json(content, endpoint, cluster, type)
 
     async def _whole(
         self, lane: _Lane, method: str, url: str, body: bytes, headers: dict[str, str],
@@ -287,9 +289,9 @@ class UpstreamClient:
                           self._name(endpoint, cluster))
         return content
 
-    def _decode_json(self, content: bytes, endpoint: str, cluster: str) -> Any:
+    def _decode_json(self, content: bytes, endpoint: str, cluster: str, type: Any = Any) -> Any:
         try:
-            return msgspec.json.decode(content)
+            return msgspec.json.decode(content, type=type)
         except msgspec.DecodeError as exc:
             raise upstream_error(exc, endpoint, cluster, "its answer",
                                  name=self._name(endpoint, cluster)) from exc

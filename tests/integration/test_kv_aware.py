@@ -153,6 +153,40 @@ async def test_token_id_prompts_need_no_tokenize_and_a_chat_is_tokenized(pools: 
         assert pools.prefill[chosen].seen[-1].body["messages"] == messages
 
 
+async def test_a_prompt_sent_again_is_not_tokenized_again(pools: Pools) -> None:
+    """The cache of prompts seen lately: the same text (model, options, salt) is tokenized
+    once; another option, salt or text is tokenized anew; the cache keeps to its bound."""
+    document = words("doc", 4 * BLOCK)
+    config = pools.config(kv_aware={"discovery_interval": 0.2,
+                                    "tokenize_cache_tokens": 3 * 4 * BLOCK})
+    async with serve_router(**config) as (url, app), httpx.AsyncClient(timeout=10) as client:
+        router = router_of(app)
+        await synced(router, pools.p_urls + pools.d_urls)
+
+        def calls() -> int:
+            return sum(f.tokenized for f in pools.prefill + pools.decode)
+
+        for _ in range(3):
+            await complete(client, url, prompt=document)
+        assert calls() == 1
+        await complete(client, url, prompt=document, add_special_tokens=False)
+        await complete(client, url, prompt=document, cache_salt="tenant-b")
+        assert calls() == 3
+        # ids need no call, and the keys of ids sent again are not hashed again
+        ids = list(range(1, 4 * BLOCK + 1))
+        await complete(client, url, prompt=ids)
+        await complete(client, url, prompt=ids)
+        assert calls() == 3
+        assert router.tokenizer is not None
+        cache = router.tokenizer.cache
+        assert cache.tokens <= 3 * 4 * BLOCK and len(cache) == 3  # the oldest text went out
+        await complete(client, url, prompt=document)
+        assert calls() == 4
+        text = (await client.get(f"{url}/metrics")).text
+        assert 'pdproxy_kv_tokenize_cache_total{result="hit"} 3.0' in text
+        assert 'pdproxy_kv_tokenize_cache_total{result="miss"} 5.0' in text
+
+
 async def test_a_gap_is_replayed_and_a_restart_wipes_the_server(pools: Pools) -> None:
     async with serve_router(**pools.config()) as (url, app):
         router = router_of(app)

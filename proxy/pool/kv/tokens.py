@@ -12,6 +12,15 @@ the ids it would prefill. A completion given as token ids needs no call.
 `PromptBlocks` (`proxy.pool.kv.blocks`) then keys the ids per block size, once per size,
 for every server of a request's legs.
 
+A prompt sent again (the same text or ids, model, template options, adapter and cache
+salt) takes its ids and keys from `TokenizedPrompts`, a cache bounded in tokens
+(`balance.kv_aware.tokenize_cache_tokens`): neither the /tokenize call nor the hashing is
+repeated. On a 2-core machine, with 1k-token prompts, the call and the hashing were most
+of kv_aware's cost per request (`scripts.bench --kv-aware`). A server's tokenizer is
+taken as fixed for a model name: a model replaced under the same name (a new tokenizer)
+may have its prompts scored by old ids until they leave the cache, which misroutes
+them by cache, never changes an answer.
+
 Not scored (None): prompts with images or other non-text parts (their multimodal block
 keys are not computable here), batched completions, and any request whose tokenize call
 fails (the policy then falls back to load; counted by the caller).
@@ -19,14 +28,19 @@ fails (the policy then falls back to load; counted by the caller).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from proxy.errors import Overloaded, UpstreamError
 from proxy.metrics import RouterMetrics
-from proxy.pool.kv.blocks import PromptBlocks
+from proxy.pool.kv.blocks import Key, PromptBlocks
 from proxy.protocol import ClientRequest, Route
 from proxy.upstream.client import UpstreamClient
 
@@ -42,12 +56,9 @@ _COMPLETION_OPTIONS: tuple[str, ...] = ("add_special_tokens",)
 
 
 def token_ids_of(request: ClientRequest) -> list[int] | None:
-    """A completion's prompt given as token ids (one prompt, not a batch), else None."""
-    prompt = request.body.get("prompt")
-    if (request.route is Route.COMPLETIONS and isinstance(prompt, list) and prompt
-            and all(type(t) is int for t in prompt)):
-        return prompt
-    return None
+    """A completion's prompt given as token ids (one prompt, not a batch), else None;
+    `parse_request` checked them."""
+    return request.token_ids
 
 
 def tokenize_body(request: ClientRequest) -> dict[str, Any] | None:
@@ -88,8 +99,63 @@ def cache_salt_of(request: ClientRequest) -> str | None:
     return salt if isinstance(salt, str) and salt else None
 
 
+class TokenizeAnswer(msgspec.Struct):
+    """What the router reads of vLLM's /tokenize answer (checked in C: the ids' type)."""
+
+    tokens: list[int]
+
+
+class _Tokenized:
+    """A cached prompt: its ids (packed: 8 bytes a token) and its keys per block size."""
+
+    __slots__ = ("tokens", "keys_by_size")
+
+    def __init__(self, tokens: Sequence[int]) -> None:
+        self.tokens = array("q", tokens)
+        self.keys_by_size: dict[int, list[Key]] = {}
+
+
+class TokenizedPrompts:
+    """The prompts seen lately, least recently used first out, holding at most
+    `max_tokens` tokens in all (0: no cache)."""
+
+    def __init__(self, max_tokens: int) -> None:
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        self._entries: OrderedDict[bytes, _Tokenized] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: bytes) -> _Tokenized | None:
+        found = self._entries.get(key)
+        if found is not None:
+            self._entries.move_to_end(key)
+        return found
+
+    def put(self, key: bytes, tokens: Sequence[int]) -> _Tokenized:
+        entry = _Tokenized(tokens)
+        if len(tokens) > self.max_tokens:
+            return entry  # larger than the whole cache: used once, not kept
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.tokens -= len(old.tokens)
+        self._entries[key] = entry
+        self.tokens += len(tokens)
+        while self.tokens > self.max_tokens:
+            _, evicted = self._entries.popitem(last=False)
+            self.tokens -= len(evicted.tokens)
+        return entry
+
+
+def _cache_key(*parts: Any) -> bytes:
+    """128 bits of blake2b over what decides a prompt's ids and keys."""
+    return hashlib.blake2b(msgspec.json.encode(parts), digest_size=16).digest()
+
+
 class PromptTokenizer:
-    """A request's `PromptBlocks`, from its token ids or a server's `POST /tokenize`.
+    """A request's `PromptBlocks`, from its token ids or a server's `POST /tokenize`,
+    through the cache of prompts seen lately.
 
     The server asked is a healthy one of the request's model with the fewest requests in
     flight (`servers`); its answer is used as is (vLLM's own ids). A failed call leaves
@@ -97,34 +163,55 @@ class PromptTokenizer:
 
     def __init__(self, client: UpstreamClient, servers: Callable[[], Sequence[Endpoint]],
                  *, timeout: float, metrics: RouterMetrics,
-                 lora_names: Callable[[], Collection[str]] = frozenset) -> None:
+                 lora_names: Callable[[], Collection[str]] = frozenset,
+                 cache_tokens: int = 0) -> None:
         self._client = client
         self._servers = servers
         self._timeout = timeout
         self._metrics = metrics
         self._lora_names = lora_names  # adapters the servers' events named
         self._failing = False  # warned once per failing streak
+        self.cache = TokenizedPrompts(cache_tokens)
+        self._hit = metrics.kv_tokenize_cache.labels("hit")
+        self._miss = metrics.kv_tokenize_cache.labels("miss")
 
     async def blocks(self, request: ClientRequest) -> PromptBlocks | None:
-        tokens = token_ids_of(request)
-        if tokens is None:
-            tokens = await self._tokenize(request)
-        if tokens is None:
-            return None
         lora = request.model if request.model in self._lora_names() else None
-        return PromptBlocks(tokens, lora=lora, cache_salt=cache_salt_of(request))
+        salt = cache_salt_of(request)
+        tokens = token_ids_of(request)
+        body = None if tokens is not None else tokenize_body(request)
+        if tokens is None and body is None:
+            return None
+        key = None
+        if self.cache.max_tokens:
+            key = _cache_key(tokens if tokens is not None else body, lora, salt)
+            entry = self.cache.get(key)
+            if entry is not None:
+                self._hit.inc()
+                return PromptBlocks(entry.tokens, lora=lora, cache_salt=salt,
+                                    keys_by_size=entry.keys_by_size)
+            self._miss.inc()
+        if tokens is None:
+            assert body is not None
+            tokens = await self._tokenize(request, body)
+            if tokens is None:
+                return None
+        if key is None:
+            return PromptBlocks(tokens, lora=lora, cache_salt=salt)
+        entry = self.cache.put(key, tokens)
+        return PromptBlocks(entry.tokens, lora=lora, cache_salt=salt,
+                            keys_by_size=entry.keys_by_size)
 
-    async def _tokenize(self, request: ClientRequest) -> list[int] | None:
-        body = tokenize_body(request)
+    async def _tokenize(self, request: ClientRequest, body: dict[str, Any]) -> list[int] | None:
         servers = [e for e in self._servers() if e.healthy and e.serves(request.model)]
-        if body is None or not servers:
+        if not servers:
             return None
         server = min(servers, key=lambda e: e.in_flight)
         started = time.perf_counter()
         try:
             answer = await self._client.post_json(
                 f"{server.url}/tokenize", body, headers={}, endpoint=server.url,
-                cluster=server.cluster.value, timeout=self._timeout)
+                cluster=server.cluster.value, timeout=self._timeout, type=TokenizeAnswer)
         except (UpstreamError, Overloaded) as exc:
             if not self._failing:
                 self._failing = True
@@ -132,8 +219,6 @@ class PromptTokenizer:
                                "load until it works: %s", server.url, exc)
             return None
         self._metrics.kv_tokenize_seconds.observe(time.perf_counter() - started)
-        tokens = answer.get("tokens") if isinstance(answer, dict) else None
-        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-            return None
         self._failing = False
-        return tokens
+        checked: TokenizeAnswer = answer
+        return checked.tokens
