@@ -102,7 +102,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # The connection
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(_CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
         # A connection that never sends a byte is idle like one between two requests.
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler
@@ -237,6 +237,47 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         logger.warning("cut client %s: %s", client, why)
         self.limits.on_cut(reason)
         self.transport.abort()  # connection_lost follows: uvicorn tells the app, timers stop
+
+
+class _CoalescingTransport:
+    """The client's transport, with the writes of one turn of the event loop sent in one
+    system call: uvicorn writes an answer's head and its body apart, and a stream's
+    events come in bursts. Everything else is the transport's own."""
+
+    __slots__ = ("_transport", "_loop", "_pending")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not data:
+            return
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        self._pending.append(data)
+
+    def _flush(self) -> None:
+        if self._pending:
+            data = b"".join(self._pending) if len(self._pending) > 1 else self._pending[0]
+            self._pending.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._pending.clear()
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def count_in_router_metrics(app: object) -> OnCut:

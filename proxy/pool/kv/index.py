@@ -263,9 +263,12 @@ class SourceIndex:
 
     def credit(self, keys: Sequence[Key], until: float) -> None:
         """Count `keys` as held until `until`: a request was just routed here with them,
-        and its events have not arrived yet. Bounded: the oldest credits go first."""
-        credits = self._credits
+        and its events have not arrived yet. Bounded: the oldest credits go first. Keys
+        its events already stored need none (a prompt sent again: no work at all)."""
+        credits, held = self._credits, self._keys
         for key in keys:
+            if key in held:
+                continue
             credits[key] = until
             credits.move_to_end(key)
         while len(credits) > MAX_CREDITS:
