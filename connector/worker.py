@@ -79,6 +79,19 @@ logger = logging.getLogger("vllm.pd_connector.worker")
 _POLL_S = 0.0002  # between two polls of the poller thread, while it has work
 
 
+def block_size_refusal(local: tuple[int, int], remote: tuple[int, int], *,
+                       on_cpu: bool) -> str | None:
+    """Why this worker refuses a transfer with a peer, from each side's (kernel block
+    size, kernel blocks per logical block); None: it does not. Only CPU servers refuse
+    (vLLM's READ between block sizes gives wrong tokens there; on GPU it is vLLM's own,
+    untested here)."""
+    if not on_cpu or local == remote:
+        return None
+    return (f"KV block size mismatch: local {local[0] * local[1]} (kernel {local[0]}), "
+            f"peer {remote[0] * remote[1]} (kernel {remote[0]}); vLLM's transfer between "
+            "block sizes is not correct on CPU: start P and D with the same --block-size")
+
+
 class DualWorker(PullPushWorker):
     # vLLM's pull worker, with its push worker's WRITE code (`_xfer_blocks_for_req`),
     # which needs `_sending_transfers`, its lock and `_send_failures`, set below.
@@ -139,6 +152,25 @@ class DualWorker(PullPushWorker):
                         "THP_MEM_ALLOC_ENABLE=1 to put it on huge pages, which makes KV "
                         "transfers between CPU servers (pull and push) faster")
         super().register_kv_caches(kv_caches)
+
+    def add_remote_agent(self, nixl_agent_meta: Any, *args: Any, **kwargs: Any) -> str:
+        """vLLM's handshake step with a peer's agent, refusing on a CPU server a peer whose
+        KV blocks differ in size from this one's: vLLM 0.32's READ between block sizes on
+        CPU gives wrong tokens (measured: docs/models.md). The refusal fails the handshake,
+        so vLLM fails the requests that waited on it (counted in its
+        `vllm:nixl_num_failed_transfers`) and D computes their prompts itself
+        (`kv_load_failure_policy: recompute`). A push between block sizes never gets here:
+        P refuses the registration (`NACK block_size_mismatch`)."""
+        why = block_size_refusal(
+            (self.block_size, self._physical_blocks_per_logical_kv_block),
+            (nixl_agent_meta.block_size,
+             getattr(nixl_agent_meta, "physical_blocks_per_logical_kv_block", 1)),
+            on_cpu=on_cpu())
+        if why is not None:
+            logger.warning("refused the KV transfer handshake with %s: %s; the requests that "
+                           "waited on it are computed here", nixl_agent_meta.engine_id, why)
+            raise RuntimeError(why)
+        return str(super().add_remote_agent(nixl_agent_meta, *args, **kwargs))
 
     # --- each step: the scheduler's orders ------------------------------------------------
 

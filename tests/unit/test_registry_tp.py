@@ -242,3 +242,17 @@ def test_a_mamba_registry_matches_equal_tp(tp: int) -> None:
     r = registry(tp, kv_heads=8, mamba=True)
     assert r.register(registration(tp), now=0.0) == Waiting(T1, TransferState.AWAITING_PREFILL)
     assert isinstance(r.prefill_finished(T1, [[7, 8]], request_id="p-req", now=1.0), Ready)
+
+
+# --- a transfer between block sizes: refused on CPU at the handshake ------------------------
+
+
+def test_a_cpu_worker_refuses_a_peer_of_another_block_size() -> None:
+    from connector.worker import block_size_refusal
+
+    why = block_size_refusal((128, 1), (64, 1), on_cpu=True)
+    assert why is not None and "local 128" in why and "peer 64" in why
+    # The same logical size from other kernel pages is another layout too.
+    assert block_size_refusal((32, 4), (32, 2), on_cpu=True) is not None
+    assert block_size_refusal((128, 1), (128, 1), on_cpu=True) is None
+    assert block_size_refusal((128, 1), (64, 1), on_cpu=False) is None  # vLLM's own on GPU
