@@ -54,6 +54,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from proxy.config import Limits, RouterConfig, Timeouts
+from proxy.flow.relay import CLIENT_CONNECTION, ClientConnection
 
 logger = logging.getLogger("pdproxy.listener")
 
@@ -98,6 +99,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._taken = 0
         self._request_timer: asyncio.TimerHandle | None = None
         self._request_began: float | None = None  # loop time of a request's first byte
+        # Given to each request in its scope: tells the running flow of a lost connection.
+        self._connection = ClientConnection()
+        self._extensions = {CLIENT_CONNECTION: self._connection}
 
     # The connection
 
@@ -113,6 +117,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._stop_stall_timer()
         self._stop_request_timer()
         super().connection_lost(exc)
+        self._connection.lost()
 
     # The request coming in
 
@@ -127,6 +132,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self.scope["extensions"] = self._extensions  # type: ignore[typeddict-item]
         self._stop_request_timer()
         self._request_began = self.loop.time()
 

@@ -7,11 +7,10 @@ lease the endpoint, call it, record latency and errors, and relay D's answer dow
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -62,18 +61,25 @@ class Leg:
         return f"{self.cluster.value}#{self.attempt}={self.state.value}"
 
 
-@contextlib.contextmanager
-def _running(leg: Leg) -> Iterator[Leg]:
-    """The leg's state follows how its block ends, whatever the path."""
-    try:
-        yield leg
-    except asyncio.CancelledError:
-        leg.state = LegState.CANCELLED
-        raise
-    except BaseException:
-        leg.state = LegState.FAILED
-        raise
-    leg.state = LegState.DONE
+class _running:
+    """`with _running(leg):` the leg's state follows how its block ends, whatever the path
+    (a class, not a generator: this is on every leg's path)."""
+
+    __slots__ = ("_leg",)
+
+    def __init__(self, leg: Leg) -> None:
+        self._leg = leg
+
+    def __enter__(self) -> Leg:
+        return self._leg
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self._leg.state = LegState.DONE
+        elif issubclass(kind, asyncio.CancelledError):
+            self._leg.state = LegState.CANCELLED
+        else:
+            self._leg.state = LegState.FAILED
 
 
 class Exchange:

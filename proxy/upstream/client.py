@@ -29,7 +29,6 @@ log's text.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -51,8 +50,10 @@ from proxy.upstream.http11 import (
     AnswerTooLarge,
     Client,
     ConnectFailed,
+    Connection,
     ConnectionLost,
     MalformedAnswer,
+    Pool,
     PoolTimeout,
     Response,
 )
@@ -296,8 +297,7 @@ class UpstreamClient:
             raise upstream_error(exc, endpoint, cluster, "its answer",
                                  name=self._name(endpoint, cluster)) from exc
 
-    @contextlib.asynccontextmanager
-    async def stream(
+    def stream(
         self,
         url: str,
         body: dict[str, Any],
@@ -305,33 +305,65 @@ class UpstreamClient:
         headers: dict[str, str],
         endpoint: str,
         cluster: str,
-    ) -> AsyncIterator[StreamedResponse]:
-        """POST and yield the open response once its headers are in (bounded by
-        `first_token`). Error statuses raise UpstreamStatusError with the body."""
-        lane = self._requests
-        pool, path = lane.http.pool(url)
+    ) -> OpenStream:
+        """`async with client.stream(...) as answer:` POST, and the open response once its
+        headers are in (bounded by `first_token`). Error statuses raise
+        UpstreamStatusError with the body."""
+        return OpenStream(self, url, body, headers, endpoint, cluster)
+
+
+class OpenStream:
+    """`UpstreamClient.stream`'s context (a class, not a generator: this is on every
+    request's path). On any exit, cancellation included, a finished answer's connection
+    is reused and an unfinished one is closed, so that the server aborts the request."""
+
+    __slots__ = ("_client", "_url", "_body", "_headers", "_endpoint", "_cluster", "_held")
+
+    def __init__(self, client: UpstreamClient, url: str, body: dict[str, Any],
+                 headers: dict[str, str], endpoint: str, cluster: str) -> None:
+        self._client = client
+        self._url = url
+        self._body = body
+        self._headers = headers
+        self._endpoint = endpoint
+        self._cluster = cluster
+        self._held: tuple[Pool, Connection, Response] | None = None
+
+    async def __aenter__(self) -> StreamedResponse:
+        client, endpoint, cluster = self._client, self._endpoint, self._cluster
+        lane = client._requests
+        pool, path = lane.http.pool(self._url)
         try:
             connection, response = await pool.request(
-                "POST", path, msgspec.json.encode(body), {**_JSON_HEADERS, **headers},
-                connect_timeout=self._timeouts.connect, timeout=self._timeouts.first_token,
+                "POST", path, msgspec.json.encode(self._body), {**_JSON_HEADERS, **self._headers},
+                connect_timeout=client._timeouts.connect, timeout=client._timeouts.first_token,
             )
         except PoolTimeout as exc:
-            raise lane.overloaded(self.shown(endpoint, cluster)) from exc
+            raise lane.overloaded(client.shown(endpoint, cluster)) from exc
         except TRANSPORT_ERRORS as exc:
             raise upstream_error(exc, endpoint, cluster, "with its first byte",
-                                 name=self._name(endpoint, cluster)) from exc
+                                 name=client._name(endpoint, cluster)) from exc
+        self._held = (pool, connection, response)
         try:
-            response.expect_within(self._timeouts.stream_idle, per_chunk=True)
-            name = self._name(endpoint, cluster)
+            response.expect_within(client._timeouts.stream_idle, per_chunk=True)
+            name = client._name(endpoint, cluster)
             streamed = StreamedResponse(response, endpoint=endpoint, cluster=cluster, name=name,
-                                        max_body_bytes=self._max_body,
-                                        max_event_bytes=self._max_event)
+                                        max_body_bytes=client._max_body,
+                                        max_event_bytes=client._max_event)
             if response.status >= 400:
                 _raise_for_status(response.status, await streamed.read(), endpoint, cluster, name)
-            yield streamed
-        finally:
-            # On any exit, cancellation included: a finished answer's connection is
-            # reused, an unfinished one is closed so that the server aborts the request.
+        except BaseException:
+            self._release()
+            raise
+        return streamed
+
+    async def __aexit__(self, *_: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            pool, connection, response = held
             pool.release(connection, response)
 
 
