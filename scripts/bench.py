@@ -268,16 +268,17 @@ def run_overhead(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
                     targets.add(f"{ours_name(workers, kv_aware)}-{mode}",
                                 f"http://127.0.0.1:{port}/v1/completions",
                                 {"X-KV-Transfer-Mode": mode}, gauge)
-        if args.compare_cmd:
+        for peer_name, template in args.compare_cmd:
             peer_port = free_port()
             p_port, d_port = args.backend_ports
-            command = shlex.split(args.compare_cmd.format(
+            command = shlex.split(template.format(
                 prefill=p_url, decode=d_url, port=peer_port, prefill_host="127.0.0.1",
                 prefill_port=p_port, decode_host="127.0.0.1", decode_port=d_port))
-            peer = stack.enter_context(process(command, f"http://127.0.0.1:{peer_port}", "peer"))
-            targets.add("peer", f"http://127.0.0.1:{peer_port}/v1/completions",
+            peer = stack.enter_context(process(command, f"http://127.0.0.1:{peer_port}",
+                                               peer_name))
+            targets.add(peer_name, f"http://127.0.0.1:{peer_port}/v1/completions",
                         gauge=ProcessGauge(peer.pid))
-        elif args.compare:
+        if args.compare:
             targets.add("peer", f"{args.compare.rstrip('/')}/v1/completions")
         rows = []
         for stream in args.stream_modes:
@@ -285,12 +286,15 @@ def run_overhead(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
                 # Rounds interleave the targets (ours, peer, ours, peer...), so that drift in
                 # a shared machine's load hits each alike; every round is reported.
                 for round_ in range(args.rounds):
-                    for name, (url, headers, gauge_of) in targets.items.items():
-                        bar.set_description(f"overhead {name} c={concurrency}"
-                                            f"{' stream' if stream else ''} round {round_ + 1}")
-                        row = measure(args, name, url, headers, gauge_of, concurrency, stream)
-                        rows.append({**row, "round": round_ + 1})
-                        bar.update()
+                    for loader in args.loader:
+                        for name, (url, headers, gauge_of) in targets.items.items():
+                            bar.set_description(
+                                f"overhead {name} c={concurrency}{' stream' if stream else ''}"
+                                f" {loader} round {round_ + 1}")
+                            row = measure(args, name, url, headers, gauge_of, concurrency,
+                                          stream, loader)
+                            rows.append({**row, "round": round_ + 1})
+                            bar.update()
     return {"backends": {"prefill": p_urls, "decode": d_urls} if args.servers > 1
             else {"prefill": p_url, "decode": d_url}, "rows": rows,
             "prompt_tokens": len(args.prompt) if isinstance(args.prompt, list)
@@ -299,25 +303,27 @@ def run_overhead(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
 
 
 def measure(args: argparse.Namespace, name: str, url: str, headers: dict[str, str],
-            gauge: ProcessGauge | None, concurrency: int, stream: bool) -> dict[str, Any]:
+            gauge: ProcessGauge | None, concurrency: int, stream: bool,
+            loader: str) -> dict[str, Any]:
     def load(seconds: float) -> dict[str, Any]:
         kwargs = {"seconds": seconds, "concurrency": concurrency, "stream": stream,
                   "headers": headers, "prompt": args.prompt}
-        if args.loader == "wrk":
+        if loader == "wrk":
             return wrk_load(url, **kwargs)
         return asyncio.run(python_load(url, **kwargs))
 
     load(args.warmup)
     cpu_before = gauge.cpu_seconds() if gauge else None
     result = load(args.seconds)
-    row = {"target": name, "concurrency": concurrency, "stream": stream, **result}
+    row = {"target": name, "concurrency": concurrency, "stream": stream, "loader": loader,
+           **result}
     if gauge and cpu_before is not None and result["requests"]:
         cpu = gauge.cpu_seconds() - cpu_before
         row["cpu_s_per_1000"] = round(cpu / result["requests"] * 1000, 3)
         # per core: requests per CPU-second of the router's process tree
         row["req_per_cpu_s"] = round(result["requests"] / cpu, 1) if cpu > 0 else None
     p = result["latency_ms"]
-    log(f"{name:<13} c={concurrency:<4}{' stream' if stream else '       '} "
+    log(f"{name:<13} c={concurrency:<4}{' stream' if stream else '       '} {loader:<6} "
         f"{result['req_per_s']:>9.1f} req/s  p50 {p.get('p50', 0):>7.2f} ms  "
         f"p99 {p.get('p99', 0):>7.2f} ms  errors {result['errors']}"
         + (f" {result['error_kinds']}" if result.get("error_kinds") else "")
@@ -326,28 +332,63 @@ def measure(args: argparse.Namespace, name: str, url: str, headers: dict[str, st
     return row
 
 
-def _medians(rows: list[dict[str, Any]], key: str) -> dict[tuple[str, int, bool], float]:
-    """The median of `key` over the rounds, per (target, concurrency, stream)."""
-    values: dict[tuple[str, int, bool], list[float]] = {}
+Point = tuple[str, int, bool, str]  # (target, concurrency, stream, loader)
+
+
+def _medians(rows: list[dict[str, Any]], key: str) -> dict[Point, float]:
+    """The median of `key` over the rounds, per (target, concurrency, stream, loader)."""
+    values: dict[Point, list[float]] = {}
     for r in rows:
         if r.get(key) is not None:
-            values.setdefault((r["target"], r["concurrency"], r["stream"]), []).append(r[key])
+            point = (r["target"], r["concurrency"], r["stream"], r.get("loader", "wrk"))
+            values.setdefault(point, []).append(r[key])
     return {point: statistics.median(v) for point, v in values.items()}
 
 
+def _point(concurrency: int, stream: bool, loader: str, loaders: set[str]) -> str:
+    """A point's name in the summary: "c64", "c64-stream", with "-python" and the like
+    when the run used more than one load generator."""
+    return (f"c{concurrency}{'-stream' if stream else ''}"
+            + (f"-{loader}" if len(loaders) > 1 else ""))
+
+
+def _peers(by_key: dict[Point, float]) -> list[str]:
+    """The other routers measured: every target that is neither ours nor direct."""
+    return sorted({t for t, *_ in by_key if t != "direct" and not t.startswith("ours")})
+
+
 def overhead_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
-    """Throughput of each target over direct's, and our pulls over the peer's, per point
+    """Throughput of each target over direct's, and our pulls over each peer's, per point
     (medians over the rounds)."""
     by_key = _medians(rows, "req_per_s")
+    loaders = {loader for *_, loader in by_key}
     ratios = {}
-    for (target, concurrency, stream), req_per_s in by_key.items():
-        direct = by_key.get(("direct", concurrency, stream))
-        point = f"c{concurrency}{'-stream' if stream else ''}"
+    for (target, concurrency, stream, loader), req_per_s in by_key.items():
+        direct = by_key.get(("direct", concurrency, stream, loader))
+        point = _point(concurrency, stream, loader, loaders)
         if target != "direct" and direct:
             ratios[f"{target}/direct {point}"] = round(req_per_s / direct, 3)
-        peer = by_key.get(("peer", concurrency, stream))
-        if target.startswith("ours") and target.endswith("-pull") and peer:
-            ratios[f"{target}/peer {point}"] = round(req_per_s / peer, 3)
+        if target.startswith("ours") and target.endswith("-pull"):
+            for peer in _peers(by_key):
+                theirs = by_key.get((peer, concurrency, stream, loader))
+                if theirs:
+                    ratios[f"{target}/{peer} {point}"] = round(req_per_s / theirs, 3)
+    return ratios
+
+
+def cpu_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Our pulls' router CPU per request over each peer's (a peer that is another
+    revision of this router gives before/after), per point (medians over the rounds)."""
+    cpu = _medians(rows, "cpu_s_per_1000")
+    loaders = {loader for *_, loader in cpu}
+    ratios = {}
+    for (target, concurrency, stream, loader), value in cpu.items():
+        if target.startswith("ours") and target.endswith("-pull"):
+            for peer in _peers(cpu):
+                theirs = cpu.get((peer, concurrency, stream, loader))
+                if theirs:
+                    point = _point(concurrency, stream, loader, loaders)
+                    ratios[f"{target}/{peer} {point}"] = round(value / theirs, 3)
     return ratios
 
 
@@ -355,21 +396,24 @@ def kv_cpu_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     """The kv_aware router's CPU per request over the default policy's, per target and
     point (medians over the rounds): "ours-kv-pull/ours-pull c64" -> 1.18."""
     cpu = _medians(rows, "cpu_s_per_1000")
+    loaders = {loader for *_, loader in cpu}
     ratios = {}
-    for (target, concurrency, stream), value in cpu.items():
+    for (target, concurrency, stream, loader), value in cpu.items():
         if "-kv-" not in target:
             continue
-        base = cpu.get((target.replace("-kv-", "-"), concurrency, stream))
+        base = cpu.get((target.replace("-kv-", "-"), concurrency, stream, loader))
         if base:
-            point = f"c{concurrency}{'-stream' if stream else ''}"
+            point = _point(concurrency, stream, loader, loaders)
             ratios[f"{target}/{target.replace('-kv-', '-')} {point}"] = round(value / base, 3)
     return ratios
 
 
 def per_core(rows: list[dict[str, Any]]) -> dict[str, float]:
     """Requests per CPU-second of each router's process tree, per point (medians)."""
-    return {f"{target} c{concurrency}{'-stream' if stream else ''}": round(value, 1)
-            for (target, concurrency, stream), value in _medians(rows, "req_per_cpu_s").items()}
+    values = _medians(rows, "req_per_cpu_s")
+    loaders = {loader for *_, loader in values}
+    return {f"{target} {_point(concurrency, stream, loader, loaders)}": round(value, 1)
+            for (target, concurrency, stream, loader), value in values.items()}
 
 
 # --- streams -----------------------------------------------------------------------
@@ -648,11 +692,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"comma-separated, of {', '.join(SCENARIOS)} (default: all)")
     parser.add_argument("--quick", action="store_true",
                         help="shorter runs and fewer points (a smoke pass)")
-    parser.add_argument("--compare-cmd", metavar="TEMPLATE",
+    parser.add_argument("--compare-cmd", metavar="[NAME=]TEMPLATE", action="append",
+                        default=[],
                         help="start another router for the overhead scenario: a command with "
                              "{prefill}, {decode} (backend URLs; or {prefill_host}, "
                              "{prefill_port}, {decode_host}, {decode_port}) and {port} (where "
-                             "it must listen)")
+                             "it must listen). Repeatable; NAME= names its target (default "
+                             "peer, then peer2...). Another checkout of this router, run "
+                             "with `python -P` and PYTHONPATH=<checkout>, gives before/after "
+                             "figures in the same run")
     parser.add_argument("--compare", metavar="URL",
                         help="another router, already running, in front of the backends at "
                              "--backend-ports (start it first, pointing at those ports)")
@@ -687,9 +735,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=1,
                         help="overhead: measure every point this many times, the targets "
                              "interleaved (ours, peer, ours, peer...); ratios use the medians")
-    parser.add_argument("--loader", choices=["wrk", "python"],
-                        default="wrk" if shutil.which("wrk") else "python",
-                        help="load generator (default wrk when installed)")
+    parser.add_argument("--loader", default="wrk" if shutil.which("wrk") else "python",
+                        help="load generator(s), comma-separated, of wrk and python (each "
+                             "point is measured with each; default wrk when installed)")
     parser.add_argument("--streams", type=int, help="streams: how many open at once "
                         "(default 1000; --quick 200)")
     parser.add_argument("--stream-tokens", type=int, default=10, help="streams: tokens each")
@@ -721,6 +769,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unknown scenario(s) {', '.join(sorted(unknown))}")
     if args.compare and args.compare_cmd:
         parser.error("give --compare or --compare-cmd, not both")
+    args.compare_cmd = [_named_command(given, i) for i, given in enumerate(args.compare_cmd)]
+    if len({name for name, _ in args.compare_cmd}) < len(args.compare_cmd):
+        parser.error("--compare-cmd: two targets of the same name")
+    if any(name == "direct" or name.startswith("ours") for name, _ in args.compare_cmd):
+        parser.error("--compare-cmd: a NAME may not be direct or start with ours")
+    args.loader = [x for x in args.loader.split(",") if x]
+    if not args.loader or set(args.loader) - {"wrk", "python"}:
+        parser.error("--loader takes wrk and/or python")
+    if "wrk" in args.loader and not shutil.which("wrk"):
+        parser.error("--loader wrk: wrk is not installed (apt-get install wrk)")
     args.modes = [m for m in args.modes.split(",") if m]
     if set(args.modes) - {"pull", "push"} or not args.modes:
         parser.error("--modes takes pull and/or push")
@@ -748,13 +806,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _named_command(given: str, index: int) -> tuple[str, str]:
+    """"NAME=TEMPLATE" -> (NAME, TEMPLATE); a template alone is named peer, peer2, ..."""
+    name, sep, rest = given.partition("=")
+    if sep and name and all(c.isalnum() or c in "-_" for c in name):
+        return name, rest
+    return ("peer" if index == 0 else f"peer{index + 1}"), given
+
+
 def steps(args: argparse.Namespace) -> int:
     """How many progress steps the chosen scenarios take."""
     routers = len(args.workers) * (2 if args.kv_aware else 1)
-    targets = 1 + routers * len(args.modes) + bool(args.compare or args.compare_cmd)
+    targets = 1 + routers * len(args.modes) + len(args.compare_cmd) + bool(args.compare)
     count = 0
     if "overhead" in args.scenarios:
-        count += len(args.stream_modes) * len(args.concurrency) * targets * args.rounds
+        count += (len(args.stream_modes) * len(args.concurrency) * targets * args.rounds
+                  * len(args.loader))
     if "streams" in args.scenarios:
         count += STREAM_STEPS
     if "real" in args.scenarios:
@@ -768,16 +835,22 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
         rows = result["overhead"]["rows"]
         summary["ratios"] = overhead_ratios(rows)
         summary["req_per_cpu_s"] = per_core(rows)
+        if any(not r["target"].startswith("ours") and r["target"] != "direct"
+               and "cpu_s_per_1000" in r for r in rows):
+            summary["cpu_per_request_ratios"] = cpu_ratios(rows)
         if any("-kv-" in r["target"] for r in rows):
             summary["kv_aware_cpu_ratios"] = kv_cpu_ratios(rows)
+            cpu = _medians(rows, "cpu_s_per_1000")
+            loaders = {loader for *_, loader in cpu}
             summary["router_cpu_ms_per_request"] = {
-                f"{target} c{concurrency}{'-stream' if stream else ''}": round(value, 3)
-                for (target, concurrency, stream), value in _medians(rows, "cpu_s_per_1000").items()}
+                f"{target} {_point(concurrency, stream, loader, loaders)}": round(value, 3)
+                for (target, concurrency, stream, loader), value in cpu.items()}
         cpu = [r["cpu_s_per_1000"] for r in rows if r["target"] == "ours-pull" and not r["stream"]
                and "cpu_s_per_1000" in r]
         if cpu:
             summary["router_cpu_s_per_1000_requests"] = round(statistics.median(cpu), 3)
-        summary["overhead_errors"] = sum(r["errors"] for r in rows if r["target"] != "peer")
+        summary["overhead_errors"] = sum(r["errors"] for r in rows
+                                         if r["target"].startswith("ours"))
     if "streams" in result:
         s = result["streams"]
         summary["streams"] = {k: s[k] for k in ("streams", "peak_streams_open", "errors",

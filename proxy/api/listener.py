@@ -327,5 +327,8 @@ def server_config(
             "access_log": config.access_log,
             "timeout_graceful_shutdown": config.shutdown_grace,
         }
+    # X-Forwarded-For is read only for uvicorn's access log: the router itself never
+    # reads the client's address from the request (a middleware call less per request).
+    settings["proxy_headers"] = config is not None and config.access_log
     settings.update(overrides)
     return uvicorn.Config(app, http=protocol, **settings)

@@ -15,28 +15,35 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def test_a_short_bench_writes_results_ratios_and_plots(tmp_path: Path) -> None:
     peer = f"{sys.executable} -m proxy serve --prefill {{prefill}} --decode {{decode}} " \
            "--port {port} --log-level warning"
+    # a second, named one: as another checkout of the router would be, for before/after
+    before = f"before={sys.executable} -m proxy serve --prefill {{prefill}} " \
+             "--decode {decode} --port {port} --log-level warning --workers 1"
     out = tmp_path / "bench.json"
     done = subprocess.run(
         [sys.executable, "-m", "scripts.bench", "--scenarios", "overhead,streams", "--quick",
          "--concurrency", "1,8", "--seconds", "0.5", "--loader", "python", "--streams", "60",
          "--token-delay", "0.1", "--slow-clients", "2", "--compare-cmd", peer,
-         "--out", str(out), "--plots", str(tmp_path)],
+         "--compare-cmd", before, "--out", str(out), "--plots", str(tmp_path)],
         capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads(out.read_text())
 
     rows = result["overhead"]["rows"]
     targets = {r["target"] for r in rows}
-    assert targets == {"direct", "ours-pull", "ours-push", "peer"}
-    assert len(rows) == 4 * 2 * 2  # targets x concurrencies x (streamed or not)
+    assert targets == {"direct", "ours-pull", "ours-push", "peer", "before"}
+    assert len(rows) == 5 * 2 * 2  # targets x concurrencies x (streamed or not)
     assert all(r["errors"] == 0 and r["req_per_s"] > 0 and r["latency_ms"]["p50"] > 0 for r in rows)
-    assert all(r["cpu_s_per_1000"] > 0 for r in rows if r["target"] in ("ours-pull", "peer"))
+    assert all(r["cpu_s_per_1000"] > 0 for r in rows
+               if r["target"] in ("ours-pull", "peer", "before"))
+    assert {r["loader"] for r in rows} == {"python"}
 
     summary = result["summary"]
     assert summary["router_cpu_s_per_1000_requests"] > 0
     for point in ("c1", "c8", "c1-stream", "c8-stream"):
         assert 0 < summary["ratios"][f"ours-pull/direct {point}"]
         assert 0 < summary["ratios"][f"ours-pull/peer {point}"]
+        assert 0 < summary["ratios"][f"ours-pull/before {point}"]
+        assert 0 < summary["cpu_per_request_ratios"][f"ours-pull/before {point}"]
 
     streams = result["streams"]
     assert streams["errors"] == 0
