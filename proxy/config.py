@@ -540,6 +540,36 @@ class Discovery(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     kubernetes: KubernetesDiscoveryConfig | None = None
 
 
+def _installed(module: str) -> bool:
+    """`module` can be imported (a dotted name whose package is missing: no)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+# Where `pip install 'pd-proxy[tracing]'` puts the OpenTelemetry SDK that tracing uses.
+TRACING_SDK_MODULE = "opentelemetry.sdk"
+
+
+class TracingConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """OpenTelemetry traces of each request (see `proxy.tracing`; the `tracing` extra).
+    Where the spans go and which are kept come from the standard OTEL_* environment
+    variables (OTEL_EXPORTER_OTLP_ENDPOINT, OTEL_TRACES_SAMPLER, OTEL_SERVICE_NAME, ...)."""
+
+    # A span per request, with a child per leg and the hand-off, exported over OTLP;
+    # each leg carries a W3C `traceparent`, so vLLM's own spans join the trace.
+    enabled: bool = False
+    # Continue the trace a client's `traceparent` names; false: every request starts a
+    # trace of its own (a router facing clients whose trace ids are not to be trusted).
+    continue_client_traces: bool = True
+
+    def __post_init__(self) -> None:
+        if self.enabled and not _installed(TRACING_SDK_MODULE):
+            raise ValueError(f"tracing.enabled needs the {TRACING_SDK_MODULE} package: install "
+                             "pd-proxy with its tracing extra (pip install 'pd-proxy[tracing]')")
+
+
 class WorkerSupervision(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How the supervisor of `--workers N` keeps its workers (see `proxy.workers`)."""
 
@@ -629,6 +659,8 @@ class RouterConfig(Settings, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     workers: int = 1
     # With workers > 1: restarts, crash loops and heartbeats (proxy.workers).
     supervisor: WorkerSupervision = WorkerSupervision()
+    # OpenTelemetry traces of requests (the `tracing` extra).
+    tracing: TracingConfig = TracingConfig()
 
     def __post_init__(self) -> None:
         discovered = self.discovery.kubernetes is not None  # the lists may start empty

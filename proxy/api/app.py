@@ -158,7 +158,12 @@ class RouterApp:
                 if name.startswith(b"x-")
             }
             request = parse_request(route, raw, headers, max_body_bytes=self._max_body)
-            response: ASGIApp = await self.state.router.handle(request)
+            router = self.state.router
+            if router.tracing is None:
+                response: ASGIApp = await router.handle(request)
+            else:  # the request's span: the exchange the router builds adopts it
+                response = await router.tracing.handled(route.value, scope["headers"],
+                                                        lambda: router.handle(request))
         except RouterError as exc:
             response = _json_error(exc)
         except Exception as exc:

@@ -34,6 +34,7 @@ from proxy.pool.kv.blocks import PromptBlocks
 from proxy.pool.outlier import counts_as_failure
 from proxy.pool.retry import retry_reason
 from proxy.protocol import ClientRequest
+from proxy.tracing import LegSpan, RequestTrace
 from proxy.upstream.client import UpstreamClient
 
 logger = logging.getLogger("pdproxy.access")
@@ -82,7 +83,34 @@ class _running:
             self._leg.state = LegState.FAILED
 
 
+class _traced(_running):
+    """`_running` for a traced request's leg: its span ends with it, saying its state, its
+    error and what it learned (P's cached tokens, D's first byte)."""
+
+    __slots__ = ("_span", "_exchange")
+
+    def __init__(self, leg: Leg, span: LegSpan, exchange: Exchange) -> None:
+        super().__init__(leg)
+        self._span = span
+        self._exchange = exchange
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        super().__exit__(kind)
+        leg, exchange, error = self._leg, self._exchange, rest[0] if rest else None
+        assert exchange.trace is not None
+        prefill = leg.cluster is ClusterName.PREFILL
+        exchange.trace.leg_ended(
+            self._span, prefill=prefill, state=leg.state.value,
+            error=error if isinstance(error, Exception) else None,
+            cached=exchange.prefill_cached if prefill else None,
+            first_byte_s=None if prefill else exchange.decode_first_byte_seconds)
+
+
 class Exchange:
+    # The request's trace (`proxy.tracing`), when tracing is on; a class attribute, so
+    # an untraced exchange pays nothing for it.
+    trace: RequestTrace | None = None
+
     def __init__(
         self,
         context: FlowContext,
@@ -191,13 +219,17 @@ class Exchange:
         headers for P's leg alone (a push's data-parallel rank)."""
         p = self.prefill_server
         started = time.perf_counter()
-        with p.lease(self.prefill_work()), _running(self.leg(p)):
+        sent = self.upstream_headers if headers is None else {**self.upstream_headers, **headers}
+        if self.trace is None:
+            running = _running(self.leg(p))
+        else:
+            running, sent = self._traced_leg(p, sent)
+        with p.lease(self.prefill_work()), running:
             try:
                 answer = await self.context.client.post_json(
                     f"{p.url}{self.request.route.value}",
                     body,
-                    headers=self.upstream_headers if headers is None
-                    else {**self.upstream_headers, **headers},
+                    headers=sent,
                     endpoint=p.url,
                     cluster=p.cluster.value,
                     timeout=self.context.config.timeouts.prefill,
@@ -243,12 +275,17 @@ class Exchange:
         """D's leg: send D its request and pass its answer to the client as it comes."""
         d = self.decode_endpoint
         sent_at = time.perf_counter()
-        with d.lease(), _running(self.leg(d)):
+        sent = self.upstream_headers
+        if self.trace is None:
+            running = _running(self.leg(d))
+        else:
+            running, sent = self._traced_leg(d, sent)
+        with d.lease(), running:
             try:
                 async with self.context.client.stream(
                     f"{d.url}{self.request.route.value}",
                     body,
-                    headers=self.upstream_headers,
+                    headers=sent,
                     endpoint=d.url,
                     cluster=d.cluster.value,
                 ) as answer:
@@ -265,6 +302,31 @@ class Exchange:
             except UpstreamError as exc:
                 self._upstream_failed(d, exc)
                 raise
+
+    # --- tracing (a traced request only: `self.trace` is set) -------------------------
+
+    def traced(self, trace: RequestTrace | None) -> None:
+        """Trace this exchange as `trace`'s request: the routing decision on its span."""
+        if trace is None:
+            return
+        self.trace = trace
+        p, prompt = self.prefill_endpoint, self.prompt
+        request, decision = self.request, self.decision
+        trace.decided(request_id=request.request_id, model=request.model, stream=request.stream,
+                      requested=decision.requested.value, decided=decision.used.value,
+                      reason=decision.reason, prefill=None if p is None else p.name,
+                      decode=self.decode_endpoint.name,
+                      prompt_tokens=None if prompt is None else len(prompt),
+                      predicted=None if prompt is None else prompt.predicted)
+
+    def _traced_leg(self, endpoint: Endpoint,
+                    headers: dict[str, str]) -> tuple[_running, dict[str, str]]:
+        """A traced leg: its span, and `headers` with the `traceparent` that names it."""
+        assert self.trace is not None
+        leg = self.leg(endpoint)
+        span, sent = self.trace.leg(leg.cluster.value, leg.attempt, endpoint.name, endpoint.url,
+                                    self.request.route.value, headers)
+        return _traced(leg, span, self), sent
 
     def _decode_first_byte(self, sent_at: float) -> None:
         self.decode_first_byte_seconds = time.perf_counter() - sent_at
@@ -306,6 +368,8 @@ class Exchange:
                     and down.status == 200 and self.used is self.decision.used):
                 learner.observe(self.used, self.bucket, ttfb)
         local = self.prefill_endpoint is None  # no P leg: D computed the prompt
+        if self.trace is not None:
+            self._trace_end(down, error, status)
         if client_left:
             for cluster in ("decode",) if local else ("prefill", "decode"):
                 metrics.cancelled_legs.labels(cluster, "client_disconnected").inc()
@@ -332,6 +396,15 @@ class Exchange:
             "" if self.prefill_cached is None else f" prefill_cached={self.prefill_cached}",
             f" error={str(error)!r}" if error else "",  # an upstream's: with its URL
         )
+
+    def _trace_end(self, down: Downstream, error: RouterError | None, status: str) -> None:
+        assert self.trace is not None
+        self.trace.end(
+            int(status) if status.isdigit() else status, error, mode=self.mode,
+            legs=[str(leg) for leg in self.legs], notes=self.notes,
+            prefill=None if self.prefill_endpoint is None else self.prefill_endpoint.name,
+            decode=self.decode_endpoint.name, prefill_s=self.prefill_seconds,
+            ttfb_s=None if down.first_byte_at is None else down.first_byte_at - self.started_at)
 
 
 def _predicted(prompt: PromptBlocks | None) -> str:

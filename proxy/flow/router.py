@@ -39,6 +39,7 @@ from proxy.pool.probe import CoordinateProber
 from proxy.pool.retry import RetryBudget
 from proxy.pool.scrape import LoadScraper
 from proxy.protocol import ClientRequest, PrefillCoordinates, prefix_key, prompt_chars
+from proxy.tracing import Tracing
 from proxy.upstream.client import UpstreamClient
 from proxy.upstream.sidechannel import SideChannel
 
@@ -70,6 +71,8 @@ class Router:
     def __init__(self, config: RouterConfig, source: ConfigSource | None = None) -> None:
         self.config = config
         self.metrics = RouterMetrics()
+        # OpenTelemetry traces of requests (tracing.enabled), else None
+        self.tracing = Tracing.of(config.tracing)
         self.retry_budget = RetryBudget(config.retry_budget.ratio, config.retry_budget.min_per_window,
                                         config.retry_budget.window_s)
         self.client = UpstreamClient(config.timeouts, config.limits,
@@ -231,6 +234,8 @@ class Router:
         await self.client.aclose()
         if self.push_channel is not None:
             await self.push_channel.aclose()
+        if self.tracing is not None:  # export the last spans (the exporter's time limits)
+            await asyncio.to_thread(self.tracing.shutdown)
 
     async def _probe_all(self) -> None:
         names = await self.catalog.names()
@@ -349,6 +354,8 @@ class Router:
         the prompt): no P leg is ever run or leased."""
         exchange = Exchange(self.context, request, prefill=prefill, decode=decode,
                             decision=decision, bucket=bucket, prefix=key, prompt=prompt)
+        if self.tracing is not None:
+            exchange.traced(self.tracing.adopt())
         if decision.is_fallback:
             self.metrics.mode_fallbacks.labels(
                 decision.requested.value, decision.used.value, decision.reason

@@ -21,7 +21,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("proxy.flow",),
     ("proxy.pool",),
     ("proxy.upstream", "proxy.protocol"),
-    ("proxy.config", "proxy.errors", "proxy.metrics"),
+    ("proxy.config", "proxy.errors", "proxy.metrics", "proxy.tracing"),
 ]
 
 
