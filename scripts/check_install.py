@@ -10,7 +10,8 @@ Steps (each printed with its time; about 15-25 s, most of it pip):
 3. in that environment: every module of `proxy` imports (but `proxy.pool.discovery`, the
    `kubernetes` extra's), no vLLM plugin is registered (`vllm.general_plugins` is empty),
    vLLM is not installed and pd-proxy's files hold no testbed, scripts or tests; a config
-   that asks for Kubernetes discovery is refused with a message naming the extra;
+   that asks for Kubernetes discovery, or for tracing, is refused with a message naming
+   the extra;
 4. two fake vLLM servers (`scripts.fake_vllm`, run from this checkout's environment: test
    tooling, not in the wheel) as P and D, and the installed `pd-proxy serve` in front of
    them, run from the temporary folder; one completion in each of pull, push and local
@@ -80,6 +81,14 @@ decode: [{url: "http://127.0.0.1:9"}]
 discovery:
   kubernetes: {namespace: llm, prefill_selector: "role=p", decode_selector: "role=d"}
 """
+TRACING_CONFIG = """\
+prefill: [{url: "http://127.0.0.1:9"}]
+decode: [{url: "http://127.0.0.1:9"}]
+tracing: {enabled: true}
+"""
+# A config that needs an extra, and the extra its refusal must name.
+NEEDS_EXTRA = {"Kubernetes discovery": (KUBERNETES_CONFIG, "kubernetes"),
+               "tracing": (TRACING_CONFIG, "tracing")}
 
 
 class CheckFailed(RuntimeError):
@@ -185,16 +194,17 @@ def check_contents(venv: Path, work: Path) -> None:
         f"{', '.join(f'{m} [{e}]' for m, e in EXTRA_MODULES.items())}); no vLLM and no vLLM "
         f"plugin; none of {', '.join(TOOLING)} in the wheel")
 
-    config = work / "kubernetes.yaml"
-    config.write_text(KUBERNETES_CONFIG)
-    refused = run([venv / "bin" / "pd-proxy", "serve", "--config", config],
-                  timeout=PROBE_TIMEOUT_S, cwd=work, env=clean_env(), ok=False)
-    said = refused.stdout + refused.stderr
-    if refused.returncode == 0 or "pd-proxy[kubernetes]" not in said:
-        raise CheckFailed("a config with Kubernetes discovery, without the kubernetes extra: "
-                          f"exit {refused.returncode}, expected a refusal naming the extra:\n"
-                          f"{said[-2000:]}")
-    say("Kubernetes discovery without its extra is refused, naming pd-proxy[kubernetes]")
+    for what, (text, extra) in NEEDS_EXTRA.items():
+        config = work / f"{extra}.yaml"
+        config.write_text(text)
+        refused = run([venv / "bin" / "pd-proxy", "serve", "--config", config],
+                      timeout=PROBE_TIMEOUT_S, cwd=work, env=clean_env(), ok=False)
+        said = refused.stdout + refused.stderr
+        if refused.returncode == 0 or f"pd-proxy[{extra}]" not in said:
+            raise CheckFailed(f"a config with {what}, without the {extra} extra: exit "
+                              f"{refused.returncode}, expected a refusal naming the extra:\n"
+                              f"{said[-2000:]}")
+        say(f"{what} without its extra is refused, naming pd-proxy[{extra}]")
 
 
 def free_port() -> int:

@@ -42,8 +42,8 @@ else
   step "nixl already installed"
 fi
 
-step "installing pd-proxy (editable), its Kubernetes client, test tools, linters, the benchmarks' plotting and the docs site's builder"
-pip_install -e ".[test,bench,lint,kubernetes,docs]"
+step "installing pd-proxy (editable), its Kubernetes client, OpenTelemetry, test tools, linters, the benchmarks' plotting and the docs site's builder"
+pip_install -e ".[test,bench,lint,kubernetes,docs,tracing]"
 # The GPU-regime testbed, its own distribution (testbed/pyproject.toml): its vLLM plugin
 # (the emulated model) is registered here, in the test environment, and never by pd-proxy.
 step "installing the GPU-regime testbed (editable) and its vLLM plugin"
