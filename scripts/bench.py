@@ -24,6 +24,16 @@ Scenarios (each measured in this run, so the ratios compare like with like):
             fast streams still end on time.
   real      a real CPU 1P1D of vLLM (tiny model, our connector on both): time to first
             token for pull vs push by prompt length, and output tokens/s per mode.
+  profile   where our router's CPU per request goes, by stage: our router (1 worker,
+            pull, the first --concurrency, --profile-seconds of load from the first
+            --loader, not streamed unless --profile-stream) on the emulated servers of `overhead`, under a
+            CPU-time sampler (scripts/cpu_sampler.py: a sample per millisecond of CPU the
+            router spends, so waiting for a core on a shared machine does not count);
+            each stage's share of the samples times the CPU per request measured over
+            the same load. Time in C code goes to the Python frame that called it (the
+            socket writes: the kernel's loopback work), and the event loop's own C code
+            to the Python code it runs next, so the loop's stage is a floor. Not in the
+            default run; --kv-aware and --prompt-tokens apply.
 
 Output: a progress bar while it runs, a summary with the ratios, a JSON file (--out)
 and PNG plots (--plots: throughput against concurrency, latency CDFs, TTFT by mode and
@@ -45,6 +55,7 @@ import os
 import random
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -61,7 +72,8 @@ from scripts.bench_proxy import DEFAULT_PROMPT, free_port, process, request_body
 from scripts.fake_kv_cache import fake_tokenize
 
 REPO = Path(__file__).resolve().parents[1]
-SCENARIOS = ("overhead", "streams", "real")
+SCENARIOS = ("overhead", "streams", "real", "profile")
+DEFAULT_SCENARIOS = ("overhead", "streams", "real")  # profile needs py-spy: asked by name
 PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9)
 STREAM_STEPS = 10  # progress steps of the streams scenario
 
@@ -302,15 +314,19 @@ def run_overhead(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
             "token_ids": isinstance(args.prompt, list), "kv_cache": args.kv_aware}
 
 
+def apply_load(loader: str, url: str, **kwargs: Any) -> dict[str, Any]:
+    """One load run with `loader` (wrk or python): throughput and latencies."""
+    if loader == "wrk":
+        return wrk_load(url, **kwargs)
+    return asyncio.run(python_load(url, **kwargs))
+
+
 def measure(args: argparse.Namespace, name: str, url: str, headers: dict[str, str],
             gauge: ProcessGauge | None, concurrency: int, stream: bool,
             loader: str) -> dict[str, Any]:
     def load(seconds: float) -> dict[str, Any]:
-        kwargs = {"seconds": seconds, "concurrency": concurrency, "stream": stream,
-                  "headers": headers, "prompt": args.prompt}
-        if loader == "wrk":
-            return wrk_load(url, **kwargs)
-        return asyncio.run(python_load(url, **kwargs))
+        return apply_load(loader, url, seconds=seconds, concurrency=concurrency, stream=stream,
+                          headers=headers, prompt=args.prompt)
 
     load(args.warmup)
     cpu_before = gauge.cpu_seconds() if gauge else None
@@ -414,6 +430,95 @@ def per_core(rows: list[dict[str, Any]]) -> dict[str, float]:
     loaders = {loader for *_, loader in values}
     return {f"{target} {_point(concurrency, stream, loader, loaders)}": round(value, 1)
             for (target, concurrency, stream, loader), value in values.items()}
+
+
+# --- profile -------------------------------------------------------------------------
+
+# Stages of a request, by the innermost Python frame of each sample: (stage, files or
+# "file:function" names it covers). The first that matches wins; the rest is "other".
+STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("socket writes (system calls)", ("proxy/upstream/http11/connection.py:Connection.send",
+                                      "proxy/api/listener.py:_CoalescingTransport._flush")),
+    ("client HTTP: parsing, ASGI cycle, client limits", ("uvicorn/", "proxy/api/listener.py")),
+    ("admission and validation (app, protocol)", ("proxy/api/", "proxy/protocol.py")),
+    ("kv_aware: tokenizing, keys, index, scoring", ("proxy/pool/kv/",)),
+    ("balancing and servers (pick, leases)", ("proxy/pool/",)),
+    ("flow: modes, legs, relaying, access log", ("proxy/flow/",)),
+    ("upstream HTTP client (pool, parsing, deadlines)", ("proxy/upstream/",)),
+    ("metrics (prometheus_client)", ("prometheus_client/",)),
+    ("logging", ("logging/",)),
+    ("event loop, tasks, context managers", ("asyncio/", "contextlib", "<frozen", "uvloop",
+                                             "enum.py", "_weakrefset")),
+)
+
+
+def stage_of(frame: str) -> str:
+    """A py-spy frame, "function (path/file.py:line)", to its stage."""
+    function, _, where = frame.rpartition(" (")
+    path = where.rsplit(":", 1)[0]
+    for stage, prefixes in STAGES:
+        for prefix in prefixes:
+            file, _, name = prefix.partition(":")
+            if (path.endswith(file) or file in path) and (not name or function == name):
+                return stage
+    return "other"
+
+
+def profile_stages(raw: str) -> dict[str, float]:
+    """py-spy's raw output (one "frame;frame;... count" line per stack) to each stage's
+    share of the samples, largest first."""
+    counts: dict[str, int] = {}
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if stack and count.isdigit():
+            stage = stage_of(stack.rsplit(";", 1)[-1])
+            counts[stage] = counts.get(stage, 0) + int(count)
+    total = sum(counts.values()) or 1
+    return {stage: n / total for stage, n in sorted(counts.items(), key=lambda kv: -kv[1])}
+
+
+def run_profile(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
+    concurrency = args.concurrency[0]
+    stream = args.profile_stream
+    with contextlib.ExitStack() as stack:
+        p_urls, d_urls = stack.enter_context(
+            emulated_backends(args.backend_ports, args.kv_aware, args.servers))
+        port = free_port()
+        out = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "stacks.txt"
+        command = router_command(p_urls, d_urls, port, *(KV_AWARE if args.kv_aware else ()))
+        # the router under the CPU-time sampler: `python -m scripts.cpu_sampler OUT -m proxy ...`
+        command[1:1] = ["-m", "scripts.cpu_sampler", str(out)]
+        router = stack.enter_context(process(command, f"http://127.0.0.1:{port}", "our router"))
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        bar.set_description(f"profile c={concurrency}{' stream' if stream else ''}")
+        load = {"concurrency": concurrency, "stream": stream,
+                "headers": {"X-KV-Transfer-Mode": "pull"}, "prompt": args.prompt}
+        loader = args.loader[0]
+        apply_load(loader, url, seconds=args.warmup, **load)
+        gauge = ProcessGauge(router.pid)
+        cpu_before = gauge.cpu_seconds()
+        router.send_signal(signal.SIGUSR1)  # the sampler starts
+        result = apply_load(loader, url, seconds=args.profile_seconds, **load)
+        router.send_signal(signal.SIGUSR2)  # ... stops, and writes the stacks
+        cpu = gauge.cpu_seconds() - cpu_before
+        deadline = time.monotonic() + 10
+        while not out.exists() and time.monotonic() < deadline:  # it appears whole
+            time.sleep(0.05)
+        raw = out.read_text()
+        if args.profile_keep:
+            args.profile_keep.write_text(raw)
+        bar.update()
+    cpu_us = cpu / max(1, result["requests"]) * 1e6
+    shares = profile_stages(raw)
+    log(f"profile: {result['req_per_s']:.0f} req/s, router CPU {cpu_us:.0f} us per request; "
+        "by stage (share of the CPU-time samples x CPU per request):")
+    for stage, share in shares.items():
+        log(f"  {share * 100:5.1f}%  {share * cpu_us:6.1f} us  {stage}")
+    return {"concurrency": concurrency, "stream": stream, "req_per_s": result["req_per_s"],
+            "errors": result["errors"], "cpu_us_per_request": round(cpu_us, 1),
+            "stages": {stage: round(share, 4) for stage, share in shares.items()},
+            "samples": sum(int(line.rpartition(" ")[2]) for line in raw.splitlines()
+                           if line.rpartition(" ")[2].isdigit())}
 
 
 # --- streams -----------------------------------------------------------------------
@@ -688,8 +793,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
-                        help=f"comma-separated, of {', '.join(SCENARIOS)} (default: all)")
+    parser.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
+                        help=f"comma-separated, of {', '.join(SCENARIOS)} (default: "
+                             f"{', '.join(DEFAULT_SCENARIOS)})")
+    parser.add_argument("--profile-seconds", type=float, default=15.0,
+                        help="profile: seconds of load sampled (default 15)")
+    parser.add_argument("--profile-stream", action="store_true",
+                        help="profile: streamed requests")
+    parser.add_argument("--profile-keep", type=Path, metavar="FILE",
+                        help="profile: keep the sampled stacks there (py-spy's raw format: "
+                             "flamegraph.pl or speedscope read it)")
     parser.add_argument("--quick", action="store_true",
                         help="shorter runs and fewer points (a smoke pass)")
     parser.add_argument("--compare-cmd", metavar="[NAME=]TEMPLATE", action="append",
@@ -826,6 +939,8 @@ def steps(args: argparse.Namespace) -> int:
         count += STREAM_STEPS
     if "real" in args.scenarios:
         count += 1 + len(args.prompts) * len(args.real_concurrency) + 2
+    if "profile" in args.scenarios:
+        count += 1
     return count
 
 
@@ -858,11 +973,14 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
                                                 "p99_over_ideal")}
     if "real" in result:
         summary.setdefault("ratios", {}).update(real_ratios(result["real"]))
+    if "profile" in result:
+        summary["profile"] = {k: result["profile"][k] for k in ("cpu_us_per_request", "stages")}
     return summary
 
 
 SCENARIO_RUNNERS: dict[str, Callable[[argparse.Namespace, tqdm], dict[str, Any]]] = {
     "overhead": run_overhead, "streams": run_streams, "real": run_real,
+    "profile": run_profile,
 }
 
 

@@ -87,3 +87,27 @@ def test_kv_aware_overhead_measures_both_policies_against_caching_fakes(tmp_path
         summary = result["summary"]
         assert summary["kv_aware_cpu_ratios"]["ours-kv-pull/ours-pull c4"] > 0
         assert summary["router_cpu_ms_per_request"]["ours-kv-pull c4"] > 0
+
+
+def test_profile_splits_the_routers_cpu_per_request_by_stage(tmp_path: Path) -> None:
+    """--scenarios profile: our router under the CPU-time sampler, its CPU per request
+    and each stage's share; the kept stacks are py-spy's raw format."""
+    out, stacks = tmp_path / "profile.json", tmp_path / "stacks.txt"
+    done = subprocess.run(
+        [sys.executable, "-m", "scripts.bench", "--scenarios", "profile", "--concurrency", "4",
+         "--profile-seconds", "2", "--loader", "python", "--profile-keep", str(stacks),
+         "--out", str(out), "--plots", str(tmp_path)],
+        capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    profile = json.loads(out.read_text())["profile"]
+    assert profile["errors"] == 0 and profile["cpu_us_per_request"] > 0
+    assert profile["samples"] >= 50  # a sample a CPU millisecond, over seconds of load
+    stages = profile["stages"]
+    assert abs(sum(stages.values()) - 1) < 0.01
+    # the request path's own stages are seen, and start-up (imports) is not sampled
+    for stage in ("upstream HTTP client (pool, parsing, deadlines)",
+                  "flow: modes, legs, relaying, access log"):
+        assert stages.get(stage, 0) > 0, stages
+    lines = stacks.read_text().splitlines()
+    assert lines and all(line.rpartition(" ")[2].isdigit() for line in lines)
+    assert not any("_find_and_load" in line for line in lines)
