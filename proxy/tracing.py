@@ -219,12 +219,10 @@ class RequestTrace:
         return LegSpan(span, started_ns), sent
 
     def leg_ended(self, leg: LegSpan, *, prefill: bool, state: str, error: Exception | None,
-                  cached: int | None, first_byte_s: float | None) -> None:
-        """A leg is over (`state`: done, failed, cancelled): P's says the prompt tokens P
-        found cached; D's, when its answer's first byte came, marks that moment (an event)."""
+                  first_byte_s: float | None) -> None:
+        """A leg is over (`state`: done, failed, cancelled); D's, when its answer's first
+        byte came, marks that moment (an event)."""
         attributes: dict[str, Any] = {"pd.leg.state": state}
-        if prefill and cached is not None:
-            attributes["pd.prefill.cached_tokens"] = cached
         first_byte_ns = None
         if first_byte_s is not None and self.first_byte_ns is None:  # this leg's first byte
             first_byte_ns = self.first_byte_ns = leg.started_ns + int(first_byte_s * 1e9)
@@ -242,10 +240,11 @@ class RequestTrace:
 
     def end(self, status: int | str, error: BaseException | None, *, mode: str,
             legs: list[str], notes: list[str], prefill: str | None, decode: str,
-            prefill_s: float | None, ttfb_s: float | None) -> None:
+            prefill_s: float | None, prefill_cached: int | None, ttfb_s: float | None) -> None:
         """The request's answer is done: its status, the mode it ran as (after any
-        fallback or recovery), the servers that answered, its legs and remarks, the
-        hand-off span (P's answer to D's first byte, when both came), and the span's end."""
+        fallback or recovery), the servers that answered, its legs and remarks, P's cached
+        tokens, the hand-off span (P's answer to D's first byte, when both came), and the
+        span's end."""
         if self._ended:
             return
         self._ended = True
@@ -261,6 +260,8 @@ class RequestTrace:
             attributes["pd.notes"] = list(notes)
         if prefill_s is not None:
             attributes["pd.prefill_ms"] = round(prefill_s * 1000, 3)
+        if prefill_cached is not None:  # vLLM's --enable-prompt-tokens-details
+            attributes["pd.prefill.cached_tokens"] = prefill_cached
         if ttfb_s is not None:
             attributes["pd.ttfb_ms"] = round(ttfb_s * 1000, 3)
         span.set_attributes(attributes)

@@ -85,7 +85,7 @@ class _running:
 
 class _traced(_running):
     """`_running` for a traced request's leg: its span ends with it, saying its state, its
-    error and what it learned (P's cached tokens, D's first byte)."""
+    error and, for D's, when the first byte came."""
 
     __slots__ = ("_span", "_exchange")
 
@@ -102,7 +102,6 @@ class _traced(_running):
         exchange.trace.leg_ended(
             self._span, prefill=prefill, state=leg.state.value,
             error=error if isinstance(error, Exception) else None,
-            cached=exchange.prefill_cached if prefill else None,
             first_byte_s=None if prefill else exchange.decode_first_byte_seconds)
 
 
@@ -404,6 +403,7 @@ class Exchange:
             legs=[str(leg) for leg in self.legs], notes=self.notes,
             prefill=None if self.prefill_endpoint is None else self.prefill_endpoint.name,
             decode=self.decode_endpoint.name, prefill_s=self.prefill_seconds,
+            prefill_cached=self.prefill_cached,
             ttfb_s=None if down.first_byte_at is None else down.first_byte_at - self.started_at)
 
 
