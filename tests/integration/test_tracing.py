@@ -8,7 +8,10 @@ sent to its server, sampling from OTEL_TRACES_SAMPLER; and with tracing off, no
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -22,6 +25,7 @@ from proxy.config import TracingConfig, build_config
 from tests.conftest import serve_router
 from tests.integration.conftest import Pair
 
+ROOT = Path(__file__).resolve().parents[2]
 BODY = {"model": "fake-model", "prompt": "hello there", "max_tokens": 3}
 CLIENT_TRACE = 0x0AF7651916CD43DD8448EB211C80319C
 CLIENT_SPAN = 0xB7AD6B7169203331
@@ -250,3 +254,26 @@ def test_an_unknown_exporter_is_refused(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "zipkin")
     with pytest.raises(ValueError, match="OTEL_TRACES_EXPORTER='zipkin'"):
         Tracing(TracingConfig(enabled=True))
+
+
+def test_with_tracing_off_opentelemetry_is_never_imported() -> None:
+    """The router's modules, and a router made and closed, load nothing of OpenTelemetry
+    unless tracing is on (so it runs without the extra, and costs nothing off)."""
+    code = """
+import asyncio, sys
+from proxy.api.app import create_app
+from proxy.config import build_config
+from proxy.flow.router import Router
+config = build_config({"prefill": ["http://127.0.0.1:9"], "decode": ["http://127.0.0.1:9"]}, {})
+create_app(config)
+async def made_and_closed():
+    router = Router(config)
+    assert router.tracing is None
+    await router.aclose()
+asyncio.run(made_and_closed())
+loaded = sorted(name for name in sys.modules if name.startswith("opentelemetry"))
+assert not loaded, loaded
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
