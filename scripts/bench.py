@@ -1,48 +1,16 @@
-"""The benchmark suite: the router's numbers and pictures, in one command.
+r"""The benchmark command: the router's numbers and pictures, one scenario at a time or
+several measured in one run.
 
-    .venv/bin/python -m scripts.bench                  # every scenario, about 8 min
+    .venv/bin/python -m scripts.bench                  # overhead, streams, real: about 8 min
     .venv/bin/python -m scripts.bench --quick          # a short pass, about 2 min
     .venv/bin/python -m scripts.bench --scenarios overhead,streams
+    .venv/bin/python -m scripts.bench overhead --concurrency 64   # = --scenarios overhead
+    .venv/bin/python -m scripts.bench push --quick     # a scenario with its own script
+    .venv/bin/python -m scripts.bench push --help      # ... and its own options
     .venv/bin/python -m scripts.bench --compare-cmd "my-router --prefill {prefill} --decode {decode} --port {port}"
     .venv/bin/python -m scripts.bench --compare http://127.0.0.1:9000   # see --backend-ports
     .venv/bin/python -m scripts.bench --scenarios overhead --kv-aware --prompt-tokens 1024 \
         --modes pull --concurrency 64 --rounds 3 [--token-ids]   # kv_aware's CPU cost
-
-Scenarios (each measured in this run, so the ratios compare like with like):
-  overhead  fast emulated P and D (canned answers at once): requests/s and latency for
-            calling D directly (the floor), through our router in pull and in push mode,
-            and through another router (--compare / --compare-cmd), non-streamed and
-            streamed, at each concurrency of --concurrency. Also the router's CPU
-            seconds per 1,000 requests. --kv-aware adds our router with the kv_aware
-            policy on both clusters (targets ours-kv-<mode>) against emulated servers
-            whose prefix caches publish KV events and which serve /tokenize, and the
-            ratio of its CPU per request to the default policy's; --prompt-tokens N
-            sends a text prompt of N (fake-tokenizer) tokens, --token-ids as token ids.
-  streams   --streams concurrent open SSE streams through our router (slow emulated
-            tokens keep them all open at once) plus --slow-clients clients that read 1
-            byte a second: the router's peak memory, memory per stream, and whether the
-            fast streams still end on time.
-  real      a real CPU 1P1D of vLLM (tiny model, our connector on both): time to first
-            token for pull vs push by prompt length, and output tokens/s per mode.
-  profile   where our router's CPU per request goes, by stage: our router (1 worker,
-            pull, the first --concurrency, --profile-seconds of load from the first
-            --loader, not streamed unless --profile-stream) on the emulated servers of `overhead`, under a
-            CPU-time sampler (scripts/cpu_sampler.py: a sample per millisecond of CPU the
-            router spends, so waiting for a core on a shared machine does not count);
-            each stage's share of the samples times the CPU per request measured over
-            the same load. Time in C code goes to the Python frame that called it (the
-            socket writes: the kernel's loopback work), and the event loop's own C code
-            to the Python code it runs next, so the loop's stage is a floor. Not in the
-            default run; --kv-aware and --prompt-tokens apply.
-
-Output: a progress bar while it runs, a summary with the ratios, a JSON file (--out)
-and PNG plots (--plots: throughput against concurrency, latency CDFs, TTFT by mode and
-prompt length; needs matplotlib: pip install -e .[bench]).
-
-The load comes from wrk when installed (apt-get install wrk: it costs the machine far
-less CPU than a Python client), else from Python. On a 2-core machine the client, the
-router and the emulated servers share the cores: absolute numbers are this machine's,
-the ratios are the point.
 """
 
 from __future__ import annotations
@@ -50,6 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import importlib
 import json
 import os
 import random
@@ -57,7 +27,6 @@ import shlex
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -68,141 +37,146 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from scripts.bench_proxy import DEFAULT_PROMPT, free_port, process, request_body, serve_fake
+from scripts.benchkit import (
+    DEFAULT_PROMPT,
+    ProcessGauge,
+    apply_load,
+    free_port,
+    percentiles_ms,
+    process,
+    serve_fake,
+    write_json,
+)
 from scripts.fake_kv_cache import fake_tokenize
 
 REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = ("overhead", "streams", "real", "profile")
 DEFAULT_SCENARIOS = ("overhead", "streams", "real")  # profile needs py-spy: asked by name
-PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9)
 STREAM_STEPS = 10  # progress steps of the streams scenario
+
+# What each scenario of this module measures, and what it leaves out: the --help texts.
+SUITE_HELP = {
+    "overhead": """\
+fast emulated P and D (canned answers at once): requests/s and latency for
+calling D directly (the floor), through our router in pull and in push mode,
+and through another router (--compare / --compare-cmd), non-streamed and
+streamed, at each concurrency of --concurrency. Also the router's CPU
+seconds per 1,000 requests. --kv-aware adds our router with the kv_aware
+policy on both clusters (targets ours-kv-<mode>) against emulated servers
+whose prefix caches publish KV events and which serve /tokenize, and the
+ratio of its CPU per request to the default policy's; --prompt-tokens N
+sends a text prompt of N (fake-tokenizer) tokens, --token-ids as token ids.
+Leaves out: a model's compute and the KV transfer (the emulated servers do
+neither, so nearly all the CPU is the router's), and the load generator's
+share of a machine whose cores it shares.""",
+    "streams": """\
+--streams concurrent open SSE streams through our router (slow emulated
+tokens keep them all open at once) plus --slow-clients clients that read 1
+byte a second: the router's peak memory, memory per stream, and whether the
+fast streams still end on time. Leaves out: throughput and CPU (overhead's),
+and real servers.""",
+    "real": """\
+a real CPU 1P1D of vLLM (tiny model, our connector on both): time to first
+token for pull vs push by prompt length, and output tokens/s per mode.
+Leaves out: GPUs and a network between P and D (one CPU host, the KV moved
+in its memory), prefix-cache hits (every prompt is fresh) and long outputs;
+`push` measures the same pair in more detail.""",
+    "profile": """\
+where our router's CPU per request goes, by stage: our router (1 worker,
+pull, the first --concurrency, --profile-seconds of load from the first
+--loader, not streamed unless --profile-stream) on the emulated servers of
+`overhead`, under a CPU-time sampler (scripts/cpu_sampler.py: a sample per
+millisecond of CPU the router spends, so waiting for a core on a shared
+machine does not count); each stage's share of the samples times the CPU
+per request measured over the same load. Time in C code goes to the Python
+frame that called it (the socket writes: the kernel's loopback work), and
+the event loop's own C code to the Python code it runs next, so the loop's
+stage is a floor. Not in the default run; --kv-aware and --prompt-tokens
+apply. Leaves out: push mode, more than one worker, and time the router
+spends off a CPU (waiting).""",
+}
+
+SUITE_FOOTER = """\
+Output: a progress bar while it runs, a summary with the ratios, a JSON file (--out)
+and PNG plots (--plots: throughput against concurrency, latency CDFs, TTFT by mode and
+prompt length; needs matplotlib: pip install -e .[bench]).
+
+The load comes from wrk when installed (apt-get install wrk: it costs the machine far
+less CPU than a Python client), else from Python. On a 2-core machine the client, the
+router and the emulated servers share the cores: absolute numbers are this machine's,
+the ratios are the point."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Script:
+    """A scenario with a script of its own: `module`'s `function(argv) -> int` runs it,
+    `argv` before the options given; `python -m <module>` runs the same."""
+
+    module: str
+    summary: str  # what it measures, and what it leaves out
+    function: str = "main"
+    argv: tuple[str, ...] = ()
+
+
+# Scenarios with a script of their own, in the order --help lists them; `drill` has two.
+SCRIPTS: dict[str, Script | dict[str, Script]] = {
+    "push": Script("scripts.bench_push", """\
+time to first token through the router on a real CPU 1P1D pair: pull,
+push and direct to P by prompt length and concurrency, our connector and
+vLLM's NixlPushConnector, and our pushes' WRITE throughput against a raw
+NIXL WRITE of the same shape. Leaves out: GPUs and a network (one CPU
+host), prefix-cache hits, decode."""),
+    "regime": Script("scripts.bench_regime", """\
+pull, push and local TTFT in the emulated GPU regime (vLLM on CPU, every
+forward pass as long as a GPU profile says), D idle and busy, against the
+floor the profile allows, with the hand-off split out. Leaves out: a real
+GPU, the network (KV moves in host memory) and the host's own speed;
+--help lists what else."""),
+    "idle": Script("scripts.bench_idle", """\
+cores used with nothing to do: a NIXL agent per progress mode, each server
+of an idle CPU pair, and D's engine while it only waits for a push. Leaves
+out: the router, and any load."""),
+    "memory": Script("scripts.bench_memory", """\
+the router's RSS growth per 100,000 healthy requests (pull, then push)
+against fake servers, after a warm-up. Leaves out: failures and error
+paths (soak's), real servers, memory outside the router's process."""),
+    "nixl": Script("scripts.bench_nixl", """\
+raw NIXL WRITE throughput and latency between two processes: the
+baseline the push path is compared with. Leaves out: vLLM, the connector
+and the router.""", function="cli"),
+    "soak": Script("scripts.soak", """\
+many requests through the router while fake backends fail at random:
+every answer whole or a clean error, nothing hung or leaked (exit status 1
+if not). Leaves out: real vLLM, and speed."""),
+    "drill": {
+        "flood": Script("scripts.drill_flood", """\
+pushes' TTFT and P's memory on a real CPU pair while P's push port is
+flooded with what anyone who reaches it may send (exit status 1 past the
+targets). Leaves out: CURVE (off by default), floods of the router or D."""),
+        "stall": Script("scripts.drill_stall", """\
+the router under clients that open streams and never read (or read a
+trickle): every ordinary request answered, nothing left in flight (exit
+status 1 if not). Leaves out: real vLLM, and speed."""),
+    },
+    "kv-routing": Script("scripts.bench_cache", """\
+prefix-cache-aware routing: P's and D's cache hits against an oracle,
+TTFT and throughput per balancing policy and workload, on emulated
+servers with prefix caches. Leaves out: a model's compute and batching,
+decode time, the KV transfer."""),
+    "tokenize": Script("scripts.bench_tokenize", """\
+what tokenizing a prompt costs kv_aware: vLLM's POST /tokenize against a
+tokenizer in the router's process, by prompt length, on a real vLLM CPU
+server of the tiny model. Leaves out: the routing itself."""),
+    "xpyd": Script("scripts.bench_proxy", """\
+pools: 4 fake P and 4 fake D, one P slow, our router with each balancing
+policy in turn: requests/s, p99, ratio to round robin (the older
+`python -m scripts.bench_proxy` without --xpyd is its 1P1D overhead run).
+Leaves out: real servers.""", argv=("--xpyd",)),
+}
 
 
 def log(message: str) -> None:
     tqdm.write(f"[bench] {message}")
-
-
-# --- measuring a server process ------------------------------------------------------
-
-
-class ProcessGauge:
-    """CPU seconds and memory of one process (Linux /proc), for the router's costs. CPU
-    counts the whole process tree: a router with --workers N is N + 1 processes."""
-
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
-
-    def cpu_seconds(self) -> float:
-        """utime + stime of the process and its live descendants, plus the children it
-        has reaped (cutime + cstime)."""
-        ticks = 0
-        for pid in self._tree():
-            try:
-                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            except FileNotFoundError:  # exited meanwhile
-                continue
-            ticks += int(fields[11]) + int(fields[12])
-            ticks += int(fields[13]) + int(fields[14])
-        return ticks / os.sysconf("SC_CLK_TCK")
-
-    def _tree(self) -> list[int]:
-        pids, todo = [], [self.pid]
-        while todo:
-            pid = todo.pop()
-            pids.append(pid)
-            for task in Path(f"/proc/{pid}/task").glob("*/children"):
-                with contextlib.suppress(FileNotFoundError):
-                    todo += [int(child) for child in task.read_text().split()]
-        return pids
-
-    def memory_mib(self) -> dict[str, float]:
-        """Resident memory now (VmRSS) and its peak since the process started (VmHWM)."""
-        values = {}
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(rest.split()[0]) / 1024
-        return {"rss_mib": round(values["VmRSS"], 1), "peak_rss_mib": round(values["VmHWM"], 1)}
-
-
-# --- load generators: both return throughput and the latency distribution ------------
-
-
-def wrk_load(url: str, *, seconds: float, concurrency: int, stream: bool,
-             headers: dict[str, str], prompt: str | list[int] = DEFAULT_PROMPT) -> dict[str, Any]:
-    """Load with wrk (one thread); its Lua `done` hook prints the latency percentiles."""
-    body = json.dumps(request_body(stream, prompt))
-    lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(body)}",
-             'wrk.headers["Content-Type"] = "application/json"']
-    lines += [f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}" for k, v in headers.items()]
-    lines += ["done = function(summary, latency, requests)",
-              '  local e = summary.errors',
-              '  io.write(string.format("RESULT %d %d %d %d %d %d %d\\n", summary.requests,'
-              " summary.duration, e.status, e.connect, e.read, e.write, e.timeout))",
-              f"  for _, p in ipairs({{{', '.join(map(str, PERCENTILES))}}}) do",
-              '    io.write(string.format("P %g %d\\n", p, latency:percentile(p)))',
-              "  end", "end"]
-    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
-        script.write("\n".join(lines) + "\n")
-    try:
-        out = subprocess.run(
-            ["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "-s", script.name,
-             url], capture_output=True, text=True, check=True, timeout=seconds + 60).stdout
-    finally:
-        os.unlink(script.name)
-    percentiles: dict[str, float] = {}
-    requests = duration_us = 0
-    errors: dict[str, int] = {}
-    for line in out.splitlines():
-        parts = line.split()
-        if parts[:1] == ["RESULT"]:
-            requests, duration_us = int(parts[1]), int(parts[2])
-            kinds = ("status", "connect", "read", "write", "timeout")
-            errors = {k: int(v) for k, v in zip(kinds, parts[3:8], strict=True) if int(v)}
-        elif parts[:1] == ["P"]:
-            percentiles[f"p{float(parts[1]):g}"] = int(parts[2]) / 1000  # us -> ms
-    return {"req_per_s": round(requests / (duration_us / 1e6), 1), "requests": requests,
-            "errors": sum(errors.values()), "error_kinds": errors, "latency_ms": percentiles}
-
-
-async def python_load(url: str, *, seconds: float, concurrency: int, stream: bool,
-                      headers: dict[str, str],
-                      prompt: str | list[int] = DEFAULT_PROMPT) -> dict[str, Any]:
-    """Load from Python (aiohttp): `concurrency` workers, each one request at a time."""
-    body = json.dumps(request_body(stream, prompt)).encode()
-    headers = {"Content-Type": "application/json", **headers}
-    latencies: list[float] = []
-    errors = 0
-    deadline = time.perf_counter() + seconds
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(connector=connector) as session:
-
-        async def worker() -> None:
-            nonlocal errors
-            while time.perf_counter() < deadline:
-                started = time.perf_counter()
-                try:
-                    async with session.post(url, data=body, headers=headers) as r:
-                        await r.read()
-                        errors += r.status != 200
-                except aiohttp.ClientError:
-                    errors += 1
-                latencies.append(time.perf_counter() - started)
-
-        started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - started
-    return {"req_per_s": round(len(latencies) / wall, 1), "requests": len(latencies),
-            "errors": errors, "latency_ms": percentiles_ms(latencies)}
-
-
-def percentiles_ms(seconds: list[float]) -> dict[str, float]:
-    """{"p50": ms, ...} for PERCENTILES."""
-    ordered = sorted(seconds)
-    if not ordered:
-        return {}
-    return {f"p{p:g}": round(ordered[min(len(ordered) - 1, int(len(ordered) * p / 100))] * 1000, 3)
-            for p in PERCENTILES}
 
 
 # --- overhead ----------------------------------------------------------------------
@@ -312,13 +286,6 @@ def run_overhead(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
             "prompt_tokens": len(args.prompt) if isinstance(args.prompt, list)
             else len(args.prompt.split()),
             "token_ids": isinstance(args.prompt, list), "kv_cache": args.kv_aware}
-
-
-def apply_load(loader: str, url: str, **kwargs: Any) -> dict[str, Any]:
-    """One load run with `loader` (wrk or python): throughput and latencies."""
-    if loader == "wrk":
-        return wrk_load(url, **kwargs)
-    return asyncio.run(python_load(url, **kwargs))
 
 
 def measure(args: argparse.Namespace, name: str, url: str, headers: dict[str, str],
@@ -640,7 +607,7 @@ def serve_slow_fake(role: str, port: int, tokens: int, token_delay: float) -> No
 async def real_cases(url: str, args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
     import httpx
 
-    from scripts.bench_push import batch
+    from scripts.benchkit import batch
 
     rng = random.Random(args.seed)
     ttft: dict[str, dict[str, list[float]]] = {}
@@ -789,13 +756,47 @@ def plot_all(result: dict[str, Any], directory: Path) -> list[Path]:
 # --- the command -------------------------------------------------------------------
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m scripts.bench", description=__doc__,
+def _listed(name: str, text: str, width: int = 12) -> str:
+    """A scenario's entry in --help: its name, then its text indented past it."""
+    lines = text.splitlines()
+    return "\n".join([f"  {name:<{width - 2}}{lines[0]}"] + [" " * width + x for x in lines[1:]])
+
+
+def description(scenario: str | None = None) -> str:
+    """--help's text: every scenario, or one scenario of this module's."""
+    if scenario is not None:
+        return (f"The {scenario} scenario: {SUITE_HELP[scenario]}\n\n"
+                f"The same as --scenarios {scenario}; several scenarios in one run: "
+                "python -m scripts.bench --scenarios a,b.\n\n" + SUITE_FOOTER)
+    suite = "\n".join(_listed(name, text) for name, text in SUITE_HELP.items())
+    scripts = []
+    for name, script in SCRIPTS.items():
+        for sub, one in (script.items() if isinstance(script, dict) else [("", script)]):
+            full = f"{name} {sub}".strip()
+            scripts.append(_listed(full, f"{one.summary}\n(python -m {one.module}"
+                                   f"{' ' + ' '.join(one.argv) if one.argv else ''})", 14))
+    return (f"{__doc__}\nScenarios of this module ({', '.join(DEFAULT_SCENARIOS)} by default; "
+            "--scenarios a,b\nmeasures several in one run, so that their ratios compare like "
+            "with like;\n`python -m scripts.bench NAME [options]` runs one, and its --help "
+            "is its own):\n"
+            f"{suite}\n\n"
+            "Scenarios with a script of their own: `python -m scripts.bench NAME [options]` "
+            "runs the\nscript with those options, and `NAME --help` gives its options, what "
+            "it measures and\nwhat it leaves out:\n"
+            + "\n".join(scripts) + "\n\n" + SUITE_FOOTER)
+
+
+def parse_args(argv: list[str] | None, scenario: str | None = None) -> argparse.Namespace:
+    """The options of this module's scenarios; `scenario`: as `python -m scripts.bench
+    SCENARIO` gives them (that scenario alone, its own --help)."""
+    prog = "python -m scripts.bench" + (f" {scenario}" if scenario else "")
+    parser = argparse.ArgumentParser(prog=prog, description=description(scenario),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
-    parser.add_argument("--scenarios", default=",".join(DEFAULT_SCENARIOS),
-                        help=f"comma-separated, of {', '.join(SCENARIOS)} (default: "
-                             f"{', '.join(DEFAULT_SCENARIOS)})")
+    parser.add_argument("--scenarios", default=scenario or ",".join(DEFAULT_SCENARIOS),
+                        help=argparse.SUPPRESS if scenario else
+                        f"comma-separated, of {', '.join(SCENARIOS)} (default: "
+                        f"{', '.join(DEFAULT_SCENARIOS)})")
     parser.add_argument("--profile-seconds", type=float, default=15.0,
                         help="profile: seconds of load sampled (default 15)")
     parser.add_argument("--profile-stream", action="store_true",
@@ -960,10 +961,10 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             summary["router_cpu_ms_per_request"] = {
                 f"{target} {_point(concurrency, stream, loader, loaders)}": round(value, 3)
                 for (target, concurrency, stream, loader), value in cpu.items()}
-        cpu = [r["cpu_s_per_1000"] for r in rows if r["target"] == "ours-pull" and not r["stream"]
-               and "cpu_s_per_1000" in r]
-        if cpu:
-            summary["router_cpu_s_per_1000_requests"] = round(statistics.median(cpu), 3)
+        pull_cpu = [r["cpu_s_per_1000"] for r in rows
+                    if r["target"] == "ours-pull" and not r["stream"] and "cpu_s_per_1000" in r]
+        if pull_cpu:
+            summary["router_cpu_s_per_1000_requests"] = round(statistics.median(pull_cpu), 3)
         summary["overhead_errors"] = sum(r["errors"] for r in rows
                                          if r["target"].startswith("ours"))
     if "streams" in result:
@@ -985,7 +986,45 @@ SCENARIO_RUNNERS: dict[str, Callable[[argparse.Namespace, tqdm], dict[str, Any]]
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    """`python -m scripts.bench [SCENARIO] [options]`: no SCENARIO, the scenarios of
+    --scenarios (this module's); else that scenario, with its own options."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and not argv[0].startswith("-"):
+        return run_scenario(argv[0], argv[1:])
+    return run_suite(parse_args(argv))
+
+
+def run_scenario(name: str, argv: list[str]) -> int:
+    """One scenario by name: this module's, or a script's own `main(argv)`."""
+    if name in SCENARIOS:
+        return run_suite(parse_args(argv, scenario=name))
+    script = SCRIPTS.get(name)
+    if isinstance(script, dict):  # drill: which one
+        kinds = ", ".join(script)
+        if argv[:1] in (["-h"], ["--help"]):
+            print(f"usage: python -m scripts.bench {name} {{{kinds.replace(', ', ',')}}} "
+                  f"[options]\n\n" + "\n".join(
+                      _listed(kind, f"{one.summary}\n(python -m {one.module})", 8)
+                      for kind, one in script.items())
+                  + f"\n\n`python -m scripts.bench {name} KIND --help` gives its options.")
+            return 0
+        if not argv or argv[0] not in script:
+            print(f"python -m scripts.bench {name}: say which, of {kinds} (--help)",
+                  file=sys.stderr)
+            return 2
+        script, argv = script[argv[0]], argv[1:]
+    if script is None:
+        known = [*SCENARIOS, *SCRIPTS]
+        print(f"python -m scripts.bench: unknown scenario {name!r}, of {', '.join(known)} "
+              "(--help)", file=sys.stderr)
+        return 2
+    run: Callable[[list[str]], int | None] = getattr(importlib.import_module(script.module),
+                                                     script.function)
+    return int(run([*script.argv, *argv]) or 0)
+
+
+def run_suite(args: argparse.Namespace) -> int:
+    """This module's scenarios, those of --scenarios, measured in one run."""
     if args.serve_fake:
         serve_fake(args.serve_fake[0], int(args.serve_fake[1]), kv_cache=args.fake_kv_cache)
         return 0
@@ -1001,8 +1040,7 @@ def main(argv: list[str] | None = None) -> int:
             result[name] = SCENARIO_RUNNERS[name](args, bar)
     result["summary"] = summarize(result)
     result["wall_s"] = round(time.monotonic() - started, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(json.dumps(result["summary"], indent=2))
     print(f"[bench] wrote {args.out}")
     for path in plot_all(result, args.plots):

@@ -3,7 +3,7 @@ and throughput, per balancing policy and workload, in one run.
 
     .venv/bin/python -m scripts.bench_cache                   # about 4 minutes
     .venv/bin/python -m scripts.bench_cache --quick           # about 1 minute
-    .venv/bin/python -m scripts.bench --scenarios cache       # the same, from the suite
+    .venv/bin/python -m scripts.bench kv-routing --quick      # the same, from the suite
 
 EMULATED: 2 P and 2 D are fake vLLM servers (`scripts.fake_vllm`) with a prefix cache
 each (`scripts.fake_kv_cache`: `--p-blocks` / `--d-blocks` blocks of `--block-size`
@@ -50,8 +50,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from scripts.bench_proxy import free_port, process
-from scripts.bench_push import pyplot, save_figure
+from scripts.benchkit import free_port, process, pyplot, save_figure, write_json
 from scripts.fake_kv_cache import FakePrefixCache, fake_chat_tokens, fake_tokenize
 from scripts.fake_vllm import Fabric, FakeVLLM, start
 
@@ -396,8 +395,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    write_json(args.out, result, default=str)
     print(json.dumps({"targets": result["targets"]}, indent=2))
     header = f"{'router':28} {'workload':8} {'P hit/oracle':>12} {'D hit/oracle':>12} " \
              f"{'TTFT p50':>9} {'p90':>7} {'req/s':>6}"

@@ -22,13 +22,15 @@ Each figure is printed in cores (CPU seconds per second) with its ratio to the b
 the end-to-end tests once held it to (0.3 of a core idle, 0.25 for D's waiting engine).
 These are measurements of a machine that others share, so they live here, not in the
 tests: a busy neighbour moves them, and a bound on them fails for reasons of its own.
+
+What it leaves out: the router, servers under load, and NIXL agents on GPU memory (the
+agents here register host memory).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import multiprocessing.connection
 import sys
@@ -41,7 +43,7 @@ from typing import Any
 import httpx
 
 from scripts import bench_nixl, tiny_model
-from scripts.bench_push import json_object
+from scripts.benchkit import json_object, write_json
 from scripts.pd_protocol import KV_USAGE, metric, parse_metrics, probe_body, push_decode_leg
 from scripts.vllm_cpu import DEFAULT_MODEL_DIR, DUAL_CONNECTOR, ENGINE_CORE, REPO_ROOT, pair
 
@@ -220,10 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                      IDLE_BUDGET) for mode in args.modes]
     if not args.no_pair:
         rows += asyncio.run(measure_pair(args))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v)
-                                             for k, v in vars(args).items()},
-                                    "rows": rows}, indent=2) + "\n")
+    write_json(args.out, {"args": {k: (str(v) if isinstance(v, Path) else v)
+                                   for k, v in vars(args).items()}, "rows": rows})
     say(f"wrote {args.out}")
     return 0
 

@@ -29,6 +29,10 @@ about 3 to 4 minutes (2,000 to 2,500 requests/s), twice that when other work sha
 cores; the short run above about 25 s, enough to see a leak of one object per request
 (about 4 MiB per 100,000) but with noise near 1 MiB. RSS also moves in steps when the
 machine is busy (the allocator's high-water marks): compare runs on a quiet machine.
+
+What it leaves out: failures and error answers (every request here is healthy;
+`scripts.soak` covers those), real vLLM servers, and the memory of the fakes and of this
+client.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from typing import Any
 
 import aiohttp
 
-from scripts.bench_proxy import free_port, process
+from scripts.benchkit import free_port, process, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = "fake-model"  # what scripts.fake_vllm serves
@@ -195,7 +199,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        description="The router's RSS growth per 100,000 healthy requests, after a warm-up.")
+        prog="python -m scripts.bench_memory", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=400_000,
                         help="measured requests, half pull then half push (default 400000)")
     parser.add_argument("--warmup", type=int, default=20_000,
@@ -242,8 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     if over:
         log(f"over the target of {args.max_growth_mib} MiB per 100,000 requests")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result)
         log(f"wrote {args.out}")
     return 0 if result["passed"] else 1
 

@@ -35,6 +35,9 @@ Progress: a NIXL agent must keep progressing or its peer's transfers stall. Here
 polls the agent (the writer checks its transfer, the target its notifications, both while
 waiting on the pipe), yielding the CPU between polls, so the agents run without NIXL's busy
 progress thread unless `--progress-thread` is given.
+
+What it leaves out: vLLM, the connector and the router (two bare agents), and a network:
+both processes run on this host.
 """
 
 from __future__ import annotations
@@ -579,8 +582,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> int:
+    """The command: `main`, with a failed run's reason as the exit message."""
     try:
-        main()
+        main(argv)
     except BenchError as exc:
         sys.exit(f"bench_nixl: {exc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

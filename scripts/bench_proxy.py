@@ -19,6 +19,10 @@ all the CPU goes to the router); everything talks over 127.0.0.1.
 `--slow-ms` late, the router in pull mode with each balancing policy in turn (round
 robin, least outstanding, power of two, on both clusters); it reports requests/s and
 p99 for each, and each policy's ratio to round robin. Results: bench-results/xpyd.json.
+
+What it leaves out: real servers and the KV transfer (the fakes answer canned bytes at
+once). `python -m scripts.bench overhead` measures the 1P1D case at several concurrencies,
+with the router's CPU; this run is kept for `--xpyd` (`python -m scripts.bench xpyd`).
 """
 
 from __future__ import annotations
@@ -30,248 +34,17 @@ import json
 import os
 import re
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-# --- a minimal fake P/D for overhead runs (canned answers, no JSON parsing) ----------
-
-_P_ANSWER = (
-    b'{"id":"cmpl-x","object":"text_completion","model":"fake-model","choices":[{"index":0,'
-    b'"text":"p","finish_reason":"length"}],"kv_transfer_params":{"do_remote_prefill":true,'
-    b'"do_remote_decode":false,"remote_block_ids":[[1,2,3]],"remote_engine_id":"engine-0",'
-    b'"remote_request_id":"cmpl-x-0","remote_host":"127.0.0.1","remote_port":5600,'
-    b'"tp_size":1,"transfer_modes":["pull","push"]}}'
-)
-_D_ANSWER = (
-    b'{"id":"cmpl-x","object":"text_completion","model":"fake-model","choices":[{"index":0,'
-    b'"text":"t0","finish_reason":"length"}]}'
-)
-_D_EVENTS = (
-    b'data: {"id":"cmpl-x","object":"text_completion","model":"fake-model","choices":'
-    b'[{"index":0,"text":"t0","finish_reason":"length"}]}\n\ndata: [DONE]\n\n'
-)
-_MODELS = b'{"object":"list","data":[{"id":"fake-model","object":"model"}]}'
-
-
-def _http(body: bytes, content_type: bytes = b"application/json") -> bytes:
-    return (b"HTTP/1.1 200 OK\r\ncontent-type: " + content_type + b"\r\ncontent-length: "
-            + str(len(body)).encode() + b"\r\n\r\n" + body)
-
-
-def _chunked(body: bytes) -> bytes:
-    return (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-            b"transfer-encoding: chunked\r\n\r\n" + f"{len(body):x}".encode() + b"\r\n"
-            + body + b"\r\n0\r\n\r\n")
-
-
-class _FakeProtocol(asyncio.Protocol):
-    """Answers each request at once with a canned body: the cheapest possible upstream."""
-
-    def __init__(self, role: str, delay_s: float = 0.0, kv: _BenchKV | None = None) -> None:
-        import httptools
-
-        self._role = role
-        self._delay_s = delay_s
-        self._kv = kv
-        self._parser = httptools.HttpRequestParser(self)
-        self._url = b""
-        self._body: list[bytes] = []
-        self._transport: asyncio.Transport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = transport  # type: ignore[assignment]
-
-    def data_received(self, data: bytes) -> None:
-        self._parser.feed_data(data)
-
-    def on_url(self, url: bytes) -> None:
-        self._url = url
-
-    def on_body(self, body: bytes) -> None:
-        self._body.append(body)
-
-    def on_message_complete(self) -> None:
-        body = b"".join(self._body)
-        self._body.clear()
-        assert self._transport is not None
-        if self._url.startswith(b"/v1/models"):
-            answer = _http(_MODELS)
-        elif self._url.startswith(b"/health"):
-            answer = _http(b"")
-        elif self._kv is not None and not self._url.startswith(b"/v1/"):
-            answer = self._kv.answer(self._url, body)
-        elif self._role == "prefill":
-            answer = _http(_P_ANSWER)
-        elif b'"stream":true' in body or b'"stream": true' in body:
-            answer = _chunked(_D_EVENTS)
-        else:
-            answer = _http(_D_ANSWER)
-        if self._kv is not None and body and self._url.startswith((b"/v1/completions",
-                                                                   b"/v1/chat/")):
-            self._kv.serve(body)
-        if self._delay_s and self._url.startswith(b"/v1/"):
-            asyncio.get_running_loop().call_later(self._delay_s, self._write_if_open, answer)
-        else:
-            self._transport.write(answer)
-
-    def _write_if_open(self, answer: bytes) -> None:
-        if self._transport is not None and not self._transport.is_closing():
-            self._transport.write(answer)
-
-
-class _BenchKV:
-    """The fast fake's prefix cache, for kv_aware runs: a `FakePrefixCache` (vLLM's KV
-    events over ZMQ) that every inference request's prompt goes through, plus vLLM's
-    `POST /tokenize` (the fake tokenizer), `GET /kv_event_sources` and a `/metrics` with
-    the cache's config. Tokenizations and block hashes are memoized by prompt, so the
-    fake stays cheap next to the router (a benchmark repeats its prompts)."""
-
-    def __init__(self, num_blocks: int = 100_000, block_size: int = 16) -> None:
-        from scripts.fake_kv_cache import FakePrefixCache
-
-        self.cache = FakePrefixCache(num_blocks, block_size)
-        self.cache.start()
-        self._tokens: dict[str, list[int]] = {}
-        self._tokenized: dict[bytes, bytes] = {}  # /tokenize body -> answer
-        self._hashes: dict[tuple[int, ...], list[bytes]] = {}
-        hashes = self.cache.hashes
-        self.cache.hashes = lambda tokens: self._memo(self._hashes, tuple(tokens),  # type: ignore[method-assign]
-                                                      lambda: hashes(tokens))
-        self._metrics = (
-            'vllm:num_requests_waiting{engine="0",model_name="fake-model"} 0.0\n'
-            'vllm:num_requests_running{engine="0",model_name="fake-model"} 0.0\n'
-            'vllm:kv_cache_usage_perc{engine="0",model_name="fake-model"} 0.0\n'
-            f'vllm:cache_config_info{{block_size="{block_size}",engine="0",'
-            f'num_gpu_blocks="{num_blocks}"}} 1.0\n').encode()
-
-    @staticmethod
-    def _memo(memo: dict[Any, Any], key: Any, make: Any) -> Any:
-        found = memo.get(key)
-        if found is None:
-            if len(memo) > 10_000:
-                memo.clear()
-            found = memo[key] = make()
-        return found
-
-    def tokens(self, body: dict[str, Any]) -> list[int] | None:
-        from scripts.fake_kv_cache import fake_chat_tokens, fake_tokenize
-
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-            return prompt
-        if isinstance(prompt, str):
-            return self._memo(self._tokens, prompt, lambda: fake_tokenize(prompt))  # type: ignore[no-any-return]
-        messages = body.get("messages")
-        return fake_chat_tokens(messages) if isinstance(messages, list) else None
-
-    def serve(self, raw: bytes) -> None:
-        import msgspec
-
-        tokens = self.tokens(msgspec.json.decode(raw))
-        if tokens:
-            self.cache.serve(tokens)
-
-    def answer(self, url: bytes, raw: bytes) -> bytes:
-        import msgspec
-
-        if url.startswith(b"/tokenize"):
-            def tokenize() -> bytes:
-                tokens = self.tokens(msgspec.json.decode(raw)) or []
-                return msgspec.json.encode({"tokens": tokens, "count": len(tokens),
-                                            "max_model_len": 1 << 20})
-            return _http(self._memo(self._tokenized, raw, tokenize))
-        if url.startswith(b"/kv_event_sources"):
-            return _http(msgspec.json.encode(self.cache.sources()))
-        if url.startswith(b"/metrics"):
-            return _http(self._metrics, b"text/plain")
-        return b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n"
-
-
-def serve_fake(role: str, port: int, delay_s: float = 0.0, kv_cache: bool = False) -> None:
-    """A canned fast fake P or D; `kv_cache`: with a prefix cache publishing KV events
-    and vLLM's /tokenize (`_BenchKV`), for kv_aware runs."""
-    import uvloop
-
-    async def run() -> None:
-        loop = asyncio.get_running_loop()
-        kv = _BenchKV() if kv_cache else None
-        server = await loop.create_server(lambda: _FakeProtocol(role, delay_s, kv), "127.0.0.1",
-                                          port, backlog=1024)
-        async with server:
-            await server.serve_forever()
-
-    uvloop.run(run())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextlib.contextmanager
-def process(args: list[str], ready_url: str, name: str,
-            log_path: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    """Start a server process (own process group) and wait until `ready_url` answers.
-    With `log_path` its output goes there (a long run never fills a pipe), else stderr is
-    kept for the error of a failed start."""
-    if log_path is None:
-        proc = subprocess.Popen(args, cwd=REPO, process_group=0, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE)
-    else:
-        with log_path.open("wb") as output:
-            proc = subprocess.Popen(args, cwd=REPO, process_group=0, stdout=output,
-                                    stderr=output)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                if log_path is not None:
-                    err = log_path.read_text(errors="replace")
-                else:
-                    err = proc.stderr.read().decode() if proc.stderr else ""
-                raise RuntimeError(f"{name} exited with {proc.returncode}: {err[-2000:]}")
-            try:
-                with socket.create_connection(_host_port(ready_url), timeout=0.2):
-                    break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{name} did not start within 30 s") from None
-                time.sleep(0.1)
-        yield proc
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def _host_port(url: str) -> tuple[str, int]:
-    host, port = url.removeprefix("http://").split(":")
-    return host, int(port)
-
-
-DEFAULT_PROMPT = "Hello, benchmark!"
-
-
-def request_body(stream: bool, prompt: str | list[int] = DEFAULT_PROMPT) -> dict[str, Any]:
-    return {"model": "fake-model", "prompt": prompt, "max_tokens": 1, "stream": stream}
+from scripts.benchkit import REPO, free_port, process, request_body, serve_fake
 
 
 def wrk_load(url: str, *, seconds: float, concurrency: int, stream: bool,
@@ -408,8 +181,9 @@ def run_xpyd(args: argparse.Namespace, out: Path) -> None:
     print(f"wrote {out}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scripts.bench_proxy", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=10, help="measured seconds per scenario")
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight")
     parser.add_argument("--no-stream", dest="stream", action="store_false", help="skip the streaming runs")
@@ -423,14 +197,14 @@ def main() -> None:
                         help="--xpyd: how late the slow P answers (ms)")
     parser.add_argument("--out", type=Path, help="JSON result file (default "
                         "bench-results/proxy.json, or xpyd.json with --xpyd)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.serve_fake:
         role, port, *delay = args.serve_fake
         serve_fake(role, int(port), float(delay[0]) if delay else 0.0)
-        return
+        return 0
     if args.xpyd:
         run_xpyd(args, args.out or REPO / "bench-results" / "xpyd.json")
-        return
+        return 0
     args.out = args.out or REPO / "bench-results" / "proxy.json"
 
     p_port, d_port, proxy_port = free_port(), free_port(), free_port()
@@ -456,7 +230,8 @@ def main() -> None:
     args.out.write_text(json.dumps({"concurrency": args.concurrency, "cpus": os.cpu_count(),
                                     "results": results, "ratios": ratios}, indent=2))
     print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -28,24 +28,27 @@ cache-hot ones. Results go to a JSON file and, with matplotlib installed
 
 On a 2-core machine both servers, the router and this client share the cores; the
 absolute numbers are small-model CPU numbers, the ratios are the point.
+
+What it leaves out: GPUs and a network between P and D (both servers on one CPU host,
+NIXL moving the KV in its memory), prefix-cache hits (every prompt is fresh), decode
+(2 tokens a request), and load past the concurrencies given.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import statistics
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from scripts import bench_nixl, tiny_model
+from scripts.benchkit import DIRECT, batch, json_object, pyplot, save_figure, write_json
 from scripts.demo import router
 from scripts.pd_protocol import metric, parse_metrics
 from scripts.vllm_cpu import DEFAULT_MODEL_DIR, DUAL_CONNECTOR, REPO_ROOT, pair
@@ -53,9 +56,6 @@ from scripts.vllm_cpu import DEFAULT_MODEL_DIR, DUAL_CONNECTOR, REPO_ROOT, pair
 STOCK_PUSH = "NixlPushConnector"
 DEFAULT_PROMPTS = (128, 256, 512, 1000)  # the tiny model has 1,024 positions
 DEFAULT_CONCURRENCY = (1, 4)
-MAX_TOKENS = 2
-DIRECT = "direct"  # the whole request on P alone: no router, no KV hand-over
-VOCAB = tiny_model.VOCAB_SIZE
 NIXL_BYTES = "vllm:nixl_bytes_transferred"
 NIXL_TIME = "vllm:nixl_xfer_time_seconds"
 NIXL_POST = "vllm:nixl_post_time_seconds"  # inside NIXL's post: on CPU, the copy itself
@@ -64,35 +64,6 @@ NIXL_DESCRIPTORS = "vllm:nixl_num_descriptors"
 
 def say(message: str) -> None:
     print(f"[bench_push] {message}", flush=True)
-
-
-async def first_token_seconds(client: httpx.AsyncClient, url: str, prompt: list[int],
-                              mode: str) -> float:
-    """One streamed completion through the router; seconds to its first token."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-            "stream": True, "ignore_eos": True}
-    started = time.perf_counter()
-    ttft = None
-    headers = {} if mode == DIRECT else {"X-KV-Transfer-Mode": mode}
-    async with client.stream("POST", f"{url}/v1/completions", json=body,
-                             headers=headers) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"{mode}: HTTP {resp.status_code}: {(await resp.aread())[:300]!r}")
-        if mode != DIRECT and resp.headers.get("x-kv-transfer-mode") != mode:
-            raise RuntimeError(f"asked {mode}, the router used {resp.headers.get('x-kv-transfer-mode')}")
-        async for line in resp.aiter_lines():
-            if ttft is None and line.startswith("data: {"):
-                ttft = time.perf_counter() - started
-    if ttft is None:
-        raise RuntimeError(f"{mode}: the stream had no token")
-    return ttft
-
-
-async def batch(client: httpx.AsyncClient, url: str, mode: str, prompt_len: int,
-                concurrency: int, rng: random.Random) -> list[float]:
-    prompts = [[rng.randrange(10, VOCAB) for _ in range(prompt_len)] for _ in range(concurrency)]
-    return list(await asyncio.gather(
-        *(first_token_seconds(client, url, p, mode) for p in prompts)))
 
 
 async def p_nixl_counters(client: httpx.AsyncClient, prefill_url: str) -> dict[str, float]:
@@ -272,28 +243,6 @@ def print_summary(summary: dict[str, Any]) -> None:
               "both agents polled")
 
 
-def pyplot(say: Callable[[str], None]) -> Any:
-    """matplotlib's pyplot on its file-only backend, or None (and `say` why) when the
-    `bench` extra is not installed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        say("matplotlib is not installed (pip install -e .[bench]): no plot")
-        return None
-    return plt
-
-
-def save_figure(plt: Any, fig: Any, path: Path) -> None:
-    """Lay `fig` out, write it to `path` (its folder made as needed) and close it."""
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def plot(summary: dict[str, Any], path: Path) -> bool:
     plt = pyplot(say)
     if plt is None:
@@ -317,16 +266,6 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
         ax.legend()
     save_figure(plt, fig, path)
     return True
-
-
-def json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object of settings")
-    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -375,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = asyncio.run(bench(args))
     print_summary(result["summary"])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     say(f"wrote {args.out}")
     if plot(result["summary"], args.plot):
         say(f"wrote {args.plot}")

@@ -39,11 +39,11 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import json
 import os
 import random
 import statistics
 import sys
+import textwrap
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
@@ -53,7 +53,7 @@ import httpx
 import msgspec
 
 from scripts import tiny_model
-from scripts.bench_push import batch, pyplot, save_figure
+from scripts.benchkit import batch, pyplot, save_figure, write_json
 from scripts.demo import router
 from scripts.vllm_cpu import (
     DEFAULT_LOG_DIR,
@@ -580,8 +580,12 @@ def plot(rows: Sequence[dict[str, Any]], profile: Profile, path: Path) -> bool:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m scripts.bench_regime", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.bench_regime", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="What the emulation leaves out:\n" + "\n".join(
+            textwrap.fill(item, 88, initial_indent="- ", subsequent_indent="  ")
+            for item in left_out()))
     ints = lambda s: tuple(int(x) for x in s.split(","))  # noqa: E731
     parser.add_argument("--profile", default="llama8b-h100", choices=sorted(profiles.PROFILES),
                         help="GPU profile the servers emulate (default: %(default)s)")
@@ -678,8 +682,7 @@ def main(argv: list[str] | None = None) -> int:
         print("\ntargets (profile llama8b-h100, D busy):")
         for line in target_check(result["rows"]):
             print(f"  {line}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     say(f"wrote {args.out}")
     if plot(result["rows"], profile, args.plot):
         say(f"wrote {args.plot}")

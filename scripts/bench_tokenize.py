@@ -19,6 +19,10 @@ router's own CPU time per request for `server` (the HTTP call and the decoding),
 real vLLM CPU server with the tiny test model (`VLLM_ALLOW_LONG_MAX_MODEL_LEN` lets
 /tokenize take prompts longer than the model; nothing is computed). It also checks that
 both ways give the same ids.
+
+What it leaves out: the routing itself (kv_aware's block keys, index and scoring:
+`python -m scripts.bench overhead --kv-aware` measures those), and tokenizers and
+templates other than the tiny test model's.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import Any
 import httpx
 
 from scripts import tiny_model
+from scripts.benchkit import write_json
 from scripts.vllm_cpu import DEFAULT_MODEL_DIR, SERVED_MODEL_NAME, run_server, server_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -130,8 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     with run_server(spec) as server:
         rows = asyncio.run(measure(server.url, DEFAULT_MODEL_DIR, lengths, args.repeats))
     result = {"machine_cpus": os.cpu_count(), "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(f"{'tokens':>7} {'shape':10} {'server ms':>10} {'router CPU ms':>14} {'local ms':>9} same")
     for r in rows:
         print(f"{r['tokens']:>7} {r['shape']:10} {r['server_ms']:>10} "

@@ -24,6 +24,9 @@ flooders sent, P's RSS before, at most during, and after the flood (target: grow
 On a 2-core machine the flooders, both servers, the router and this client share the
 cores: a flood costs some CPU whatever P does with it; the point is that P's channel
 thread keeps serving pushes and keeps no memory for what it refuses.
+
+What it leaves out: CURVE (off in the default config the drill uses), floods of the
+router's or D's ports, and GPUs.
 """
 
 from __future__ import annotations
@@ -226,8 +229,8 @@ def push_port_of(kv_config: str | None) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m scripts.drill_flood",
-                                     description=__doc__.split("\n\n")[2] if __doc__ else None)
+    parser = argparse.ArgumentParser(prog="python -m scripts.drill_flood", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=10, help="pushes per phase")
     parser.add_argument("--flooders", type=int, default=1, help="flooding processes")
     parser.add_argument("--reconnect-every", type=int, default=1000,

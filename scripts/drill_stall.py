@@ -37,6 +37,9 @@ errors by status), malformed and silent ones; the cuts the router counted
 (`pdproxy_client_cuts_total`); what the stalled clients saw (cut, refused, or still
 streaming); and `pdproxy_endpoint_in_flight` at the end. Exit status 0 only with no
 silent and no malformed answer and nothing in flight at the end.
+
+What it leaves out: real vLLM servers (fake P and D answer), and speed: it checks that
+every request is answered, not how fast.
 """
 
 from __future__ import annotations
@@ -368,7 +371,8 @@ def raise_fd_limit(needed: int) -> None:
 
 def parse_args(argv: list[str] | None = None) -> Options:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="python -m scripts.drill_stall", description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stalled", type=int, default=1000,
                         help="clients that open a stream and never read (default 1000)")
     parser.add_argument("--ramp", type=float, default=30.0,
@@ -405,11 +409,11 @@ def parse_args(argv: list[str] | None = None) -> Options:
                    a.read_every, a.read_bytes, a.min_read_rate)
 
 
-def main() -> None:
-    options = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    options = parse_args(argv)
     raise_fd_limit(2 * options.stalled + 1024)
-    sys.exit(asyncio.run(drill(options)))
+    return asyncio.run(drill(options))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -34,6 +34,10 @@ what the load could use at once), and sockets left half-closed (CLOSE_WAIT, Linu
 It prints a progress line every few seconds, a summary at the end, and writes a JSON
 report (`--out`). Exit status 0 only when there were no bad answers, no hangs, no
 unexplained errors and no leaks.
+
+What it leaves out: real vLLM (the fakes stand in), the router's own process as
+`pd-proxy serve` runs it (it is served here, in this process), and speed: it checks
+answers and leaks, not throughput or latency.
 """
 
 from __future__ import annotations
@@ -607,7 +611,8 @@ def print_summary(report: dict[str, Any]) -> None:
 
 def parse_args(argv: list[str] | None = None) -> SoakOptions:
     d = SoakOptions()
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m scripts.soak", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=d.requests, help="requests to send in all")
     parser.add_argument("--concurrency", type=int, default=d.concurrency, help="requests in flight")
     parser.add_argument("--fault-rate", type=float, default=d.fault_rate,
@@ -634,16 +639,16 @@ def parse_args(argv: list[str] | None = None) -> SoakOptions:
     return SoakOptions(**vars(args))
 
 
-def main() -> None:
-    options = parse_args()
+def main(argv: list[str] | None = None) -> int:
+    options = parse_args(argv)
     try:
         import uvloop
     except ImportError:
         report = asyncio.run(run_soak(options))
     else:
         report = uvloop.run(run_soak(options))
-    sys.exit(0 if report["passed"] else 1)
+    return 0 if report["passed"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

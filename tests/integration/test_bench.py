@@ -111,3 +111,48 @@ def test_profile_splits_the_routers_cpu_per_request_by_stage(tmp_path: Path) -> 
     lines = stacks.read_text().splitlines()
     assert lines and all(line.rpartition(" ")[2].isdigit() for line in lines)
     assert not any("_find_and_load" in line for line in lines)
+
+
+# Every scenario of `python -m scripts.bench SCENARIO`, and what its own --help starts with:
+# this module's own scenarios, or the usage line of the script that runs it.
+SCENARIO_HELP = {
+    "overhead": "usage: python -m scripts.bench overhead",
+    "streams": "usage: python -m scripts.bench streams",
+    "real": "usage: python -m scripts.bench real",
+    "profile": "usage: python -m scripts.bench profile",
+    "push": "usage: python -m scripts.bench_push",
+    "regime": "usage: python -m scripts.bench_regime",
+    "idle": "usage: python -m scripts.bench_idle",
+    "memory": "usage: python -m scripts.bench_memory",
+    "nixl": "usage: python -m scripts.bench_nixl",
+    "soak": "usage: python -m scripts.soak",
+    "drill": "usage: python -m scripts.bench drill {flood,stall}",
+    "drill flood": "usage: python -m scripts.drill_flood",
+    "drill stall": "usage: python -m scripts.drill_stall",
+    "kv-routing": "usage: python -m scripts.bench_cache",
+    "tokenize": "usage: python -m scripts.bench_tokenize",
+    "xpyd": "usage: python -m scripts.bench_proxy",
+}
+
+
+def test_one_command_lists_every_scenario_and_each_gives_its_own_help() -> None:
+    """`python -m scripts.bench --help` names every scenario, and `python -m scripts.bench
+    SCENARIO --help` exits 0 with that scenario's own help, which says what it leaves out;
+    an unknown scenario is refused."""
+    listed = subprocess.run([sys.executable, "-m", "scripts.bench", "--help"],
+                            capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    for name in SCENARIO_HELP:
+        assert f"\n  {name} " in listed.stdout, f"--help does not list {name}"
+    helps = {name: subprocess.Popen([sys.executable, "-m", "scripts.bench", *name.split(),
+                                     "--help"], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+             for name in SCENARIO_HELP}
+    for name, started in helps.items():
+        out, err = started.communicate(timeout=120)
+        assert started.returncode == 0, f"{name} --help: {err[-2000:]}"
+        assert out.startswith(SCENARIO_HELP[name]), f"{name} --help:\n{out[:500]}"
+        assert "leaves out" in out.lower(), f"{name} --help says not what it leaves out"
+    unknown = subprocess.run([sys.executable, "-m", "scripts.bench", "no-such-scenario"],
+                             capture_output=True, text=True, timeout=60)
+    assert unknown.returncode == 2 and "unknown scenario" in unknown.stderr

@@ -30,7 +30,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from scripts.bench import ProcessGauge
+from scripts.benchkit import ProcessGauge
 from scripts.fake_vllm import FakeVLLM, start
 from tests.conftest import until
 from tests.integration.conftest import Pair
