@@ -246,40 +246,47 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
 
 class _CoalescingTransport:
-    """The client's transport, with the writes of one turn of the event loop sent in one
-    system call: uvicorn writes an answer's head and its body apart, and a stream's
-    events come in bursts. Everything else is the transport's own."""
+    """The client's transport, sending an answer's head with its first body bytes: uvicorn
+    writes the head apart, a system call (and a segment to the client) more per answer.
+    The head is held until the next write, which comes at once for a whole answer and
+    with the first event for a stream (`relay.Downstream` starts an answer only then);
+    if none comes within this turn of the event loop, it goes alone. Holding never
+    reorders bytes: whatever comes next is sent after it. Everything else is the
+    transport's own."""
 
-    __slots__ = ("_transport", "_loop", "_pending")
+    __slots__ = ("_transport", "_loop", "_held")
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
         self._transport = transport
         self._loop = loop
-        self._pending: list[bytes] = []
+        self._held: bytes | None = None
 
     def write(self, data: bytes) -> None:
-        if not data:
-            return
-        if not self._pending:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.write(held + data)
+        elif data.startswith(b"HTTP/1.") and data.endswith(b"\r\n\r\n"):  # a head
+            self._held = data
             self._loop.call_soon(self._flush)
-        self._pending.append(data)
+        else:
+            self._transport.write(data)
 
     def _flush(self) -> None:
-        if self._pending:
-            data = b"".join(self._pending) if len(self._pending) > 1 else self._pending[0]
-            self._pending.clear()
-            if not self._transport.is_closing():
-                self._transport.write(data)
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
 
     def get_write_buffer_size(self) -> int:
-        return self._transport.get_write_buffer_size() + sum(map(len, self._pending))
+        held = self._held
+        return self._transport.get_write_buffer_size() + (len(held) if held else 0)
 
     def close(self) -> None:
         self._flush()
         self._transport.close()
 
     def abort(self) -> None:
-        self._pending.clear()
+        self._held = None
         self._transport.abort()
 
     def __getattr__(self, name: str) -> Any:
