@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from scripts.benchkit import (
     DEFAULT_PROMPT,
+    REPO,
     ProcessGauge,
     apply_load,
     free_port,
@@ -49,7 +50,6 @@ from scripts.benchkit import (
 )
 from scripts.fake_kv_cache import fake_tokenize
 
-REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = ("overhead", "streams", "real", "profile")
 DEFAULT_SCENARIOS = ("overhead", "streams", "real")  # profile needs py-spy: asked by name
 STREAM_STEPS = 10  # progress steps of the streams scenario
@@ -765,8 +765,8 @@ def _listed(name: str, text: str, width: int = 12) -> str:
 def description(scenario: str | None = None) -> str:
     """--help's text: every scenario, or one scenario of this module's."""
     if scenario is not None:
-        return (f"The {scenario} scenario: {SUITE_HELP[scenario]}\n\n"
-                f"The same as --scenarios {scenario}; several scenarios in one run: "
+        return (f"The {scenario} scenario, of `python -m scripts.bench`:\n{SUITE_HELP[scenario]}\n\n"
+                f"The same as --scenarios {scenario}; several scenarios in one run:\n"
                 "python -m scripts.bench --scenarios a,b.\n\n" + SUITE_FOOTER)
     suite = "\n".join(_listed(name, text) for name, text in SUITE_HELP.items())
     scripts = []

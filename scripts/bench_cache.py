@@ -50,11 +50,10 @@ from typing import Any
 import aiohttp
 import yaml
 
-from scripts.benchkit import free_port, process, pyplot, save_figure, write_json
+from scripts.benchkit import REPO, free_port, process, pyplot, save_figure, write_json
 from scripts.fake_kv_cache import FakePrefixCache, fake_chat_tokens, fake_tokenize
 from scripts.fake_vllm import Fabric, FakeVLLM, start
 
-REPO = Path(__file__).resolve().parents[1]
 WORKLOADS = ("tenants", "chat", "noreuse")
 OUR_POLICIES = ("round_robin", "least_outstanding", "prefix_affinity", "kv_aware")
 PEER = "vllm-router:cache_aware"

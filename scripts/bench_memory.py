@@ -53,7 +53,6 @@ import aiohttp
 
 from scripts.benchkit import free_port, process, write_json
 
-REPO = Path(__file__).resolve().parents[1]
 MODEL = "fake-model"  # what scripts.fake_vllm serves
 PER = 100_000  # growth is reported per this many requests
 MIB = 1024 * 1024
