@@ -156,3 +156,17 @@ def test_one_command_lists_every_scenario_and_each_gives_its_own_help() -> None:
     unknown = subprocess.run([sys.executable, "-m", "scripts.bench", "no-such-scenario"],
                              capture_output=True, text=True, timeout=60)
     assert unknown.returncode == 2 and "unknown scenario" in unknown.stderr
+
+
+def test_each_scripts_own_module_command_still_runs() -> None:
+    """The module commands the docs cite (`python -m scripts.bench_push` and the like) run
+    as before: each gives the same help as its scenario does."""
+    modules = {usage.removeprefix("usage: python -m ") for usage in SCENARIO_HELP.values()
+               if not usage.startswith("usage: python -m scripts.bench ")}
+    helps = {module: subprocess.Popen([sys.executable, "-m", module, "--help"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for module in modules}
+    for module, started in helps.items():
+        out, err = started.communicate(timeout=120)
+        assert started.returncode == 0, f"{module} --help: {err[-2000:]}"
+        assert out.startswith(f"usage: python -m {module} "), out[:300]
