@@ -5,6 +5,7 @@ a push, cost the machine.
     .venv/bin/python -m scripts.bench_idle --no-pair      # the NIXL agents only (~1 min)
     .venv/bin/python -m scripts.bench_idle --modes --connector-config '{"push_wait_pause": 0.005}'
                                                           # the pair only, another pause
+    .venv/bin/python -m scripts.bench idle                # the same, from the one command
 
 What it measures, in one go:
 1. a NIXL agent built the way vLLM's worker builds its own, inside the connector's

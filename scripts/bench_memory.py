@@ -3,6 +3,7 @@
     .venv/bin/python -m scripts.bench_memory                       # 400,000 requests
     .venv/bin/python -m scripts.bench_memory --requests 20000 --warmup-seconds 12  # short
     .venv/bin/python -m scripts.bench_memory --out bench-results/memory.json
+    .venv/bin/python -m scripts.bench memory                       # the same, from the one command
 
 The router runs as production runs it: a subprocess `python -m proxy serve --config FILE`
 (so with the CLI's `gc.freeze()` and collector thresholds), in front of one fake P and

@@ -3,6 +3,7 @@
     python -m scripts.bench_nixl                                  # DRAM, 1024 x 64 KiB blocks
     python -m scripts.bench_nixl --noncontiguous --out bench-results/nixl-cpu.json
     python -m scripts.bench_nixl --device cuda --blocks 4096      # GPU memory to GPU memory
+    python -m scripts.bench nixl                                  # the same, from the one command
 
 Two processes, started with multiprocessing (spawn): the writer ("P") and the target ("D").
 The target registers a buffer of blocks with NIXL (UCX backend, no UCX settings) and hands

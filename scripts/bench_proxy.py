@@ -4,6 +4,7 @@ calling the fake D directly, in one run.
     python -m scripts.bench_proxy                    # defaults: 64 concurrent, 10 s each
     python -m scripts.bench_proxy --concurrency 128 --seconds 20 --out bench-results/proxy.json
     python -m scripts.bench_proxy --xpyd             # pools: 4 P + 4 D, one P slow
+    python -m scripts.bench xpyd                     # the --xpyd run, from the one command
 
 Each scenario keeps `--concurrency` requests (max_tokens=1) in flight for `--seconds`,
 after a 1 s warm-up, and reports requests/s and latency percentiles. The load comes from

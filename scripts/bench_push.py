@@ -2,6 +2,7 @@
 
     .venv/bin/python -m scripts.bench_push            # ~5 min; needs no GPU
     .venv/bin/python -m scripts.bench_push --help
+    .venv/bin/python -m scripts.bench push            # the same, from the one command
 
 What it runs, in one go (progress is printed as it goes):
 1. a P/D pair with our `NixlDualConnector` and the router in front: for each prompt

@@ -3,6 +3,7 @@
     .venv/bin/python -m scripts.bench_regime --quick   # ~3 min: 512 and 2,048 tokens
     .venv/bin/python -m scripts.bench_regime           # the full grid (tens of minutes)
     .venv/bin/python -m scripts.bench_regime --help
+    .venv/bin/python -m scripts.bench regime --quick   # the --quick run, from the one command
 
 EMULATED: the servers are real vLLM on CPU serving the tiny test model as
 `EmulatedLlamaForCausalLM` (package `testbed`), whose every forward pass lasts as long as

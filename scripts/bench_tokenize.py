@@ -2,6 +2,7 @@
 
     .venv/bin/python -m scripts.bench_tokenize            # about 2 minutes
     .venv/bin/python -m scripts.bench_tokenize --tokens 1024,8192 --repeats 5
+    .venv/bin/python -m scripts.bench tokenize            # the same, from the one command
 
 kv_aware needs a prompt's token ids exactly as vLLM makes them. Two ways to get them:
 

@@ -2,6 +2,7 @@
 
     python -m scripts.drill_flood                    # 1 flooder, 10 pushes each phase, ~3 min
     python -m scripts.drill_flood --flooders 2 --requests 20
+    python -m scripts.bench drill flood              # the same, from the one command
 
 What it proves: a real CPU P/D pair with our `NixlDualConnector` (the default config: no
 CURVE) and the router in push mode. First `--requests` streamed pushes one after another

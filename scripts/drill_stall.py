@@ -5,6 +5,7 @@ router down.
     python -m scripts.drill_stall --stalled 200 --duration 30 --stall-timeout 1
     python -m scripts.drill_stall --log-level warning   # the router logs each cut
     python -m scripts.drill_stall --read-every 10 --read-bytes 1   # 1,000 slow readers
+    python -m scripts.bench drill stall                 # the same, from the one command
 
 What it proves: with `limits.max_connections: 64` (the upstream connections the router
 may open), `--stalled` clients open long streams over `--ramp` seconds and never read a

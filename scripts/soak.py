@@ -4,6 +4,7 @@ before trusting a router build:
     python -m scripts.soak                              # 20,000 requests, 5% meet a fault
     python -m scripts.soak --requests 2000 --fault-rate 0.2 --seed 7
     python -m scripts.soak --fault-kinds cut_stream garbage --out bench-results/soak-cut.json
+    python -m scripts.bench soak                        # the same, from the one command
 
 Everything runs in this process: fake vLLM servers (`scripts.fake_vllm`, 2 P + 2 D by
 default) that inject one random fault into a share of their requests (a 500, a dropped
