@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from connector import wire
+from connector import tp_plan, wire
 from connector.channel import DecodeChannel, FreeBlocks, PrefillChannel, StartWrite
 from connector.config import DualConfig
 from connector.messages import EngineId, RegisterBlocks, TransferId
@@ -99,13 +99,6 @@ def _dp_size(vllm_config: VllmConfig, engine_id: str) -> int | None:
     return None if engine_id.endswith(f"_dp{parallel.data_parallel_index}") else 1
 
 
-def _keeps_state(model_config: Any) -> bool:
-    """Whether the model keeps Mamba (or other recurrent) state besides its KV: a hybrid
-    (Jamba, Bamba, Granite 4 hybrid ...) or an attention-free Mamba. Push moves such state
-    only between equal tp sizes (`tp_plan.refusal`)."""
-    return bool(model_config.is_hybrid or model_config.has_inner_state)
-
-
 def transfer_id_of(params: wire.KVTransferParams) -> TransferId | None:
     """The router's `transfer_id`, naming this push on P and D; None when absent."""
     return TransferId(params.transfer_id) if params.transfer_id else None
@@ -144,7 +137,7 @@ class DualScheduler(NixlPullConnectorScheduler):
             lease_s=config.write_lease, write_s=config.write_timeout,
             kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
             mla=vllm_config.model_config.use_mla,
-            mamba=_keeps_state(vllm_config.model_config)))
+            mamba=tp_plan.keeps_state(vllm_config.model_config)))
         self.prefill_channel = PrefillChannel(
             registry, self.push_host, self.push_port,
             early_to=(engine_id, dp_index) if self.early_write else None,

@@ -34,6 +34,7 @@ reads what vLLM's own pull can).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +66,13 @@ def refusal(prefill_tp: int, decode_tp: int, *, kv_heads: int | None = None,
                 f"tp {prefill_tp}: D's ranks replicate heads, which push writes to one rank "
                 "only; run D with tp <= max(prefill tp, KV heads)")
     return None
+
+
+def keeps_state(model_config: Any) -> bool:
+    """Whether a model (vLLM's `ModelConfig`) keeps Mamba (or other recurrent) state
+    besides its KV: a hybrid (Jamba, Bamba, Granite 4 hybrid ...) or an attention-free
+    Mamba. Such state moves only between equal tp sizes (`refusal`)."""
+    return bool(model_config.is_hybrid or model_config.has_inner_state)
 
 
 def decode_targets(prefill_tp: int, decode_tp: int, prefill_rank: int) -> tuple[int, ...]:

@@ -59,7 +59,7 @@ from connector.outgoing import OutgoingPush, OutgoingPushes, OutgoingState
 from connector.pages import small_pages
 from connector.progress import agent_progress
 from connector.push_requests import IncomingPushes
-from connector.tp_plan import writers_per_decode_rank
+from connector.tp_plan import keeps_state, writers_per_decode_rank
 from connector.vllm_compat import (
     NixlConnectorMetadata,
     PullPushWorker,
@@ -92,6 +92,18 @@ def block_size_refusal(local: tuple[int, int], remote: tuple[int, int], *,
             "block sizes is not correct on CPU: start P and D with the same --block-size")
 
 
+def state_tp_refusal(local_tp: int, remote_tp: int, *, keeps_state: bool,
+                     on_cpu: bool) -> str | None:
+    """Why this worker refuses a transfer of a model with Mamba state with a peer of
+    another tp size; None: it does not. Only CPU servers refuse (vLLM's READ of the state
+    between tp sizes gives wrong tokens there; on GPU it is vLLM's own, untested here)."""
+    if not on_cpu or not keeps_state or local_tp == remote_tp:
+        return None
+    return (f"the model keeps Mamba state, and vLLM's transfer of it between tp sizes is "
+            f"not correct on CPU: local tp {local_tp}, peer tp {remote_tp}; run P and D "
+            "with the same --tensor-parallel-size")
+
+
 class DualWorker(PullPushWorker):
     # vLLM's pull worker, with its push worker's WRITE code (`_xfer_blocks_for_req`),
     # which needs `_sending_transfers`, its lock and `_send_failures`, set below.
@@ -105,6 +117,9 @@ class DualWorker(PullPushWorker):
         with agent_progress(config.nixl_progress_thread):
             super().__init__(vllm_config, engine_id, kv_cache_config)
         self._pull_fallback_ttl = config.pull_fallback_ttl
+        # What the handshake checks a peer against (`add_remote_agent`).
+        self._local_tp = vllm_config.parallel_config.tensor_parallel_size
+        self._keeps_state = keeps_state(vllm_config.model_config)
         # P: vLLM's push code's own state, by P's request id, which it fills and our
         # poller reads (under the lock): WRITE handles, and those that failed (folded
         # into our records each step).
@@ -153,24 +168,27 @@ class DualWorker(PullPushWorker):
                         "transfers between CPU servers (pull and push) faster")
         super().register_kv_caches(kv_caches)
 
-    def add_remote_agent(self, nixl_agent_meta: Any, *args: Any, **kwargs: Any) -> str:
+    def add_remote_agent(self, nixl_agent_meta: Any, remote_tp_rank: int = 0,
+                         remote_tp_size: int = 1, *args: Any, **kwargs: Any) -> str:
         """vLLM's handshake step with a peer's agent, refusing on a CPU server a peer whose
-        KV blocks differ in size from this one's: vLLM 0.32's READ between block sizes on
-        CPU gives wrong tokens (measured: docs/models.md). The refusal fails the handshake,
-        so vLLM fails the requests that waited on it (counted in its
-        `vllm:nixl_num_failed_transfers`) and D computes their prompts itself
-        (`kv_load_failure_policy: recompute`). A push between block sizes never gets here:
-        P refuses the registration (`NACK block_size_mismatch`)."""
+        KV blocks differ in size from this one's, or, for a model with Mamba state, whose
+        tp size differs: vLLM 0.32's READ of either on CPU gives wrong tokens (measured:
+        docs/models.md). The refusal fails the handshake, so vLLM fails the requests that
+        waited on it (counted in its `vllm:nixl_num_failed_transfers`) and D computes
+        their prompts itself (`kv_load_failure_policy: recompute`). A push of either never
+        gets here: P refuses the registration (`NACK block_size_mismatch`, `tp_mismatch`)."""
         why = block_size_refusal(
             (self.block_size, self._physical_blocks_per_logical_kv_block),
             (nixl_agent_meta.block_size,
              getattr(nixl_agent_meta, "physical_blocks_per_logical_kv_block", 1)),
-            on_cpu=on_cpu())
+            on_cpu=on_cpu()) or state_tp_refusal(
+            self._local_tp, remote_tp_size, keeps_state=self._keeps_state, on_cpu=on_cpu())
         if why is not None:
             logger.warning("refused the KV transfer handshake with %s: %s; the requests that "
                            "waited on it are computed here", nixl_agent_meta.engine_id, why)
             raise RuntimeError(why)
-        return str(super().add_remote_agent(nixl_agent_meta, *args, **kwargs))
+        return str(super().add_remote_agent(nixl_agent_meta, remote_tp_rank, remote_tp_size,
+                                            *args, **kwargs))
 
     # --- each step: the scheduler's orders ------------------------------------------------
 

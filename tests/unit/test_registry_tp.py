@@ -256,3 +256,23 @@ def test_a_cpu_worker_refuses_a_peer_of_another_block_size() -> None:
     assert block_size_refusal((32, 4), (32, 2), on_cpu=True) is not None
     assert block_size_refusal((128, 1), (128, 1), on_cpu=True) is None
     assert block_size_refusal((128, 1), (64, 1), on_cpu=False) is None  # vLLM's own on GPU
+
+
+def test_a_cpu_worker_refuses_mamba_state_between_tp_sizes() -> None:
+    from connector.worker import state_tp_refusal
+
+    why = state_tp_refusal(1, 2, keeps_state=True, on_cpu=True)
+    assert why is not None and "Mamba state" in why and "local tp 1, peer tp 2" in why
+    assert state_tp_refusal(2, 2, keeps_state=True, on_cpu=True) is None
+    assert state_tp_refusal(1, 2, keeps_state=False, on_cpu=True) is None  # KV alone maps
+    assert state_tp_refusal(1, 2, keeps_state=True, on_cpu=False) is None  # vLLM's own on GPU
+
+
+@pytest.mark.parametrize(("is_hybrid", "has_inner_state", "keeps"), [
+    (True, True, True), (False, True, True), (False, False, False)])
+def test_a_model_keeps_state_when_vllm_says_hybrid_or_inner_state(
+        is_hybrid: bool, has_inner_state: bool, keeps: bool) -> None:
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(is_hybrid=is_hybrid, has_inner_state=has_inner_state)
+    assert tp_plan.keeps_state(config) is keeps
