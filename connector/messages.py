@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import enum
 import math
+import threading
 from typing import Annotated, NewType, TypeAlias, get_args
 
 import msgspec
@@ -61,7 +62,10 @@ import msgspec
 #      them (version 3's P refused any other tp than its own).
 #   5: the write lease: Ack.lease and Pong.lease (P's LeaseToken), RegisterBlocks.grant
 #      and Ping.grant (D's Grant); FailReason lease_expired.
-PROTOCOL_VERSION = 5
+#   6: bounds that let P size its frames from its own layout: a transfer id has at most
+#      MAX_TRANSFER_ID_CHARS characters, a grant names at most MAX_WITHHELD (256, was
+#      4096) of each kind; block ids are checked >= 0 by the decoder itself.
+PROTOCOL_VERSION = 6
 
 TransferId = NewType("TransferId", str)
 EngineId = NewType("EngineId", str)
@@ -71,10 +75,19 @@ MAX_PORT = 65535
 # refuses a message naming more before it builds a single group: a million empty groups
 # fit in one frame, and would keep P's side channel thread decoding for most of a second.
 MAX_KV_GROUPS = 1024
-BlockIds: TypeAlias = Annotated[list[list[int]], msgspec.Meta(max_length=MAX_KV_GROUPS)]
-# A grant names at most this many transfers it does not cover (D's give-ups at that P
-# that P has not answered yet): as many as one peer may hold registered on P by default.
-MAX_WITHHELD = 4096
+# Checked by msgspec as it decodes (no Python loop over a registration's ids: a flood of
+# large registrations spent a third of P's channel thread in that loop).
+BlockIds: TypeAlias = Annotated[list[list[Annotated[int, msgspec.Meta(ge=0)]]],
+                                msgspec.Meta(max_length=MAX_KV_GROUPS)]
+# A transfer id is the router's 32 hex digits; any id on the wire has at most this many
+# characters, so that P can bound a legitimate frame (`connector.prefill_channel`).
+MAX_TRANSFER_ID_CHARS = 64
+# A grant names at most this many transfers of each kind (`adds`, `withheld`: D's
+# give-ups at that P that P has not answered yet, normally a handful). Past it, D sends
+# no grant and P's lease lapses (P lets go; D computes). Small, because every frame P
+# reads may be this large: with 4096 a ping could be 280 KB, and P could not refuse a
+# 150 KB flood of degenerate registrations before reading them (scripts/drill_flood).
+MAX_WITHHELD = 256
 
 
 class ProtocolError(ValueError):
@@ -115,6 +128,22 @@ def _require_id(value: str, field: str) -> None:
     _require(bool(value), f"{field} must be a non-empty string")
 
 
+def _require_transfer_id(value: str, field: str) -> None:
+    _require_id(value, field)
+    _require(len(value) <= MAX_TRANSFER_ID_CHARS,
+             f"{field} must have at most {MAX_TRANSFER_ID_CHARS} characters, got {len(value)}")
+
+
+def _require_block_ids(block_ids: BlockIds) -> None:
+    """Block ids >= 0. The decoder checks that as it reads them (`BlockIds`); this loop,
+    over every id in Python, is for a message built here only."""
+    if getattr(_decoding, "active", False):
+        return
+    for group in block_ids:
+        bad = [block for block in group if block < 0]
+        _require(not bad, f"block_ids must hold ids >= 0, got {bad}")
+
+
 class _Message(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):
     version: int = PROTOCOL_VERSION
 
@@ -123,7 +152,7 @@ class _TransferMessage(_Message, frozen=True, kw_only=True):
     transfer_id: TransferId
 
     def __post_init__(self) -> None:
-        _require_id(self.transfer_id, "transfer_id")
+        _require_transfer_id(self.transfer_id, "transfer_id")
 
 
 class LeaseToken(msgspec.Struct, frozen=True, kw_only=True):
@@ -159,7 +188,7 @@ class Grant(msgspec.Struct, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         for transfer_id in (*self.adds, *self.withheld):
-            _require_id(transfer_id, "a grant's transfer_id")
+            _require_transfer_id(transfer_id, "a grant's transfer_id")
 
 
 class RegisterBlocks(_TransferMessage, frozen=True, kw_only=True, tag="register_blocks"):
@@ -195,9 +224,7 @@ class RegisterBlocks(_TransferMessage, frozen=True, kw_only=True, tag="register_
         _require(1 <= len(self.block_ids) <= MAX_KV_GROUPS,
                  f"block_ids must hold 1 to {MAX_KV_GROUPS} KV-cache groups, "
                  f"got {len(self.block_ids)}")
-        for group in self.block_ids:
-            bad = [block for block in group if block < 0]
-            _require(not bad, f"block ids must be >= 0, got {bad}")
+        _require_block_ids(self.block_ids)
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
         _require_id(self.host, "host")
         _require(1 <= self.port <= MAX_PORT, f"port must be in 1..{MAX_PORT}, got {self.port}")
@@ -255,9 +282,7 @@ class PullOffer(msgspec.Struct, frozen=True, kw_only=True):
         _require(1 <= len(self.block_ids) <= MAX_KV_GROUPS,
                  f"block_ids must hold 1 to {MAX_KV_GROUPS} KV-cache groups, "
                  f"got {len(self.block_ids)}")
-        for group in self.block_ids:
-            bad = [block for block in group if block < 0]
-            _require(not bad, f"block ids must be >= 0, got {bad}")
+        _require_block_ids(self.block_ids)
         _require(math.isfinite(self.ttl_s) and self.ttl_s > 0,
                  f"ttl_s must be a finite number > 0, got {self.ttl_s}")
 
@@ -308,6 +333,8 @@ class _Header(msgspec.Struct):
     version: int
 
 
+# Set while this thread decodes: the decoder has checked what `__post_init__` would again.
+_decoding = threading.local()
 _ENCODER = msgspec.msgpack.Encoder()
 _HEADER_DECODER = msgspec.msgpack.Decoder(_Header)
 _DECODER: msgspec.msgpack.Decoder[Message] = msgspec.msgpack.Decoder(Message)
@@ -338,7 +365,10 @@ def decode(data: bytes) -> Message:
         raise ProtocolError(
             f"unknown message type {header.type!r}; known: {sorted(MESSAGE_TYPES)}"
         )
+    _decoding.active = True
     try:
         return _DECODER.decode(data)
     except msgspec.DecodeError as exc:  # ValidationError included, from __post_init__ too
         raise ProtocolError(f"invalid {header.type!r} message: {exc}") from exc
+    finally:
+        _decoding.active = False

@@ -21,6 +21,11 @@ thread never ran). Each wake-up of that thread reads at most a batch of messages
 (`_BATCH_MESSAGES`, `_BATCH_BYTES`), then handles the engine's events and the registry's
 deadlines, and only then goes back to the socket: a peer that floods the push port slows
 its own messages, not the engine's (a WRITE still starts, a prefill still expires).
+After a full batch the socket rests (`_SOCKET_SHARE`: reading it takes at most a quarter
+of the thread's time, and so of the GIL and the core it shares with P's engine), and
+what waits stays in ZMQ: at most `_RECEIVE_HWM` messages per connection, none longer
+than P's layout allows (`max_frame_bytes`; a longer frame ends its connection in ZMQ,
+unread), so a flood costs P neither unbounded memory nor more than its share of CPU.
 Messages that are not ours are counted (`bad_messages`) and logged at most
 `LOG_BURST` times a minute, as are refused registrations. Each message and engine event
 is handled under the thread's guard (see `connector.channel_thread`): one that raises is
@@ -45,6 +50,9 @@ from connector.channel_thread import LOG_BURST, ChannelThread, LogLimit, describ
 from connector.early import EarlyOutbox
 from connector.keys import ServerKeys
 from connector.messages import (
+    MAX_KV_GROUPS,
+    MAX_TRANSFER_ID_CHARS,
+    MAX_WITHHELD,
     Abandon,
     Abort,
     Ack,
@@ -91,13 +99,40 @@ _REFUSAL_LOG_INTERVAL_S = 60.0
 # work (well under a millisecond a message, a few for the largest), not by the flood's.
 _BATCH_MESSAGES = 128
 _BATCH_BYTES = 4 << 20
+# Under a flood, reading the socket takes at most this share of the channel thread's
+# time: after a full batch (the socket may hold more) that took t seconds, the socket
+# rests t * (1 / share - 1) seconds, while engine events and deadlines are still handled
+# at once. What waits meanwhile stays in ZMQ's queues (_RECEIVE_HWM per connection),
+# which then stop taking the flooder's bytes: the flood waits, not the engine. Measured
+# with scripts/drill_flood's flooder sending only pings, aborts and garbage (230,000
+# messages a second offered): without the rest, P's channel thread read without pause
+# and competed with P's engine for its core and the GIL.
+_SOCKET_SHARE = 0.25
 # Handshake failures: a peer without a key (mechanism mismatch), with an unknown key
 # (the authenticator said no), or speaking garbage.
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
-# A registration's frame, beyond its block ids (ids, host names and request ids included):
-# frames longer than this plus 10 bytes per P block end their connection unread.
-_FRAME_ALLOWANCE = 1 << 20
+# What a frame of ours holds beyond its block ids and its grant's transfer ids: field
+# names, numbers, D's engine id, request id and host name (each well under a KiB).
+_FRAME_ALLOWANCE = 16 << 10
+# Messages each peer connection may queue on P's ROUTER before ZMQ stops reading that
+# connection (ZMQ's default is 1000). Measured with scripts/drill_flood's flooder, which
+# takes a new connection every 1000 messages, against a reader slower than the flood: a
+# connection that closes keeps what it queued until P reads it, so at 1000 per
+# connection P grew by 3 GiB in 8 s; at 64, by 0.25 GiB. D sends a few messages per push,
+# and what P's queue cannot take waits in D's.
+_RECEIVE_HWM = 64
+
+
+def max_frame_bytes(num_blocks: int, num_groups: int) -> int:
+    """The longest frame a peer may send a P with `num_blocks` KV cache blocks in
+    `num_groups` groups: a registration of every block, with a grant of the most
+    transfer ids it may name. Longer frames end their connection in ZMQ, unread (a
+    degenerate registration costs P no decoding: scripts/drill_flood's 50,000-block
+    registrations took a third of P's channel thread)."""
+    ids = 5 * (num_blocks + num_groups)  # a msgpack int up to 2**32 and a group's header
+    grant = 2 * MAX_WITHHELD * (MAX_TRANSFER_ID_CHARS + 2)  # adds and withheld
+    return _FRAME_ALLOWANCE + ids + grant
 
 
 # --- what P's engine is told to do --------------------------------------------------------
@@ -215,9 +250,10 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         # A reply to a D whose connection is gone fails instead of vanishing: P then
         # knows that blocks it kept for that D's READ can go at once.
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._socket.setsockopt(zmq.RCVHWM, _RECEIVE_HWM)
         if registry.config.num_blocks is not None:
-            self._socket.setsockopt(
-                zmq.MAXMSGSIZE, _FRAME_ALLOWANCE + 10 * registry.config.num_blocks)
+            self._socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes(
+                registry.config.num_blocks, registry.config.num_groups or MAX_KV_GROUPS))
         if curve is not None:
             # The authenticator answers ZMQ's handshake requests (ZAP) on its own thread,
             # in this channel's context; it must run before the first peer connects.
@@ -256,10 +292,14 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         self.unidentified = 0  # messages dropped: authenticated, yet no key on them
         self.bad_messages = 0  # messages dropped: not [identity, payload], or undecodable
         self.received = 0  # messages read off the socket, whatever they held
+        self.unsent = 0  # answers that could not go (no such peer connected)
         self._refusal_log = LogLimit(1, _REFUSAL_LOG_INTERVAL_S)
         self._bad_message_log = LogLimit(LOG_BURST, _REFUSAL_LOG_INTERVAL_S)
         self._refused_registration_log = LogLimit(LOG_BURST, _REFUSAL_LOG_INTERVAL_S)
-        self._poller = zmq.Poller()
+        self._unsent_log = LogLimit(LOG_BURST, _REFUSAL_LOG_INTERVAL_S)
+        self._poller = zmq.Poller()  # the socket, the wake-up pipe, the monitor
+        self._resting = zmq.Poller()  # the same but the socket: while it rests
+        self._socket_rests_until = 0.0  # monotonic: see _SOCKET_SHARE
 
     # --- engine thread -----------------------------------------------------------------
 
@@ -314,12 +354,19 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
 
     def _setup(self) -> None:
         self._poller.register(self._socket, zmq.POLLIN)
-        self._poller.register(self._wakeup.read_fd, zmq.POLLIN)
-        if self._monitor is not None:
-            self._poller.register(self._monitor, zmq.POLLIN)
+        for poller in (self._poller, self._resting):
+            poller.register(self._wakeup.read_fd, zmq.POLLIN)
+            if self._monitor is not None:
+                poller.register(self._monitor, zmq.POLLIN)
 
     def _pass(self) -> None:
-        self._wake(self._poll(self._poller, self.registry.next_deadline()))
+        deadline = self.registry.next_deadline()
+        rests_until = self._socket_rests_until
+        if time.monotonic() < rests_until:
+            deadline = rests_until if deadline is None else min(deadline, rests_until)
+            self._wake(self._poll(self._resting, deadline))
+        else:
+            self._wake(self._poll(self._poller, deadline))
 
     def _teardown(self) -> None:
         self._close_owned()
@@ -333,7 +380,11 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
             if self._monitor is not None and self._monitor in ready:
                 self._read_monitor(self._monitor)
             if self._socket in ready:
-                self._read_socket()
+                started = time.perf_counter()
+                if self._read_socket():  # a full batch: more may be waiting
+                    spent = time.perf_counter() - started
+                    self._socket_rests_until = time.monotonic() + spent * (
+                        1 / _SOCKET_SHARE - 1)
             events = self._drain_events()
             for event in events:
                 self._guarded(describe(event), self._on_engine_event, event)
@@ -360,16 +411,17 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
                 logger.warning("push side channel: refused a peer without an allowed CURVE "
                                "key (%d refusals so far)", self.refused_handshakes)
 
-    def _read_socket(self) -> None:
-        """Read and handle at most a batch (_BATCH_MESSAGES, _BATCH_BYTES) of messages."""
+    def _read_socket(self) -> bool:
+        """Read and handle at most a batch (_BATCH_MESSAGES, _BATCH_BYTES) of messages;
+        whether the batch was full (the socket may hold more)."""
         size = 0
         for _ in range(_BATCH_MESSAGES):
             if size >= _BATCH_BYTES:
-                return
+                return True
             try:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return
+                return False
             self.received += 1
             size += sum(len(frame) for frame in frames)
             if len(frames) != 2:  # not [identity, payload]: not one of ours
@@ -386,6 +438,7 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
                 continue
             self._guarded(f"{describe(message)} from {identity!r}", self._on_message,
                           identity, message, peer)
+        return True
 
     def _bad_message(self, identity: bytes, why: str) -> None:
         """Count a message that is not ours, and log it (at most LOG_BURST a minute)."""
@@ -433,9 +486,13 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
             if isinstance(outcome, Ignored):
                 logger.debug("push %s: abandon ignored: %s", tid, outcome.why)
                 return
+            # Logged only when it freed something: an abandon of an id P does not know
+            # (yet) leaves a tombstone, which anyone can ask for (a flood does).
             if outcome is not None:
                 self._released(outcome)
-            logger.info("push %s: abandoned by the router (its D leg failed)", tid)
+                logger.info("push %s: abandoned by the router (its D leg failed)", tid)
+            else:
+                logger.debug("push %s: abandoned by the router before its prefill ended", tid)
         else:
             logger.warning("push side channel: unexpected %s from %r",
                            type(message).__name__, identity)
@@ -448,13 +505,16 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         if isinstance(outcome, Ignored):
             logger.debug("push %s: abort ignored: %s", tid, outcome.why)
             return
+        known = True
         if outcome is not None:
             self._released(outcome)
         elif self.registry.state_of(tid) is None:
             # Nothing here (yet) for this transfer: nothing will be written into D's
             # blocks, so D may free them now.
             self._send(identity, PushFailed(transfer_id=tid, reason=FailReason.ABORTED))
-        logger.log(logging.DEBUG if again else logging.INFO, "push %s: D aborted", tid)
+            known = False  # at most a tombstone: not worth a line each (a flood's are not)
+        logger.log(logging.INFO if known and not again else logging.DEBUG,
+                   "push %s: D aborted", tid)
 
     def _withhold(self, identity: bytes, grant: Grant, peer: PeerId, now: float) -> None:
         """The transfers D's grant does not cover: aborted before the grant is taken."""
@@ -604,7 +664,14 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         try:
             self._socket.send_multipart([identity, encode(message)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            logger.warning("push side channel: could not send %s to %r: %s",
-                           type(message).__name__, identity, exc)
+            # Counted, and logged at most LOG_BURST times a minute: a flood's registrations
+            # name engine ids nobody connected as, and its aborts come from connections
+            # gone by the time P answers (a warning for each took a tenth of P's channel
+            # thread under scripts/drill_flood).
+            self.unsent += 1
+            if self._unsent_log.allow(time.monotonic()):
+                logger.warning("push side channel: could not send %s to %r: %s%s",
+                               type(message).__name__, identity, exc,
+                               self._unsent_log.suffix())
             return False
         return True

@@ -20,6 +20,7 @@ import zmq.auth
 from connector.channel import DecodeChannel, PrefillChannel, StartWrite
 from connector.keys import ClientKeys, KeyPair, ServerKeys, load_key_pair, load_public_key
 from connector.messages import (
+    MAX_KV_GROUPS,
     Abort,
     Ack,
     EngineId,
@@ -296,8 +297,10 @@ def test_registrations_over_the_limit_of_all_peers_together_are_nacked(made: Mad
 
 def test_degenerate_registrations_are_refused_and_nothing_of_them_is_kept(made: Made) -> None:
     """Checked against P's layout (1 KV-cache group, 8 blocks) before anything is kept:
-    another number of groups, or more block ids than P has, is NACKed with the reason; a
-    million empty groups (one byte each: within the frame cap) is dropped undecoded."""
+    another number of groups, or more block ids than P has, is NACKed with the reason;
+    more groups than any model has (one byte each: within the frame cap) is dropped
+    undecoded. (A million of them would pass P's frame cap, which ends the connection:
+    tests/integration/test_sidechannel_flood.py.)"""
     p = made.prefill(num_groups=1, num_blocks=8)
     identity = b"engine-d-raw"
     sock = made.dealer(p.address, identity)
@@ -307,9 +310,9 @@ def test_degenerate_registrations_are_refused_and_nothing_of_them_is_kept(made: 
         nack = receive(sock)
         assert isinstance(nack, Nack) and nack.transfer_id == tid, nack
         assert nack.reason is NackReason.TOO_MANY_BLOCKS and says in nack.message, nack
-    million = msgspec.to_builtins(raw_registration("t-million", identity))
-    million["block_ids"] = [[]] * 1_000_000
-    sock.send(msgspec.msgpack.encode(million))
+    many = msgspec.to_builtins(raw_registration("t-many-groups", identity))
+    many["block_ids"] = [[]] * (MAX_KV_GROUPS + 1)
+    sock.send(msgspec.msgpack.encode(many))
     sock.send(encode(Ping()))
     assert isinstance(receive(sock), Pong), "dropped, not answered: it is no valid message"
     assert p.bad_messages == 1 and p.registry.counters().too_many_blocks == 2

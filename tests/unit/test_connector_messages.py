@@ -195,7 +195,7 @@ INVALID_REGISTER_FIELDS = [
     pytest.param({"block_ids": []}, "block_ids", id="no-kv-groups"),
     pytest.param({"block_ids": [[]] * (MAX_KV_GROUPS + 1)}, "block_ids",
                  id="too-many-kv-groups"),
-    pytest.param({"block_ids": [[1, -1]]}, "block ids", id="negative-block-id"),
+    pytest.param({"block_ids": [[1, -1]]}, "block_ids", id="negative-block-id"),
     pytest.param({"block_size": 0}, "block_size", id="block-size-0"),
     pytest.param({"port": 0}, "port", id="port-0"),
     pytest.param({"port": 65536}, "port", id="port-65536"),
