@@ -82,7 +82,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """
     rank = {"pull_pair": 0, "push_pair": 1, "dual_pair": 2, "dual_dp_pair": 3, "pool_2p1d": 4,
             "kv_pool_2p1d": 4, "tp_pair": 5, "family_pair": 6, "block_size_pair": 6,
-            "tracing_pair": 6}
+            "tracing_pair": 6, "mamba_tp_pair": 6}
     positions = []
     for index, item in enumerate(items):
         used = [rank[name] for name in getattr(item, "fixturenames", ()) if name in rank]
