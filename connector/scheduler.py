@@ -163,7 +163,7 @@ class DualScheduler(NixlPullConnectorScheduler):
         self._next_step_jobs: list[StartWrite] = []
         self.stats = PushStats()
         self._logged = (PushStats(), time.monotonic())
-        self._refused: tuple[int, ...] = (0,) * 13  # the drop counts last logged
+        self._refused: tuple[int, ...] = (0,) * 14  # the drop counts last logged
         logger.info("dual connector: modes %s; push side channel on %s:%d (%s); idle steps "
                     "while waiting for pushes pause %.1f ms; early WRITEs %s",
                     ",".join(wire.TRANSFER_MODE_VALUES), self.push_host, self.push_port,
