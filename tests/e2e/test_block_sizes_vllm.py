@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.pd_protocol import EXTERNAL_KV_TOKENS, answer_token_ids, metric
+from scripts.pd_protocol import answer_token_ids, metric
 from scripts.vllm_cpu import Pair, Role, ServerStartError, VllmServer, run_servers, server_spec
 from tests.e2e.conftest import (
     DUAL,
@@ -42,13 +42,12 @@ from tests.e2e.vllm_client import (
     get_metrics,
     make_body,
     reference_tokens,
-    wait_for_metric,
+    served_by_mode,
 )
 
 pytestmark = pytest.mark.e2e
 
 BLOCK_SIZES: dict[Role, int] = {"prefill": 64, "decode": 128}
-SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 FAILED_TRANSFERS = "vllm:nixl_num_failed_transfers_total"
 
 
@@ -68,29 +67,14 @@ def block_size_pair(pair_manager: PairManager, tiny_model: Path) -> Iterator[Pai
                     pytrace=False)
 
 
-def by_source(samples: dict[Any, float]) -> dict[str, float]:
-    return {source: metric(samples, EXTERNAL_KV_TOKENS, source=source) for source in SOURCES}
-
-
 async def through_router(client: httpx.AsyncClient, pair: Pair, router_url: str,
                          mode: str) -> tuple[dict[str, Any], dict[str, float]]:
     """A fresh greedy request by `mode`: the answer (its tokens checked against one
     server's) and D's prompt tokens by source for it."""
     body = make_body(COMPLETIONS)
-    before = by_source(await get_metrics(client, pair.decode_url))
-    resp = await client.post(router_url + COMPLETIONS, json=body,
-                             headers={"X-KV-Transfer-Mode": mode})
-    assert resp.status_code == 200, resp.text
-    assert resp.headers["x-kv-transfer-mode"] == mode, "the router fell back"
-    answer: dict[str, Any] = resp.json()
+    answer, delta = await served_by_mode(client, pair.decode_url, router_url, COMPLETIONS,
+                                         body, mode)
     prompt_tokens = int(answer["usage"]["prompt_tokens"])
-
-    def counted(samples: dict[Any, float]) -> bool:
-        now = by_source(samples)
-        return sum(now[s] - before[s] for s in SOURCES) >= prompt_tokens
-
-    after = by_source(await wait_for_metric(client, pair.decode_url, counted))
-    delta = {s: after[s] - before[s] for s in SOURCES}
     assert sum(delta.values()) == prompt_tokens, f"{mode}: D counted {delta}"
     assert answer_token_ids(answer) == await reference_tokens(
         client, pair.decode_url, COMPLETIONS, body), f"{mode}: tokens differ from one server's"

@@ -33,7 +33,7 @@ import httpx
 import pytest
 
 from scripts import tiny_families
-from scripts.pd_protocol import EXTERNAL_KV_TOKENS, KV_USAGE, answer_token_ids, metric
+from scripts.pd_protocol import KV_USAGE, answer_token_ids, metric
 from scripts.vllm_cpu import Pair, ServerStartError, run_servers, server_spec
 from tests.e2e.conftest import (
     DUAL,
@@ -47,9 +47,9 @@ from tests.e2e.conftest import (
 from tests.e2e.vllm_client import (
     COMPLETIONS,
     TIMEOUT,
-    get_metrics,
     make_body,
     reference_tokens,
+    served_by_mode,
     wait_for_metric,
 )
 
@@ -67,7 +67,6 @@ FAMILIES: dict[str, tuple[tuple[str, ...], dict[str, str]]] = {
 # Prompt tokens D computes itself after a hand-over: vLLM's NIXL code has P stop one token
 # short for a Mamba model (D recomputes the last to get the state after it).
 RECOMPUTED = {"granitemoehybrid": 1}
-SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # The request sequences, each on the family's one pair.
 MODES = {"pull": ("pull", "pull"), "push": ("push", "push"),
          "alternating": ("push", "pull", "push", "pull")}
@@ -104,28 +103,13 @@ def family_pair(request: pytest.FixtureRequest, pair_manager: PairManager) -> It
         pytest.fail(f"starting the {family} pair failed: {exc}", pytrace=False)
 
 
-def by_source(samples: dict[Any, float]) -> dict[str, float]:
-    return {source: metric(samples, EXTERNAL_KV_TOKENS, source=source) for source in SOURCES}
-
-
 async def handed_over(client: httpx.AsyncClient, pair: Pair, router_url: str,
                      body: dict[str, Any], mode: str) -> list[int]:
     """`body` through the router by `mode`: its tokens, once shown that the router did
     not fall back and that D got the whole prompt by transfer (not by its own compute)."""
-    before = by_source(await get_metrics(client, pair.decode_url))
-    resp = await client.post(router_url + COMPLETIONS, json=body,
-                             headers={"X-KV-Transfer-Mode": mode})
-    assert resp.status_code == 200, resp.text
-    assert resp.headers["x-kv-transfer-mode"] == mode, "the router fell back"
-    answer = resp.json()
+    answer, delta = await served_by_mode(client, pair.decode_url, router_url, COMPLETIONS,
+                                         body, mode)
     prompt_tokens = int(answer["usage"]["prompt_tokens"])
-
-    def counted(samples: dict[Any, float]) -> bool:
-        now = by_source(samples)
-        return sum(now[s] - before[s] for s in SOURCES) >= prompt_tokens
-
-    after = by_source(await wait_for_metric(client, pair.decode_url, counted))
-    delta = {s: after[s] - before[s] for s in SOURCES}
     family = pair.family if isinstance(pair, FamilyPair) else ""
     expected = prompt_tokens - RECOMPUTED.get(family, 0)
     assert delta["external_kv_transfer"] == expected, (

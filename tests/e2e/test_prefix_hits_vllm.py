@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.pd_protocol import EXTERNAL_KV_TOKENS, answer_token_ids, metric
+from scripts.pd_protocol import answer_token_ids
 from scripts.tiny_model import sample_text
 from scripts.vllm_cpu import Pair
 from tests.e2e.conftest import ProxyFactory
@@ -31,22 +31,14 @@ from tests.e2e.vllm_client import (
     MAX_TOKENS,
     TIMEOUT,
     common_prefix,
-    get_metrics,
     reference_tokens,
+    served_by_mode,
     tokenize,
-    wait_for_metric,
 )
 
 pytestmark = pytest.mark.e2e
 
 BLOCK_SIZE = 128  # vLLM CPU's default, which the pair keeps
-SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
-
-
-def by_source(samples: dict[Any, float]) -> dict[str, float]:
-    return {source: metric(samples, EXTERNAL_KV_TOKENS, source=source) for source in SOURCES}
-
-
 async def text_of(client: httpx.AsyncClient, url: str, seed: int, lines: int,
                   min_tokens: int) -> str:
     """Pseudo-English of `lines` lines or more, at least `min_tokens` tokens."""
@@ -60,20 +52,9 @@ async def text_of(client: httpx.AsyncClient, url: str, seed: int, lines: int,
 async def served(client: httpx.AsyncClient, pair: Pair, router_url: str, path: str,
                  body: dict[str, Any], mode: str) -> tuple[dict[str, Any], dict[str, float]]:
     """`body` through the router by `mode`: the answer, and D's prompt tokens by source
-    for it (waited for: vLLM publishes them a moment after it answers)."""
-    before = by_source(await get_metrics(client, pair.decode_url))
-    resp = await client.post(router_url + path, json=body, headers={"X-KV-Transfer-Mode": mode})
-    assert resp.status_code == 200, resp.text
-    assert resp.headers["x-kv-transfer-mode"] == mode, "the router fell back"
-    answer: dict[str, Any] = resp.json()
+    for it, which add up to the prompt."""
+    answer, delta = await served_by_mode(client, pair.decode_url, router_url, path, body, mode)
     prompt_tokens = int(answer["usage"]["prompt_tokens"])
-
-    def counted(samples: dict[Any, float]) -> bool:
-        now = by_source(samples)
-        return sum(now[s] - before[s] for s in SOURCES) >= prompt_tokens
-
-    after = by_source(await wait_for_metric(client, pair.decode_url, counted))
-    delta = {s: after[s] - before[s] for s in SOURCES}
     assert sum(delta.values()) == prompt_tokens, f"{mode}: D counted {delta} for {prompt_tokens}"
     return answer, delta
 

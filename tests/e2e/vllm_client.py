@@ -69,6 +69,37 @@ async def wait_for_metric(
         await asyncio.sleep(0.1)
 
 
+# Where D's prompt tokens came from, by vLLM's vllm:prompt_tokens_by_source.
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+def by_source(samples: dict[Any, float]) -> dict[str, float]:
+    """A server's prompt tokens so far, per source."""
+    return {source: metric(samples, EXTERNAL_KV_TOKENS, source=source)
+            for source in PROMPT_SOURCES}
+
+
+async def served_by_mode(client: httpx.AsyncClient, decode_url: str, router_url: str,
+                         path: str, body: dict[str, Any],
+                         mode: str) -> tuple[dict[str, Any], dict[str, float]]:
+    """`body` through the router by `mode` (200, and no fall back to another mode): the
+    answer, and D's prompt tokens by source for it, waited for until they add up to the
+    prompt (vLLM publishes them a moment after it answers)."""
+    before = by_source(await get_metrics(client, decode_url))
+    resp = await client.post(router_url + path, json=body, headers={"X-KV-Transfer-Mode": mode})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-kv-transfer-mode"] == mode, "the router fell back"
+    answer: dict[str, Any] = resp.json()
+    prompt_tokens = int(answer["usage"]["prompt_tokens"])
+
+    def counted(samples: dict[Any, float]) -> bool:
+        now = by_source(samples)
+        return sum(now[s] - before[s] for s in PROMPT_SOURCES) >= prompt_tokens
+
+    after = by_source(await wait_for_metric(client, decode_url, counted))
+    return answer, {s: after[s] - before[s] for s in PROMPT_SOURCES}
+
+
 async def tokenize(client: httpx.AsyncClient, base_url: str, prompt: str) -> list[int]:
     resp = await client.post(f"{base_url}/tokenize", json={"model": "tiny", "prompt": prompt})
     assert resp.status_code == 200, resp.text
