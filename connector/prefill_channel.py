@@ -21,11 +21,14 @@ thread never ran). Each wake-up of that thread reads at most a batch of messages
 (`_BATCH_MESSAGES`, `_BATCH_BYTES`), then handles the engine's events and the registry's
 deadlines, and only then goes back to the socket: a peer that floods the push port slows
 its own messages, not the engine's (a WRITE still starts, a prefill still expires).
-After a full batch the socket rests (`_SOCKET_SHARE`: reading it takes at most a quarter
-of the thread's time, and so of the GIL and the core it shares with P's engine), and
-what waits stays in ZMQ: at most `_RECEIVE_HWM` messages per connection, none longer
-than P's layout allows (`max_frame_bytes`; a longer frame ends its connection in ZMQ,
-unread), so a flood costs P neither unbounded memory nor more than its share of CPU.
+Handling messages (decoding, checking, answering) takes at most a share of the thread's
+time (`_HANDLING_SHARE`), and so of the GIL and the core it shares with P's engine; past
+it, the messages of peers P does not know (none of whose registrations it accepted
+lately) are read and dropped unhandled (`shed`), at a few microseconds each, while known
+peers (the D servers at work) are still served. Reading on is what bounds P's memory: a
+message left unread stays in ZMQ, also once its connection is gone. What ZMQ holds is
+bounded per connection: at most `_RECEIVE_HWM` messages, none longer than P's layout
+allows (`max_frame_bytes`; a longer frame ends its connection in ZMQ, unread).
 Messages that are not ours are counted (`bad_messages`) and logged at most
 `LOG_BURST` times a minute, as are refused registrations. Each message and engine event
 is handled under the thread's guard (see `connector.channel_thread`): one that raises is
@@ -39,6 +42,7 @@ import math
 import queue
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,15 +103,24 @@ _REFUSAL_LOG_INTERVAL_S = 60.0
 # work (well under a millisecond a message, a few for the largest), not by the flood's.
 _BATCH_MESSAGES = 128
 _BATCH_BYTES = 4 << 20
-# Under a flood, reading the socket takes at most this share of the channel thread's
-# time: after a full batch (the socket may hold more) that took t seconds, the socket
-# rests t * (1 / share - 1) seconds, while engine events and deadlines are still handled
-# at once. What waits meanwhile stays in ZMQ's queues (_RECEIVE_HWM per connection),
-# which then stop taking the flooder's bytes: the flood waits, not the engine. Measured
-# with scripts/drill_flood's flooder sending only pings, aborts and garbage (230,000
-# messages a second offered): without the rest, P's channel thread read without pause
-# and competed with P's engine for its core and the GIL.
-_SOCKET_SHARE = 0.25
+# Handling messages may take this share of the channel thread's time, in bursts of up to
+# _HANDLING_BURST_S; past it, messages of peers not known are shed (read, dropped). Not
+# reading instead would not do: a connection's unread messages stay in ZMQ after it
+# closes, so a flooder that takes a new connection every 1000 messages (the drill's)
+# piles them up. Measured with the drill's flooder sending pings, aborts and garbage
+# only: letting the socket rest (not read) three quarters of the time grew P by 690 MiB
+# in 8 s and left a backlog that delayed pushes by 3 s after the flood; handling every
+# message kept P's memory flat but slowed pushes 2.3x.
+_HANDLING_SHARE = 0.25
+_HANDLING_BURST_S = 0.05
+# Peers whose messages are handled even past the share: the last this many whose
+# registrations P accepted (the D servers at work), most recently heard from last.
+_KNOWN_PEERS = 4096
+# Past the share, a peer not known still has its first this many messages handled (a
+# new D's first registration, which makes it known), remembered for the last
+# _STRANGERS peers: a flooder's new connection gets as much, and pays a connection for it.
+_STRANGER_MESSAGES = 2
+_STRANGERS = 65536
 # Handshake failures: a peer without a key (mechanism mismatch), with an unknown key
 # (the authenticator said no), or speaking garbage.
 _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -297,9 +310,12 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         self._bad_message_log = LogLimit(LOG_BURST, _REFUSAL_LOG_INTERVAL_S)
         self._refused_registration_log = LogLimit(LOG_BURST, _REFUSAL_LOG_INTERVAL_S)
         self._unsent_log = LogLimit(LOG_BURST, _REFUSAL_LOG_INTERVAL_S)
-        self._poller = zmq.Poller()  # the socket, the wake-up pipe, the monitor
-        self._resting = zmq.Poller()  # the same but the socket: while it rests
-        self._socket_rests_until = 0.0  # monotonic: see _SOCKET_SHARE
+        self._poller = zmq.Poller()
+        # Seconds of handling left (see _HANDLING_SHARE), as of `_budget_at` (monotonic).
+        self._budget, self._budget_at = _HANDLING_BURST_S, time.monotonic()
+        self._known: OrderedDict[PeerId, None] = OrderedDict()  # see _KNOWN_PEERS
+        self._strangers: OrderedDict[PeerId, int] = OrderedDict()  # see _STRANGERS
+        self.shed = 0  # messages of peers not known, dropped unhandled past the share
 
     # --- engine thread -----------------------------------------------------------------
 
@@ -354,19 +370,12 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
 
     def _setup(self) -> None:
         self._poller.register(self._socket, zmq.POLLIN)
-        for poller in (self._poller, self._resting):
-            poller.register(self._wakeup.read_fd, zmq.POLLIN)
-            if self._monitor is not None:
-                poller.register(self._monitor, zmq.POLLIN)
+        self._poller.register(self._wakeup.read_fd, zmq.POLLIN)
+        if self._monitor is not None:
+            self._poller.register(self._monitor, zmq.POLLIN)
 
     def _pass(self) -> None:
-        deadline = self.registry.next_deadline()
-        rests_until = self._socket_rests_until
-        if time.monotonic() < rests_until:
-            deadline = rests_until if deadline is None else min(deadline, rests_until)
-            self._wake(self._poll(self._resting, deadline))
-        else:
-            self._wake(self._poll(self._poller, deadline))
+        self._wake(self._poll(self._poller, self.registry.next_deadline()))
 
     def _teardown(self) -> None:
         self._close_owned()
@@ -380,11 +389,7 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
             if self._monitor is not None and self._monitor in ready:
                 self._read_monitor(self._monitor)
             if self._socket in ready:
-                started = time.perf_counter()
-                if self._read_socket():  # a full batch: more may be waiting
-                    spent = time.perf_counter() - started
-                    self._socket_rests_until = time.monotonic() + spent * (
-                        1 / _SOCKET_SHARE - 1)
+                self._read_socket()
             events = self._drain_events()
             for event in events:
                 self._guarded(describe(event), self._on_engine_event, event)
@@ -411,17 +416,21 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
                 logger.warning("push side channel: refused a peer without an allowed CURVE "
                                "key (%d refusals so far)", self.refused_handshakes)
 
-    def _read_socket(self) -> bool:
-        """Read and handle at most a batch (_BATCH_MESSAGES, _BATCH_BYTES) of messages;
-        whether the batch was full (the socket may hold more)."""
+    def _read_socket(self) -> None:
+        """Read at most a batch (_BATCH_MESSAGES, _BATCH_BYTES) of messages, and handle
+        them within the share (_HANDLING_SHARE), or past it those of known peers."""
+        now = time.monotonic()
+        self._budget = min(_HANDLING_BURST_S,
+                           self._budget + (now - self._budget_at) * _HANDLING_SHARE)
+        self._budget_at = now
         size = 0
         for _ in range(_BATCH_MESSAGES):
             if size >= _BATCH_BYTES:
-                return True
+                return
             try:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
-                return False
+                return
             self.received += 1
             size += sum(len(frame) for frame in frames)
             if len(frames) != 2:  # not [identity, payload]: not one of ours
@@ -431,14 +440,38 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
             peer = self._peer_of(identity, payload)
             if peer is None:
                 continue
+            if peer in self._known:
+                self._known.move_to_end(peer)
+            elif self._budget <= 0 and not self._stranger_allowed(peer):
+                self.shed += 1
+                continue
+            started = time.perf_counter()
             try:
                 message = decode(payload.bytes)
             except ProtocolError as exc:
                 self._bad_message(identity, str(exc))
-                continue
-            self._guarded(f"{describe(message)} from {identity!r}", self._on_message,
-                          identity, message, peer)
+            else:
+                self._guarded(f"{describe(message)} from {identity!r}", self._on_message,
+                              identity, message, peer)
+            self._budget -= time.perf_counter() - started
+
+    def _stranger_allowed(self, peer: PeerId) -> bool:
+        """Past the share: whether a peer not known may have one more message handled
+        (its first _STRANGER_MESSAGES are)."""
+        handled = self._strangers.get(peer, 0)
+        if handled >= _STRANGER_MESSAGES:
+            return False
+        self._strangers[peer] = handled + 1
+        if len(self._strangers) > _STRANGERS:
+            self._strangers.popitem(last=False)
         return True
+
+    def _know(self, peer: PeerId) -> None:
+        """P accepted a registration of `peer`'s: handle its messages past the share."""
+        self._known[peer] = None
+        self._known.move_to_end(peer)
+        if len(self._known) > _KNOWN_PEERS:
+            self._known.popitem(last=False)
 
     def _bad_message(self, identity: bytes, why: str) -> None:
         """Count a message that is not ours, and log it (at most LOG_BURST a minute)."""
@@ -472,6 +505,8 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
             if message.grant is not None:
                 self._withhold(identity, message.grant, peer, now)
             registered = self.registry.register(message, now=now, peer=peer)
+            if isinstance(registered, (Waiting, Ready)):
+                self._know(peer)
             granted = [] if message.grant is None else self._grant(
                 identity, message.grant, peer, now, withheld_done=True,
                 adds=(message.transfer_id,))

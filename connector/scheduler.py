@@ -163,7 +163,7 @@ class DualScheduler(NixlPullConnectorScheduler):
         self._next_step_jobs: list[StartWrite] = []
         self.stats = PushStats()
         self._logged = (PushStats(), time.monotonic())
-        self._refused: tuple[int, ...] = (0,) * 14  # the drop counts last logged
+        self._refused: tuple[int, ...] = (0,) * 15  # the drop counts last logged
         logger.info("dual connector: modes %s; push side channel on %s:%d (%s); idle steps "
                     "while waiting for pushes pause %.1f ms; early WRITEs %s",
                     ",".join(wire.TRANSFER_MODE_VALUES), self.push_host, self.push_port,
@@ -413,8 +413,8 @@ class DualScheduler(NixlPullConnectorScheduler):
         s, r = self.stats, channel.counters
         refused = (r.over_limit, r.too_many_blocks, r.foreign_aborts, r.abandoned,
                    r.abandons_ignored, r.tombstones_dropped, channel.refused_handshakes,
-                   channel.unidentified, channel.bad_messages, channel.unsent, channel.errors,
-                   decode.errors, decode.peers_closed, decode.no_socket)
+                   channel.unidentified, channel.bad_messages, channel.unsent, channel.shed,
+                   channel.errors, decode.errors, decode.peers_closed, decode.no_socket)
         if now - at < self.stats_interval or (self.stats == last and refused == self._refused):
             return
         self._logged = (dataclasses.replace(self.stats), now)
@@ -428,8 +428,9 @@ class DualScheduler(NixlPullConnectorScheduler):
             "%d fell back %d aborted %d; abandoned %d (ignored %d); dropped: over the "
             "pending limits %d, too many blocks or groups %d, aborts not from the registrant "
             "%d, oldest tombstones %d, peers refused by CURVE %d, unidentified messages %d, "
-            "undecodable messages %d, answers to peers not connected %d; errors survived by "
-            "the channel threads: P %d, D %d; "
+            "undecodable messages %d, answers to peers not connected %d, messages of "
+            "unknown peers shed past the handling share %d; errors survived by the channel "
+            "threads: P %d, D %d; "
             "D's sockets to P closed %d, registrations with no socket %d",
             s.pull_prefills, s.push_prefills, s.probes, s.writes_done, s.writes_failed,
             s.blocks_written, mean_ms, r.early, s.pull_offers, r.matched,
@@ -437,8 +438,8 @@ class DualScheduler(NixlPullConnectorScheduler):
             r.lease_expired, s.registrations, s.received, s.pulled_instead, s.fell_back, s.aborted,
             r.abandoned, r.abandons_ignored, r.over_limit, r.too_many_blocks,
             r.foreign_aborts, r.tombstones_dropped, channel.refused_handshakes,
-            channel.unidentified, channel.bad_messages, channel.unsent, channel.errors,
-            decode.errors, decode.peers_closed, decode.no_socket)
+            channel.unidentified, channel.bad_messages, channel.unsent, channel.shed,
+            channel.errors, decode.errors, decode.peers_closed, decode.no_socket)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
