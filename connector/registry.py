@@ -784,7 +784,8 @@ class PushRegistry:
                               mla=local.mla, mamba=local.mamba)
         if why is not None:
             return NackReason.TP_MISMATCH, (
-                f"tensor-parallel mismatch: {why} (pull serves any tp pair vLLM reads)")
+                f"tensor-parallel mismatch: {why} (D reads the KV by pull where vLLM can, "
+                "else computes the prompt)")
         return None
 
     def _forget_completing(self, record: _Transfer | None) -> _Transfer | None:
