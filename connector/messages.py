@@ -104,6 +104,9 @@ class NackReason(str, enum.Enum):
     SHUTTING_DOWN = "shutting_down"
     OVER_LIMIT = "over_limit"  # this peer holds too many pending registrations already
     TOO_MANY_BLOCKS = "too_many_blocks"  # more block ids than P has blocks in all
+    # P takes no push: its vLLM's push code fails the prefix-hit check at start
+    # (`vllm_compat.push_trims_to_decode_tail`)
+    PUSH_UNSUPPORTED = "push_unsupported"
 
 
 class FailReason(str, enum.Enum):

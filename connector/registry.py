@@ -162,6 +162,9 @@ class RegistryConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_heads: int | None = None
     mla: bool = False
     mamba: bool = False  # Mamba (or other recurrent) state besides the KV: equal tp only
+    # False: every registration is refused (this vLLM's push would write a prefix hit's
+    # blocks wrong: `vllm_compat.push_trims_to_decode_tail`).
+    push_supported: bool = True
     registration_ttl: float = DEFAULT_REGISTRATION_TTL_S
     unclaimed_ttl: float = DEFAULT_UNCLAIMED_TTL_S
     # The write lease: a grant holds lease_s; P is done with a WRITE write_s after that.
@@ -771,6 +774,10 @@ class PushRegistry:
 
     def _check_layout(self, reg: RegisterBlocks) -> tuple[NackReason, str] | None:
         local = self.config
+        if not local.push_supported:
+            return NackReason.PUSH_UNSUPPORTED, (
+                "this P takes no push: its vLLM's push code failed the prefix-hit check at "
+                "start (it would not write only the blocks D lacks); D reads by pull")
         if reg.block_size != local.block_size:
             return NackReason.BLOCK_SIZE_MISMATCH, (
                 f"block size mismatch: decode {reg.block_size}, prefill {local.block_size}; "

@@ -46,7 +46,12 @@ from connector.push_requests import (
     PrefillState,
 )
 from connector.registry import PushRegistry, RegistryConfig
-from connector.vllm_compat import NixlPullConnectorScheduler, on_cpu, scheduled_blocks
+from connector.vllm_compat import (
+    FEATURES,
+    NixlPullConnectorScheduler,
+    on_cpu,
+    scheduled_blocks,
+)
 from connector.wake import WakeListener
 
 if TYPE_CHECKING:
@@ -128,6 +133,16 @@ class DualScheduler(NixlPullConnectorScheduler):
             world_size=vllm_config.parallel_config.world_size)
         self._wake = self._wake_listener(engine_id, dp_index)
         keys = config.curve_keys()  # read at start: a bad key file fails the start
+        # What this P tells the router it can do: push only if vLLM's push code writes a
+        # prefix hit's tail right (checked at start, `vllm_compat`).
+        self.push_supported = FEATURES["push_trims_decode_tail"]
+        self.transfer_modes = list(wire.TRANSFER_MODE_VALUES) if self.push_supported \
+            else [wire.PULL]
+        if not self.push_supported:
+            logger.error("push refused on this server: this vLLM's push code does not write "
+                         "only the blocks D lacks on a prefix hit (checked at start); the "
+                         "router is told pull only, and registrations are refused "
+                         "(NACK push_unsupported)")
         registry = PushRegistry(RegistryConfig(
             engine_id=EngineId(engine_id), block_size=self.block_size,
             tp_size=self.transfer_tp_size, registration_ttl=config.registration_ttl,
@@ -137,7 +152,8 @@ class DualScheduler(NixlPullConnectorScheduler):
             lease_s=config.write_lease, write_s=config.write_timeout,
             kv_heads=vllm_config.model_config.get_total_num_kv_heads(),
             mla=vllm_config.model_config.use_mla,
-            mamba=tp_plan.keeps_state(vllm_config.model_config)))
+            mamba=tp_plan.keeps_state(vllm_config.model_config),
+            push_supported=self.push_supported))
         self.prefill_channel = PrefillChannel(
             registry, self.push_host, self.push_port,
             early_to=(engine_id, dp_index) if self.early_write else None,
@@ -244,7 +260,7 @@ class DualScheduler(NixlPullConnectorScheduler):
         elif delay_free:
             self.stats.pull_prefills += 1
         if answer is not None:
-            answer[wire.TRANSFER_MODES] = list(wire.TRANSFER_MODE_VALUES)
+            answer[wire.TRANSFER_MODES] = list(self.transfer_modes)
             answer[wire.PUSH_HOST] = self.push_host
             answer[wire.PUSH_PORT] = self.push_port
             answer[wire.DP_RANK] = self.dp_rank

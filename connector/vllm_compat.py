@@ -286,6 +286,31 @@ class PullPushWorker(NixlPullConnectorWorker):
 
 _YIELDS_FULL_TABLE = _flags_new_requests(yield_req_data)
 
+
+class _TrimProbe:
+    """A stand-in push worker of a dense model, for `push_trims_to_decode_tail`."""
+
+    _has_mamba = False
+    _group_spec_types: tuple[object, ...] = ()
+
+
+def push_trims_to_decode_tail() -> bool:
+    """Whether this vLLM's push WRITEs only the tail D lacks on a prefix hit: D registers
+    its uncached blocks only, and vLLM's push code (which our worker reuses) must trim
+    P's blocks to the matching tail. A front trim (a bug vLLM fixed in mid-2026) would
+    write the prompt's head into D's tail blocks: a wrong answer, silently. Asked of
+    vLLM's own code: P holds blocks 1-4, D lacks two; the WRITE must go from P's 3 and 4.
+    Any other answer, or a method that is not there or takes other arguments, is False."""
+    try:
+        decode, prefill = NixlPushConnectorWorker._apply_prefix_caching(
+            _TrimProbe(),  # type: ignore[arg-type]
+            decode_block_ids=[[7, 8]], prefill_block_ids=[[1, 2, 3, 4]],
+            decode_physical_per_logical=1, prefill_physical_per_logical=1)
+        return ([list(group) for group in prefill] == [[3, 4]]
+                and [list(group) for group in decode] == [[7, 8]])
+    except Exception:
+        return False
+
 # Which of vLLM 0.33's differences this vLLM has, read from its code.
 FEATURES: dict[str, bool] = {
     # `yield_req_data`'s third value is `is_full_table` (0.32: `preempted`).
@@ -295,6 +320,9 @@ FEATURES: dict[str, bool] = {
         f.name for f in dataclasses.fields(RemoteMeta)},
     # The push worker refuses a head-sharded draft between different TP sizes.
     "draft_tp_check": "_validate_remote_agent_handshake" in vars(NixlPushConnectorWorker),
+    # On a prefix hit on D, push WRITEs only the tail D lacks (without it, P refuses
+    # pushes: see `push_trims_to_decode_tail`).
+    "push_trims_decode_tail": push_trims_to_decode_tail(),
 }
 
 # What the helpers above read of a vLLM with each feature (with getattr and the older
@@ -342,5 +370,6 @@ __all__ = [
     "check_vllm_version",
     "nixl_base_worker",
     "on_cpu",
+    "push_trims_to_decode_tail",
     "scheduled_blocks",
 ]
