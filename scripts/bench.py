@@ -48,7 +48,7 @@ from scripts.benchkit import (
     serve_fake,
     write_json,
 )
-from scripts.fake_kv_cache import fake_tokenize
+from testbed.fake_kv_cache import fake_tokenize
 
 SCENARIOS = ("overhead", "streams", "real", "profile")
 DEFAULT_SCENARIOS = ("overhead", "streams", "real")  # profile needs py-spy: asked by name
@@ -588,10 +588,10 @@ def run_streams(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
 
 
 def serve_slow_fake(role: str, port: int, tokens: int, token_delay: float) -> None:
-    """A scripts.fake_vllm server whose D streams `tokens` tokens `token_delay` apart."""
+    """A testbed.fake_vllm server whose D streams `tokens` tokens `token_delay` apart."""
     from aiohttp import web
 
-    from scripts.fake_vllm import FakeVLLM
+    from testbed.fake_vllm import FakeVLLM
 
     fake = FakeVLLM(role)
     fake.record = False
@@ -638,7 +638,7 @@ async def real_cases(url: str, args: argparse.Namespace, bar: tqdm) -> dict[str,
 async def output_rate(client: Any, url: str, mode: str, args: argparse.Namespace,
                       rng: random.Random) -> dict[str, Any]:
     """Output tokens per second for `real_requests` requests, 4 at a time."""
-    from scripts.tiny_model import VOCAB_SIZE
+    from testbed.tiny_model import VOCAB_SIZE
 
     max_tokens = 32
     semaphore = asyncio.Semaphore(4)
@@ -662,9 +662,9 @@ async def output_rate(client: Any, url: str, mode: str, args: argparse.Namespace
 
 
 def run_real(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
-    from scripts import tiny_model
     from scripts.demo import router
-    from scripts.vllm_cpu import DEFAULT_MODEL_DIR, DUAL_CONNECTOR, pair
+    from testbed import tiny_model
+    from testbed.vllm_cpu import DEFAULT_MODEL_DIR, DUAL_CONNECTOR, pair
 
     bar.set_description("real: starting a vLLM pair (20-90 s)")
     tiny_model.build(DEFAULT_MODEL_DIR)

@@ -5,8 +5,8 @@ and throughput, per balancing policy and workload, in one run.
     .venv/bin/python -m scripts.bench_cache --quick           # about 1 minute
     .venv/bin/python -m scripts.bench kv-routing --quick      # the same, from the suite
 
-EMULATED: 2 P and 2 D are fake vLLM servers (`scripts.fake_vllm`) with a prefix cache
-each (`scripts.fake_kv_cache`: `--p-blocks` / `--d-blocks` blocks of `--block-size`
+EMULATED: 2 P and 2 D are fake vLLM servers (`testbed.fake_vllm`) with a prefix cache
+each (`testbed.fake_kv_cache`: `--p-blocks` / `--d-blocks` blocks of `--block-size`
 tokens, least recently used evicted) that publishes vLLM's KV events over ZMQ, a
 `/tokenize` and a `/kv_event_sources`, and a prefill that costs `--token-ms` per prompt
 token actually computed (cache hits cost nothing), one prompt at a time per P. What the
@@ -51,8 +51,8 @@ import aiohttp
 import yaml
 
 from scripts.benchkit import REPO, free_port, process, pyplot, save_figure, write_json
-from scripts.fake_kv_cache import FakePrefixCache, fake_chat_tokens, fake_tokenize
-from scripts.fake_vllm import Fabric, FakeVLLM, start
+from testbed.fake_kv_cache import FakePrefixCache, fake_chat_tokens, fake_tokenize
+from testbed.fake_vllm import Fabric, FakeVLLM, start
 
 WORKLOADS = ("tenants", "chat", "noreuse")
 OUR_POLICIES = ("round_robin", "least_outstanding", "prefix_affinity", "kv_aware")

@@ -43,10 +43,11 @@ from typing import Any
 
 import httpx
 
-from scripts import bench_nixl, tiny_model
+from scripts import bench_nixl
 from scripts.benchkit import json_object, write_json
-from scripts.pd_protocol import KV_USAGE, metric, parse_metrics, probe_body, push_decode_leg
-from scripts.vllm_cpu import DEFAULT_MODEL_DIR, DUAL_CONNECTOR, ENGINE_CORE, REPO_ROOT, pair
+from testbed import tiny_model
+from testbed.pd_protocol import KV_USAGE, metric, parse_metrics, probe_body, push_decode_leg
+from testbed.vllm_cpu import DEFAULT_MODEL_DIR, DUAL_CONNECTOR, ENGINE_CORE, REPO_ROOT, pair
 
 IDLE_BUDGET = 0.3  # cores: an idle server, or an idle NIXL agent
 WAITING_BUDGET = 0.25  # cores: D's engine core while it only waits for a push

@@ -7,7 +7,7 @@
 
 The router runs as production runs it: a subprocess `python -m proxy serve --config FILE`
 (so with the CLI's `gc.freeze()` and collector thresholds), in front of one fake P and
-one fake D (`scripts.fake_vllm`, each its own process, so their memory is not counted).
+one fake D (`testbed.fake_vllm`, each its own process, so their memory is not counted).
 This process is the client: `--concurrency` workers send healthy requests, every one
 answered 200, a mix of completions and chat, streamed and not, each with its own
 X-Request-Id (or none, for the router to make one).
@@ -54,7 +54,7 @@ import aiohttp
 
 from scripts.benchkit import free_port, process, write_json
 
-MODEL = "fake-model"  # what scripts.fake_vllm serves
+MODEL = "fake-model"  # what testbed.fake_vllm serves
 PER = 100_000  # growth is reported per this many requests
 MIB = 1024 * 1024
 
@@ -168,7 +168,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     with contextlib.ExitStack() as stack:
         for role, port in (("prefill", p_port), ("decode", d_port)):
             stack.enter_context(process(
-                [py, "-m", "scripts.fake_vllm", "--role", role, "--port", str(port)],
+                [py, "-m", "testbed.fake_vllm", "--role", role, "--port", str(port)],
                 f"http://127.0.0.1:{port}", f"fake {role}", workdir / f"fake-{role}.log"))
         p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
         # JSON is YAML: the router reads it as its config file, as in production.

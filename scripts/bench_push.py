@@ -48,11 +48,12 @@ from typing import Any
 
 import httpx
 
-from scripts import bench_nixl, tiny_model
+from scripts import bench_nixl
 from scripts.benchkit import DIRECT, batch, json_object, pyplot, save_figure, write_json
 from scripts.demo import router
-from scripts.pd_protocol import metric, parse_metrics
-from scripts.vllm_cpu import DEFAULT_MODEL_DIR, DUAL_CONNECTOR, REPO_ROOT, pair
+from testbed import tiny_model
+from testbed.pd_protocol import metric, parse_metrics
+from testbed.vllm_cpu import DEFAULT_MODEL_DIR, DUAL_CONNECTOR, REPO_ROOT, pair
 
 STOCK_PUSH = "NixlPushConnector"
 DEFAULT_PROMPTS = (128, 256, 512, 1000)  # the tiny model has 1,024 positions

@@ -11,7 +11,7 @@ a GPU profile says (default llama8b-h100: Llama 3 8B on one H100). No GPU is inv
 the numbers are what the profile's roofline makes of our router and connector.
 
 What it runs (progress is printed as it goes): one P/D pair with our `NixlDualConnector`
-(`scripts.vllm_cpu.pair` with the profile's model) and the router in front; for each
+(`testbed.vllm_cpu.pair` with the profile's model) and the router in front; for each
 load (D idle, then D busy), prompt length and concurrency, rounds of streamed
 completions in the modes pull, push and local (chosen per request by header), the
 modes interleaved round by round (their order rotating) so that drift hits all alike,
@@ -53,10 +53,12 @@ from typing import Any
 import httpx
 import msgspec
 
-from scripts import tiny_model
 from scripts.benchkit import batch, pyplot, save_figure, write_json
 from scripts.demo import router
-from scripts.vllm_cpu import (
+from testbed import profiles, tiny_model
+from testbed.clock import StepRecord, read_step_log
+from testbed.profiles import Profile, StepShape, get_profile
+from testbed.vllm_cpu import (
     DEFAULT_LOG_DIR,
     DUAL_CONNECTOR,
     GPU_MAX_BATCHED_TOKENS,
@@ -67,9 +69,6 @@ from scripts.vllm_cpu import (
     gpu_model_dir,
     pair,
 )
-from testbed import profiles
-from testbed.clock import StepRecord, read_step_log
-from testbed.profiles import Profile, StepShape, get_profile
 
 MODES = ("pull", "push", "local")
 # vLLM's own connectors, measured in the same run for comparison, each in its one mode.

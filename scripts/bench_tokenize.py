@@ -41,9 +41,9 @@ from typing import Any
 
 import httpx
 
-from scripts import tiny_model
 from scripts.benchkit import REPO, write_json
-from scripts.vllm_cpu import DEFAULT_MODEL_DIR, SERVED_MODEL_NAME, run_server, server_spec
+from testbed import tiny_model
+from testbed.vllm_cpu import DEFAULT_MODEL_DIR, SERVED_MODEL_NAME, run_server, server_spec
 
 SYLLABLES = ("ka", "lo", "min", "tor", "e", "sa", "ven", "du", "ri", "po", "an", "qua")
 

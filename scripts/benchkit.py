@@ -221,7 +221,7 @@ class _BenchKV:
     fake stays cheap next to the router (a benchmark repeats its prompts)."""
 
     def __init__(self, num_blocks: int = 100_000, block_size: int = 16) -> None:
-        from scripts.fake_kv_cache import FakePrefixCache
+        from testbed.fake_kv_cache import FakePrefixCache
 
         self.cache = FakePrefixCache(num_blocks, block_size)
         self.cache.start()
@@ -248,7 +248,7 @@ class _BenchKV:
         return found
 
     def tokens(self, body: dict[str, Any]) -> list[int] | None:
-        from scripts.fake_kv_cache import fake_chat_tokens, fake_tokenize
+        from testbed.fake_kv_cache import fake_chat_tokens, fake_tokenize
 
         prompt = body.get("prompt")
         if isinstance(prompt, list) and all(type(t) is int for t in prompt):
@@ -466,7 +466,7 @@ async def batch(client: httpx.AsyncClient, url: str, mode: str, prompt_len: int,
                 concurrency: int, rng: random.Random) -> list[float]:
     """`concurrency` streamed completions at once in `mode`, each a fresh random prompt of
     `prompt_len` tokens of the tiny test model: their seconds to first token."""
-    from scripts.tiny_model import VOCAB_SIZE as VOCAB
+    from testbed.tiny_model import VOCAB_SIZE as VOCAB
 
     prompts = [[rng.randrange(10, VOCAB) for _ in range(prompt_len)] for _ in range(concurrency)]
     return list(await asyncio.gather(

@@ -12,7 +12,7 @@ Steps (each printed with its time; about 15-25 s, most of it pip):
    vLLM is not installed and pd-proxy's files hold no testbed, scripts or tests; a config
    that asks for Kubernetes discovery, or for tracing, is refused with a message naming
    the extra;
-4. two fake vLLM servers (`scripts.fake_vllm`, run from this checkout's environment: test
+4. two fake vLLM servers (`testbed.fake_vllm`, run from this checkout's environment: test
    tooling, not in the wheel) as P and D, and the installed `pd-proxy serve` in front of
    them, run from the temporary folder; one completion in each of pull, push and local
    must answer 200 with D's tokens, saying the mode it used.
@@ -47,7 +47,7 @@ INSTALL_TIMEOUT_S = 300  # pip fetches the dependencies (from its cache after se
 PROBE_TIMEOUT_S = 60
 START_TIMEOUT_S = 30  # a fake server or the router answering its /health
 REQUEST_TIMEOUT_S = 10
-FAKE_MODEL = "fake-model"  # what scripts.fake_vllm serves
+FAKE_MODEL = "fake-model"  # what testbed.fake_vllm serves
 # Modules of `proxy` that need an extra, and the extra.
 EXTRA_MODULES = {"proxy.pool.discovery": "kubernetes"}
 # Test and benchmark tooling, which pd-proxy's wheel must not ship.
@@ -303,7 +303,7 @@ def serve_and_ask(venv: Path, work: Path) -> None:
         for role, port in (("prefill", prefill_port), ("decode", decode_port)):
             log = logs / f"fake-{role}.log"
             fake = stack.enter_context(process(
-                [sys.executable, "-m", "scripts.fake_vllm", "--role", role, "--port", str(port)],
+                [sys.executable, "-m", "testbed.fake_vllm", "--role", role, "--port", str(port)],
                 cwd=REPO_ROOT, log=log))
             wait_healthy(f"http://127.0.0.1:{port}", fake, f"the fake {role} server", log)
         log = logs / "router.log"

@@ -32,9 +32,9 @@ from typing import Any
 
 import httpx
 
-from scripts import tiny_model
-from scripts.pd_protocol import EXTERNAL_KV_TOKENS, metric, parse_metrics
-from scripts.vllm_cpu import DEFAULT_MODEL_DIR, DUAL_CONNECTOR, REPO_ROOT, free_port, pair
+from testbed import tiny_model
+from testbed.pd_protocol import EXTERNAL_KV_TOKENS, metric, parse_metrics
+from testbed.vllm_cpu import DEFAULT_MODEL_DIR, DUAL_CONNECTOR, REPO_ROOT, free_port, pair
 
 PROMPT = "The router hands the prompt's cache from prefill to decode, and the decode server"
 MAX_TOKENS = 16

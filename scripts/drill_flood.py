@@ -60,9 +60,9 @@ from connector.messages import (
     TransferId,
     encode,
 )
-from scripts import tiny_model
 from scripts.demo import router
-from scripts.vllm_cpu import DEFAULT_MODEL_DIR, DUAL_CONNECTOR, pair
+from testbed import tiny_model
+from testbed.vllm_cpu import DEFAULT_MODEL_DIR, DUAL_CONNECTOR, pair
 
 MAX_TOKENS = 4
 MIB = 1 << 20

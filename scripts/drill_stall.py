@@ -26,7 +26,7 @@ again only once about half of it is free). The router cuts them by
 `--stall-timeout` of waiting on them: `slow_read`), or as stalled when it saw nothing.
 
 The router runs in a process of its own, served as `pd-proxy serve` serves it (uvloop,
-`proxy.api.listener`); fake P and D servers (`scripts.fake_vllm`) and the clients run in this
+`proxy.api.listener`); fake P and D servers (`testbed.fake_vllm`) and the clients run in this
 one. The router's listening socket gets a send buffer of `--sndbuf` bytes (inherited by
 every accepted connection): on loopback the kernel would otherwise queue megabytes per
 connection before the router's own buffer fills and its stall clock starts, so the drill
@@ -67,7 +67,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy.api.app import create_app
 from proxy.api.listener import server_config
 from proxy.config import build_config
-from scripts.fake_vllm import FakeVLLM
+from testbed.fake_vllm import FakeVLLM
 
 STALLED_RCVBUF = 4096
 STALLED_TOKENS = 100_000  # a stalled stream lasts longer than the drill (the fake makes a list of them)

@@ -6,7 +6,7 @@ before trusting a router build:
     python -m scripts.soak --fault-kinds cut_stream garbage --out bench-results/soak-cut.json
     python -m scripts.bench soak                        # the same, from the one command
 
-Everything runs in this process: fake vLLM servers (`scripts.fake_vllm`, 2 P + 2 D by
+Everything runs in this process: fake vLLM servers (`testbed.fake_vllm`, 2 P + 2 D by
 default) that inject one random fault into a share of their requests (a 500, a dropped
 connection, a body that is not JSON, a stream cut short, or a slow answer), and the
 router under uvicorn, with timeouts of a few seconds and health checks every second.
@@ -64,7 +64,7 @@ from aiohttp import web
 
 from proxy.api.app import create_app, serving
 from proxy.config import build_config
-from scripts.fake_vllm import FAULT_KINDS, MODEL, Fabric, FakeVLLM, start
+from testbed.fake_vllm import FAULT_KINDS, MODEL, Fabric, FakeVLLM, start
 
 REPO = Path(__file__).resolve().parents[1]
 OUTCOMES = ("ok", "clean_error", "bad", "hang")

@@ -1,6 +1,6 @@
 """Write a directory whole or not at all: build it in a sibling temporary directory,
 then rename that into place. A crash never leaves a half-written directory that looks
-complete. Used for the tiny model (`scripts/tiny_model.py`) and the emulated one
+complete. Used for the tiny model (`testbed/tiny_model.py`) and the emulated one
 (`testbed/model_dir.py`)."""
 
 from __future__ import annotations

@@ -40,8 +40,8 @@ from pathlib import Path
 
 import pytest
 
-from scripts import tiny_model as tiny_model_builder
-from scripts.vllm_cpu import (
+from testbed import tiny_model as tiny_model_builder
+from testbed.vllm_cpu import (
     Pair,
     ServerStartError,
     VllmServer,

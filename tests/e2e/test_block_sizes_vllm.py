@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.pd_protocol import answer_token_ids, metric
-from scripts.vllm_cpu import Pair, Role, ServerStartError, VllmServer, run_servers, server_spec
+from testbed.pd_protocol import answer_token_ids, metric
+from testbed.vllm_cpu import Pair, Role, ServerStartError, VllmServer, run_servers, server_spec
 from tests.e2e.conftest import (
     DUAL,
     DUAL_EXTRA_CONFIG,

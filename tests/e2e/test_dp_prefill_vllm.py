@@ -16,8 +16,8 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.pd_protocol import metric, probe_body
-from scripts.vllm_cpu import Pair
+from testbed.pd_protocol import metric, probe_body
+from testbed.vllm_cpu import Pair
 from tests.e2e.conftest import ProxyFactory
 from tests.e2e.vllm_client import (
     COMPLETIONS,

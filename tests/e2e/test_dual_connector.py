@@ -29,8 +29,8 @@ import httpx
 import pytest
 
 from connector.config import CPU_PAUSE
-from scripts.pd_protocol import KV_USAGE, metric, prefill_leg, probe_body, push_decode_leg
-from scripts.vllm_cpu import Pair, VllmServer
+from testbed.pd_protocol import KV_USAGE, metric, prefill_leg, probe_body, push_decode_leg
+from testbed.vllm_cpu import Pair, VllmServer
 from tests.conftest import until
 from tests.e2e.conftest import DUAL_EXTRA_CONFIG, PairManager, ProxyFactory, RouterProcess
 from tests.e2e.vllm_client import (
@@ -295,7 +295,7 @@ async def test_a_push_whose_decode_fails_is_abandoned_and_p_frees_at_once(dual_p
     for D, but D (a fake that answers 500 after P is done) fails before it registers. The
     router abandons the transfer on P's push port, and P frees the prompt's blocks at
     once, well before `unclaimed_ttl`."""
-    from scripts.fake_vllm import FakeVLLM, start
+    from testbed.fake_vllm import FakeVLLM, start
     from tests.conftest import serve_router
 
     broken_d = FakeVLLM("decode", model="tiny")

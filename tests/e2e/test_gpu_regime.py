@@ -36,7 +36,9 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.vllm_cpu import (
+from testbed.clock import StepRecord, read_step_log
+from testbed.profiles import get_profile
+from testbed.vllm_cpu import (
     GPU_MAX_MODEL_LEN,
     GPU_REGIME_ARGS,
     ServerStartError,
@@ -45,8 +47,6 @@ from scripts.vllm_cpu import (
     run_server,
     server_spec,
 )
-from testbed.clock import StepRecord, read_step_log
-from testbed.profiles import get_profile
 from tests.e2e.conftest import LOG_DIR, PAIR_START_TIMEOUT_S, PairManager
 
 pytestmark = pytest.mark.e2e

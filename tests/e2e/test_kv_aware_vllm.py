@@ -34,9 +34,9 @@ import pytest
 
 from proxy.pool.kv.tokens import tokenize_body
 from proxy.protocol import Route, parse_request
-from scripts.pd_protocol import metric, parse_metrics
-from scripts.tiny_model import sample_text
-from scripts.vllm_cpu import ServerStartError, VllmServer, free_port, run_servers, server_spec
+from testbed.pd_protocol import metric, parse_metrics
+from testbed.tiny_model import sample_text
+from testbed.vllm_cpu import ServerStartError, VllmServer, free_port, run_servers, server_spec
 from tests.conftest import until
 from tests.e2e.conftest import (
     DUAL,

@@ -1,5 +1,5 @@
 """A model with Mamba state between tp sizes: a TP-2 P and a TP-1 D of the tiny Granite 4
-hybrid (`scripts.tiny_families`), our connector on both, started once for the module.
+hybrid (`testbed.tiny_families`), our connector on both, started once for the module.
 
 vLLM moves Mamba state only between equal tp sizes; on CPU its READ between tp sizes
 completes but gives wrong tokens (vLLM 0.32, measured: docs/models.md). So both modes are
@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from scripts.pd_protocol import metric
-from scripts.vllm_cpu import Pair, Role, ServerStartError, run_servers, server_spec
+from testbed.pd_protocol import metric
+from testbed.vllm_cpu import Pair, Role, ServerStartError, run_servers, server_spec
 from tests.e2e.conftest import (
     DUAL,
     DUAL_EXTRA_CONFIG,

@@ -19,7 +19,7 @@ the Mamba model all but the last token, which vLLM's NIXL code has D recompute).
 Afterwards neither server holds a KV block. docs/models.md has the table these tests
 stand behind.
 
-The models are built by `scripts.tiny_families` (no download). The module stops the
+The models are built by `testbed.tiny_families` (no download). The module stops the
 session's shared pair first: only one pair runs at a time (see conftest)."""
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts import tiny_families
-from scripts.pd_protocol import KV_USAGE, answer_token_ids, metric
-from scripts.vllm_cpu import Pair, ServerStartError, run_servers, server_spec
+from testbed import tiny_families
+from testbed.pd_protocol import KV_USAGE, answer_token_ids, metric
+from testbed.vllm_cpu import Pair, ServerStartError, run_servers, server_spec
 from tests.e2e.conftest import (
     DUAL,
     DUAL_EXTRA_CONFIG,

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from scripts.vllm_cpu import Pair
+from testbed.vllm_cpu import Pair
 from tests.e2e.conftest import ProxyFactory
 from tests.e2e.vllm_client import MAX_TOKENS, TIMEOUT, make_body
 

@@ -21,9 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.pd_protocol import answer_token_ids
-from scripts.tiny_model import sample_text
-from scripts.vllm_cpu import Pair
+from testbed.pd_protocol import answer_token_ids
+from testbed.tiny_model import sample_text
+from testbed.vllm_cpu import Pair
 from tests.e2e.conftest import ProxyFactory
 from tests.e2e.vllm_client import (
     CHAT,

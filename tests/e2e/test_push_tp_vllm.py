@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.pd_protocol import KV_USAGE, answer_token_ids, metric
-from scripts.vllm_cpu import Pair, Role, ServerStartError, run_servers, server_spec
+from testbed.pd_protocol import KV_USAGE, answer_token_ids, metric
+from testbed.vllm_cpu import Pair, Role, ServerStartError, run_servers, server_spec
 from tests.e2e.conftest import (
     DUAL,
     DUAL_EXTRA_CONFIG,

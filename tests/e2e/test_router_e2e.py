@@ -18,8 +18,8 @@ import uuid
 import httpx
 import pytest
 
-from scripts.pd_protocol import KV_USAGE, metric, parse_metrics
-from scripts.vllm_cpu import Pair
+from testbed.pd_protocol import KV_USAGE, metric, parse_metrics
+from testbed.vllm_cpu import Pair
 from tests.e2e.conftest import ProxyFactory
 from tests.e2e.vllm_client import (
     CHAT,

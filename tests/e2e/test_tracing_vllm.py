@@ -25,7 +25,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from scripts.vllm_cpu import Pair, ServerStartError, run_servers, server_spec
+from testbed.vllm_cpu import Pair, ServerStartError, run_servers, server_spec
 from tests.conftest import serve_router
 from tests.e2e.conftest import DUAL, DUAL_EXTRA_CONFIG, LOG_DIR, PAIR_START_TIMEOUT_S, PairManager
 from tests.e2e.vllm_client import COMPLETIONS, TIMEOUT, make_body

@@ -33,8 +33,8 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.pd_protocol import KV_USAGE, metric
-from scripts.vllm_cpu import SERVED_MODEL_NAME, Pair
+from testbed.pd_protocol import KV_USAGE, metric
+from testbed.vllm_cpu import SERVED_MODEL_NAME, Pair
 from tests.e2e.conftest import ProxyFactory
 from tests.e2e.vllm_client import COMPLETIONS, TIMEOUT, get_metrics, wait_for_metric
 

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.pd_protocol import (
+from testbed.pd_protocol import (
     KV_USAGE,
     NIXL_BYTES,
     PREFILL_ANSWER_KEYS,
@@ -32,7 +32,7 @@ from scripts.pd_protocol import (
     push_decode_leg,
     remote_request_id,
 )
-from scripts.vllm_cpu import Pair
+from testbed.vllm_cpu import Pair
 from tests.e2e.vllm_client import (
     CHAT,
     COMPLETIONS,

@@ -11,7 +11,7 @@ from typing import Any
 
 import httpx
 
-from scripts.pd_protocol import (
+from testbed.pd_protocol import (
     EXTERNAL_KV_TOKENS,
     answer_token_ids,
     metric,
@@ -19,7 +19,7 @@ from scripts.pd_protocol import (
     sse_events,
     stream_token_ids,
 )
-from scripts.tiny_model import sample_text
+from testbed.tiny_model import sample_text
 
 TIMEOUT = httpx.Timeout(60.0)
 COMPLETIONS = "/v1/completions"

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import zmq
 
-from scripts.fake_vllm import Fabric, FakeVLLM, start
+from testbed.fake_vllm import Fabric, FakeVLLM, start
 
 if TYPE_CHECKING:
     from tests.integration.test_push_channel import Channels

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import msgspec
 from aiohttp import web
 
-from scripts.fake_vllm import MODEL, Fabric, FakeVLLM, Seen
+from testbed.fake_vllm import MODEL, Fabric, FakeVLLM, Seen
 
 PREFILL_COORDS = {"engine_id": "engine-p0", "side_channel_host": "127.0.0.1", "side_channel_port": 5601}
 # Short limits, so that every timeout fault ends within a second or two.

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from proxy.pool.endpoints import DataParallelRanks
-from scripts.fake_vllm import FakeVLLM, Seen, start
+from testbed.fake_vllm import FakeVLLM, Seen, start
 from tests.conftest import serve_router, until
 from tests.integration.conftest import Pair, fake_pair
 

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.fake_vllm import FakeVLLM, start
+from testbed.fake_vllm import FakeVLLM, start
 from tests.conftest import serve_router, until
 from tests.integration.conftest import Pair
 

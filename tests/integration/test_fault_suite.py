@@ -49,7 +49,7 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.fake_vllm import MODEL, FakeVLLM
+from testbed.fake_vllm import MODEL, FakeVLLM
 from tests.conftest import serve_router
 from tests.integration.fault_kit import (
     SLACK_S,

@@ -35,7 +35,7 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from scripts.fake_vllm import MODEL, Fabric, FakeVLLM, start
+from testbed.fake_vllm import MODEL, Fabric, FakeVLLM, start
 from tests.conftest import serve_router
 
 T = TypeVar("T")

@@ -26,7 +26,7 @@ import yaml
 
 from proxy.config import ConfigSource, build_config, read_config_file
 from proxy.flow.router import Router
-from scripts.fake_vllm import Fabric, FakeVLLM, start
+from testbed.fake_vllm import Fabric, FakeVLLM, start
 from tests.conftest import serve_router, until
 from tests.k8s_apiserver import ApiServerEmulator
 

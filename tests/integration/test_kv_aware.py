@@ -1,5 +1,5 @@
 """kv_aware balancing through the router, against fake vLLM servers whose prefix caches
-publish vLLM's KV events over real ZMQ (`scripts.fake_kv_cache`): publishers found at
+publish vLLM's KV events over real ZMQ (`testbed.fake_kv_cache`): publishers found at
 `/kv_event_sources`, prompts tokenized by `/tokenize`, requests sent where their prefix
 is cached, gaps replayed, restarts wiped, garbage dropped, servers that left forgotten,
 and load alone when no events are known."""
@@ -17,8 +17,8 @@ from proxy.flow.router import Router
 from proxy.pool.endpoints import ClusterName
 from proxy.pool.kv.blocks import PromptBlocks
 from proxy.pool.kv.index import SourceState
-from scripts.fake_kv_cache import FakePrefixCache, fake_tokenize
-from scripts.fake_vllm import Fabric, FakeVLLM, start
+from testbed.fake_kv_cache import FakePrefixCache, fake_tokenize
+from testbed.fake_vllm import Fabric, FakeVLLM, start
 from tests.conftest import serve_router, until
 
 BODY = {"model": "fake-model", "max_tokens": 2}

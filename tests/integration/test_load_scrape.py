@@ -17,7 +17,7 @@ from proxy.pool.endpoints import ClusterName, Endpoint
 from proxy.pool.load import LoadReport
 from proxy.pool.scrape import LoadScraper
 from proxy.upstream.client import UpstreamClient
-from scripts.fake_vllm import FakeVLLM, start
+from testbed.fake_vllm import FakeVLLM, start
 
 
 class Servers:

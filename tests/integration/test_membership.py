@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from proxy.config import ConfigSource, build_config, read_config_file
-from scripts.fake_vllm import Fabric, FakeVLLM, start
+from testbed.fake_vllm import Fabric, FakeVLLM, start
 from tests.conftest import serve_router, until
 from tests.integration.test_workers import REPO, free_port
 

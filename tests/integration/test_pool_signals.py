@@ -14,7 +14,7 @@ import httpx
 import pytest
 from aiohttp import web
 
-from scripts.fake_vllm import Fabric, FakeVLLM, start
+from testbed.fake_vllm import Fabric, FakeVLLM, start
 from tests.conftest import serve_router, until
 
 TOKEN = "admin-token-for-tests"

@@ -11,7 +11,7 @@ from contextlib import AsyncExitStack
 import httpx
 import pytest
 
-from scripts.fake_vllm import Fabric, FakeVLLM, start
+from testbed.fake_vllm import Fabric, FakeVLLM, start
 from tests.conftest import serve_router
 
 BODY = {"model": "fake-model", "max_tokens": 2}

@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 
 from proxy.pool.endpoints import Lease
-from scripts.fake_vllm import FAULT_KINDS, MODEL, FakeVLLM, start
 from scripts.soak import LoopLag, Outcome, SoakOptions, classify, run_soak
+from testbed.fake_vllm import FAULT_KINDS, MODEL, FakeVLLM, start
 
 
 def small(tmp_path: Path, **options: Any) -> SoakOptions:

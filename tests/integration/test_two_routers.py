@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scripts.fake_vllm import Fabric, FakeVLLM, start
+from testbed.fake_vllm import Fabric, FakeVLLM, start
 from tests.conftest import until
 
 REPO = Path(__file__).resolve().parents[2]

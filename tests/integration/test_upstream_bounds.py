@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from scripts.fake_vllm import MODEL, FakeVLLM
+from testbed.fake_vllm import MODEL, FakeVLLM
 from tests.conftest import serve_router, until
 from tests.integration.conftest import fake_pair
 from tests.integration.fault_kit import router_config, serve

@@ -31,7 +31,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from scripts.benchkit import ProcessGauge
-from scripts.fake_vllm import FakeVLLM, start
+from testbed.fake_vllm import FakeVLLM, start
 from tests.conftest import until
 from tests.integration.conftest import Pair
 

@@ -15,8 +15,8 @@ from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
 from scripts import grafana_dashboard
-from scripts.fake_kv_cache import FakePrefixCache
-from scripts.fake_vllm import Fabric, FakeVLLM, start
+from testbed.fake_kv_cache import FakePrefixCache
+from testbed.fake_vllm import Fabric, FakeVLLM, start
 from tests.conftest import serve_router, until
 
 SELECTOR = re.compile(r"([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{([^}]*)\}")

@@ -1,11 +1,11 @@
 """Start real vLLM CPU servers as a prefill/decode (P/D) pair, for tests and demos.
 
-    python -m scripts.vllm_cpu pair --connector NixlConnector \\
+    python -m testbed.vllm_cpu pair --connector NixlConnector \\
         --prefill-port 8100 --decode-port 8200
 
 From Python:
 
-    from scripts.vllm_cpu import pair
+    from testbed.vllm_cpu import pair
     with pair(connector="NixlConnector", model_dir=path) as p:
         print(p.prefill_url, p.decode_url)
 
@@ -18,7 +18,7 @@ per forward).
 
 Each server is `python -m vllm.entrypoints.openai.api_server` (the `vllm` console
 script does not work for the `vllm-cpu` distribution) with the tiny model from
-`scripts.tiny_model`, float32, eager mode, 1 GiB of KV cache, one pinned core (P on
+`testbed.tiny_model`, float32, eager mode, 1 GiB of KV cache, one pinned core (P on
 core 0, D on core 1) and its own NIXL side-channel port on 127.0.0.1.
 
 `--prefill-dp N` starts P with `--data-parallel-size N`: N engines behind P's one URL,
@@ -546,8 +546,8 @@ def require_testbed_plugin() -> None:
 def gpu_model_dir(profile: str, tiny_dir: Path = DEFAULT_MODEL_DIR) -> Path:
     """The emulated model for a GPU profile (`testbed`), derived from the tiny model
     (both built on first use)."""
-    from scripts.tiny_model import build
     from testbed import model_dir
+    from testbed.tiny_model import build
 
     require_testbed_plugin()
     return model_dir.build(build(tiny_dir), profile)
@@ -563,7 +563,7 @@ class Regime:
 
 
 def _regime(args: argparse.Namespace) -> Regime:
-    from scripts.tiny_model import build
+    from testbed.tiny_model import build
 
     if args.gpu_profile is None:
         return Regime(model_dir=build(args.model_dir))
@@ -648,7 +648,7 @@ def _gpu_profiles() -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m scripts.vllm_cpu",
+        prog="python -m testbed.vllm_cpu",
         description=(
             "Start real vLLM servers on CPU with the tiny test model (built on first "
             "use) for prefill/decode disaggregation. Servers stay up until Ctrl-C."

@@ -1,7 +1,7 @@
 """Tiny, randomly initialised models of other families than Llama, built with no download:
 the KV-cache layouts a P/D connector must move besides a dense model's.
 
-    python -m scripts.tiny_families FAMILY OUT_DIR [--force]
+    python -m testbed.tiny_families FAMILY OUT_DIR [--force]
 
 Families (`FAMILIES`):
 
@@ -15,7 +15,7 @@ Families (`FAMILIES`):
 - `granitemoehybrid`: Granite 4 hybrid (`GraniteMoeHybridForCausalLM`), one Mamba-2 layer
   and one attention layer, dense MLPs: a model with Mamba state besides its KV.
 
-Each shares the tokenizer of `scripts.tiny_model` (the same byte-level BPE, vocabulary
+Each shares the tokenizer of `testbed.tiny_model` (the same byte-level BPE, vocabulary
 4096, chat template) and its size (hidden 128, 2 layers, 4 heads), float32, under a fixed
 seed, so builds are deterministic. A marker file records the recipe; building again into
 a complete directory with the same recipe does nothing.
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from scripts import tiny_model
+from testbed import tiny_model
 from testbed.staging import staged
 
 # Bump when anything below changes what gets written, so cached builds are rebuilt.
@@ -154,9 +154,9 @@ def build(family: str, out_dir: str | os.PathLike[str], *, force: bool = False) 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m scripts.tiny_families",
+        prog="python -m testbed.tiny_families",
         description="Build a tiny random model of another family than Llama (same "
-                    "tokenizer and size as scripts.tiny_model), offline and deterministic. "
+                    "tokenizer and size as testbed.tiny_model), offline and deterministic. "
                     "Serve it with `--model OUT_DIR --served-model-name tiny`.")
     parser.add_argument("family", choices=sorted(FAMILIES))
     parser.add_argument("out_dir", help="directory to build into (created if missing)")

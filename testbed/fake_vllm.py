@@ -22,7 +22,7 @@ number: ignored, as vLLM does), else on the ranks in turn; `Seen.rank` records i
 `restart_rank` gives one rank a new engine id. With a `Fabric`, a push D checks that the
 engine it was told of is the one that ran the prompt, and fails the push otherwise.
 
-Run one alone: `python -m scripts.fake_vllm --role decode --port 8200`.
+Run one alone: `python -m testbed.fake_vllm --role decode --port 8200`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from scripts.fake_kv_cache import FakePrefixCache, fake_chat_tokens, fake_tokenize
+from testbed.fake_kv_cache import FakePrefixCache, fake_chat_tokens, fake_tokenize
 
 MODEL = "fake-model"
 # What `Behavior.fault_kinds` may name; cut_stream applies to a streamed D answer only.
@@ -136,7 +136,7 @@ class FakeVLLM:
         self._restarts = 0
         self._next_rank = 0  # the rank an unpinned request runs on
         self.fabric = fabric
-        # A prefix cache that publishes vLLM's KV events (scripts.fake_kv_cache), if any.
+        # A prefix cache that publishes vLLM's KV events (testbed.fake_kv_cache), if any.
         self.kv_cache = kv_cache
         self._compute_free_at = 0.0  # loop time when its emulated prefills are all done
         self.model = model  # the one model it serves; a request for another gets 404

@@ -1,6 +1,6 @@
 """Build a tiny, randomly initialised Llama model that vLLM can serve, with no download.
 
-    python -m scripts.tiny_model OUT_DIR [--force]
+    python -m testbed.tiny_model OUT_DIR [--force]
 
 The result is deterministic: the tokenizer is a byte-level BPE trained with `tokenizers`
 on procedurally generated text (a fixed pseudo-random generator over fixed syllables,
@@ -301,7 +301,7 @@ def fingerprint(out_dir: str | os.PathLike[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m scripts.tiny_model",
+        prog="python -m testbed.tiny_model",
         description=(
             "Build a tiny random Llama model (vocab 4096, hidden 128, 2 layers, 4 heads, "
             "2 KV heads) with a locally trained byte-level BPE tokenizer and a chat "
