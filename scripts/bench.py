@@ -42,13 +42,13 @@ from scripts.benchkit import (
     REPO,
     ProcessGauge,
     apply_load,
-    free_port,
     percentiles_ms,
     process,
     serve_fake,
     write_json,
 )
 from testbed.fake_kv_cache import fake_tokenize
+from testbed.ports import free_port
 
 SCENARIOS = ("overhead", "streams", "real", "profile")
 DEFAULT_SCENARIOS = ("overhead", "streams", "real")  # profile needs py-spy: asked by name

@@ -50,9 +50,10 @@ from typing import Any
 import aiohttp
 import yaml
 
-from scripts.benchkit import REPO, free_port, process, pyplot, save_figure, write_json
+from scripts.benchkit import REPO, process, pyplot, save_figure, write_json
 from testbed.fake_kv_cache import FakePrefixCache, fake_chat_tokens, fake_tokenize
 from testbed.fake_vllm import Fabric, FakeVLLM, start
+from testbed.ports import free_port
 
 WORKLOADS = ("tenants", "chat", "noreuse")
 OUR_POLICIES = ("round_robin", "least_outstanding", "prefix_affinity", "kv_aware")

@@ -52,7 +52,8 @@ from typing import Any
 
 import aiohttp
 
-from scripts.benchkit import free_port, process, write_json
+from scripts.benchkit import process, write_json
+from testbed.ports import free_port
 
 MODEL = "fake-model"  # what testbed.fake_vllm serves
 PER = 100_000  # growth is reported per this many requests

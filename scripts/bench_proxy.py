@@ -45,7 +45,8 @@ from typing import Any
 
 import aiohttp
 
-from scripts.benchkit import REPO, free_port, process, request_body, serve_fake
+from scripts.benchkit import REPO, process, request_body, serve_fake
+from testbed.ports import free_port
 
 
 def wrk_load(url: str, *, seconds: float, concurrency: int, stream: bool,

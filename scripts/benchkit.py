@@ -35,12 +35,6 @@ PERCENTILES = (1, 5, 10, 25, 50, 75, 90, 95, 99, 99.9)
 # --- ports and server processes ------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def process(args: list[str], ready_url: str, name: str,
             log_path: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:

@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from connector.wire import TRANSFER_MODE_HEADER
+from testbed.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUILD_TIMEOUT_S = 180
@@ -205,13 +205,6 @@ def check_contents(venv: Path, work: Path) -> None:
                               f"{refused.returncode}, expected a refusal naming the extra:\n"
                               f"{said[-2000:]}")
         say(f"{what} without its extra is refused, naming pd-proxy[{extra}]")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @contextmanager

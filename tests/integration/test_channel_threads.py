@@ -21,13 +21,13 @@ from connector.channel import StartWrite
 from connector.channel_thread import ThreadDied
 from connector.messages import TransferId
 from connector.scheduler import DualScheduler
+from testbed.ports import free_port
 from tests.integration.test_push_channel import (
     HOST,
     P_BLOCKS,
     P_REQ,
     Channels,
     assert_acked,
-    free_port,
     registration,
     wait_actions,
     wait_failures,

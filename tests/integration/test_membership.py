@@ -18,8 +18,9 @@ import pytest
 
 from proxy.config import ConfigSource, build_config, read_config_file
 from testbed.fake_vllm import Fabric, FakeVLLM, start
+from testbed.ports import free_port
 from tests.conftest import serve_router, until
-from tests.integration.test_workers import REPO, free_port
+from tests.integration.test_workers import REPO
 
 TOKEN = "s3cret-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

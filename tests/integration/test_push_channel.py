@@ -10,7 +10,6 @@ import math
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -48,6 +47,7 @@ from connector.messages import (
 )
 from connector.prefill_channel import _BATCH_MESSAGES
 from connector.registry import PushRegistry, RegistryConfig
+from testbed.ports import free_port
 from tests.conftest import until_sync
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,12 +61,6 @@ D_BLOCKS = [[0, 1, 2]]
 EARLY_TO = ("engine-p0-early-test", 0)  # where a P's channel sends early WRITEs
 SOON = 1.0  # "at once": far below every TTL these tests leave at its default (120 s)
 T = TypeVar("T")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(predicate: Callable[[], T], timeout: float, what: str) -> T:

@@ -6,20 +6,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 
 import httpx
 
+from testbed.ports import free_port
 from tests.integration.conftest import Pair
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_sigterm_lets_a_running_stream_finish(pair: Pair) -> None:

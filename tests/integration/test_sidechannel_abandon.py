@@ -18,6 +18,7 @@ from connector.messages import TransferId
 from connector.registry import PushRegistry, RegistryConfig
 from proxy.protocol import new_transfer_id
 from proxy.upstream.sidechannel import SEND_QUEUE, SideChannel
+from testbed.ports import free_port
 from tests.conftest import until
 from tests.integration.test_push_channel import (
     BLOCK_SIZE,
@@ -27,7 +28,6 @@ from tests.integration.test_push_channel import (
     P_REQ,
     SOON,
     Channels,
-    free_port,
     plain,
     registration,
     wait_for,

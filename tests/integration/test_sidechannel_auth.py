@@ -33,13 +33,13 @@ from connector.messages import (
     encode,
 )
 from connector.registry import PushRegistry, RegistryConfig
+from testbed.ports import free_port
 from tests.integration.test_push_channel import (
     BLOCK_SIZE,
     HOST,
     P_BLOCKS,
     P_ENGINE,
     P_REQ,
-    free_port,
     plain,
     receive,
     registration,

@@ -39,6 +39,7 @@ from connector.prefill_channel import (
 )
 from connector.registry import PushRegistry, RegistryConfig
 from scripts import drill_flood
+from testbed.ports import free_port
 from tests.integration.test_push_channel import (
     BLOCK_SIZE,
     HOST,
@@ -46,7 +47,6 @@ from tests.integration.test_push_channel import (
     P_ENGINE,
     P_REQ,
     Channels,
-    free_port,
     receive,
     registration,
     wait_actions,

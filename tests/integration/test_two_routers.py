@@ -21,7 +21,6 @@ import asyncio
 import dataclasses
 import itertools
 import signal
-import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,6 +30,7 @@ import httpx
 import pytest
 
 from testbed.fake_vllm import Fabric, FakeVLLM, start
+from testbed.ports import free_port
 from tests.conftest import until
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,12 +38,6 @@ TOKENS = 8
 TOKEN_DELAY = 0.04  # a stream lasts about TOKENS x TOKEN_DELAY: long enough to be cut
 REQUEST_ID = "two-routers-"  # + the request's number: the fakes see which request it is
 CLIENTS = 6  # requests in flight at once, spread over the routers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Pools:

@@ -19,7 +19,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -32,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from scripts.benchkit import ProcessGauge
 from testbed.fake_vllm import FakeVLLM, start
+from testbed.ports import free_port
 from tests.conftest import until
 from tests.integration.conftest import Pair
 
@@ -41,12 +41,6 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 BODY = {"model": "fake-model", "prompt": "hi", "max_tokens": 2}
 STARTUP_FAILURE = 3
 CRASH_LOOP = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def per_worker(text: str, name: str, **labels: str) -> dict[str, float]:
