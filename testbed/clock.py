@@ -17,6 +17,14 @@ A request "carries on" when its context is where one of the previous step's requ
 ended (the step's shapes carry no request ids; a new request whose cached prefix ends
 exactly there is taken for a continuation, which only shortens its step's host gap).
 
+Layers: a model of L decoder layers ends layer i (from 0) at the step's "GPU" start +
+target x (i + 1) / L (`Planned.layer_deadline`, `StepClock.pace`): the step's time split
+evenly over its layers, the whole step still ending at its deadline as planned above.
+vLLM's per-layer KV hooks (a connector's `save_kv_layer`, on exit of each attention
+layer) then fire when they would on a GPU, a layer's own compute after the previous
+layer's end: the hook of layer i fires at about start + target x i / L plus that
+layer's attention, earlier than on a GPU by the rest of a layer's share (its MLP).
+
 `StepRecord` is one forward pass, a JSON line in the file named by the environment
 variable `TESTBED_STEP_LOG` (unset: no records), appended after the step (tens of
 microseconds of host time, which the next step's overlap absorbs).
@@ -37,6 +45,25 @@ import msgspec
 from testbed.profiles import StepShape
 
 STEP_LOG_ENV = "TESTBED_STEP_LOG"
+# Every step's profile time multiplied by this (unset: 1): an emulated GPU this many
+# times slower, for prompts whose real compute on this CPU would outlast the profile's
+# time (`scripts.bench_regime --slowdown`, which slows the emulated link alike).
+TIME_SCALE_ENV = "TESTBED_TIME_SCALE"
+
+
+def time_scale() -> float:
+    """TIME_SCALE_ENV's value (1.0 when unset); a value that is not a positive number
+    fails here, at the model's start."""
+    raw = os.environ.get(TIME_SCALE_ENV, "").strip()
+    if not raw:
+        return 1.0
+    try:
+        scale = float(raw)
+    except ValueError:
+        scale = 0.0
+    if not scale > 0:
+        raise ValueError(f"{TIME_SCALE_ENV} must be a positive number, got {raw!r}")
+    return scale
 
 
 class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,6 +80,9 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     gap_s: float | None  # host time since the previous forward ended (None: first)
     overlapped: bool  # started where the previous step ended (see the module docstring)
     step_s: float  # the forward's whole duration: compute plus sleep
+    # When each decoder layer ended, seconds after the forward entered the model (a
+    # layered model's pacing, see the module docstring); None for one paced step.
+    layer_ends_s: list[float] | None = None
 
 
 class Planned(msgspec.Struct, frozen=True):
@@ -61,6 +91,14 @@ class Planned(msgspec.Struct, frozen=True):
     deadline: float  # on the clock's own time base
     gap_s: float | None
     overlapped: bool
+    target_s: float = 0.0
+
+    def layer_deadline(self, index: int, layers: int) -> float:
+        """When layer `index` (0-based) of `layers` ends: the step's start + its target
+        x (index + 1) / layers; the last layer's is the step's deadline."""
+        if not 0 <= index < layers:
+            raise ValueError(f"layer {index} of {layers}")
+        return self.deadline - self.target_s * (layers - index - 1) / layers
 
 
 class StepClock:
@@ -83,7 +121,18 @@ class StepClock:
         self._last_ends = frozenset(shape.context + shape.new for shape in shapes)
         overlapped = busy and gap is not None and gap < target_s
         gpu_start = self._last_end if overlapped and self._last_end is not None else started
-        return Planned(deadline=gpu_start + target_s, gap_s=gap, overlapped=overlapped)
+        return Planned(deadline=gpu_start + target_s, gap_s=gap, overlapped=overlapped,
+                       target_s=target_s)
+
+    def pace(self, deadline: float) -> float:
+        """Sleep until `deadline` (a layer's end, see `Planned.layer_deadline`), not at
+        all if it has passed; return the seconds slept. The step goes on: unlike
+        `wait`, this does not end it."""
+        remaining = deadline - self._now()
+        if remaining <= 0:
+            return 0.0
+        self._sleep(remaining)
+        return remaining
 
     def wait(self, planned: Planned) -> float:
         """Sleep until the deadline (not at all if it has passed); return the end time."""

@@ -7,6 +7,13 @@ time for that step has passed (`testbed.clock`), so the host's CPU is free while
 "GPU" works, as on a GPU server. The step's shape (each request's new tokens and the
 context it attends to) comes from the attention metadata of vLLM's forward context.
 
+With several decoder layers (`testbed.model_dir`, `layers`), each layer ends at its
+share of the step's time (a forward hook per layer sleeps to `Planned.layer_deadline`),
+so that vLLM's per-layer KV hooks (`save_kv_layer`) fire through the step as they would
+on a GPU, not all at its start; the servers run eager (`--enforce-eager`), so the hooks
+run as Python between the layers. `TESTBED_TIME_SCALE` (testbed.clock) multiplies every
+step's time: an emulated GPU that many times slower.
+
 The profile is named by the model's config.json, field `testbed_gpu_profile` (see
 `testbed.model_dir`). vLLM imports this module only in the processes that load the
 model, through the lazy registration in `testbed.plugin`.
@@ -24,7 +31,7 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.sequence import IntermediateTensors
 
-from testbed.clock import StepClock, StepLog, StepRecord
+from testbed.clock import Planned, StepClock, StepLog, StepRecord, time_scale
 from testbed.model_dir import PROFILE_FIELD
 from testbed.profiles import Profile, StepShape, get_profile
 
@@ -53,6 +60,16 @@ def step_shapes() -> list[StepShape] | None:
     return shapes
 
 
+class _Step:
+    """The running forward's plan, for the layers' hooks."""
+
+    def __init__(self, planned: Planned, started: float) -> None:
+        self.planned = planned
+        self.started = started
+        self.slept = 0.0
+        self.layer_ends: list[float] = []
+
+
 class EmulatedLlamaForCausalLM(LlamaForCausalLM):
     """Llama whose forward lasts as long as its GPU profile's step (module docstring)."""
 
@@ -66,8 +83,25 @@ class EmulatedLlamaForCausalLM(LlamaForCausalLM):
             )
         self.profile: Profile = get_profile(name)
         self._clock = StepClock()
+        self._scale = time_scale()  # testbed.clock.TIME_SCALE_ENV
         self._log = StepLog.from_env()
         self._pid = os.getpid()
+        self._step: _Step | None = None
+        layers = list(getattr(self.model, "layers", ()))
+        self._layers = len(layers)
+        if self._layers > 1:
+            for index, layer in enumerate(layers):
+                layer.register_forward_hook(self._layer_hook(index))
+
+    def _layer_hook(self, index: int) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            step = self._step
+            if step is None:
+                return
+            step.slept += self._clock.pace(step.planned.layer_deadline(index, self._layers))
+            step.layer_ends.append(time.perf_counter() - step.started)
+
+        return hook
 
     def forward(
         self,
@@ -77,13 +111,17 @@ class EmulatedLlamaForCausalLM(LlamaForCausalLM):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         started = time.perf_counter()
-        output = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
-        computed = time.perf_counter()
         shapes = step_shapes()
         if shapes is None:
-            return output
-        target = self.profile.step_s(shapes)
+            return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
+        target = self.profile.step_s(shapes) * self._scale
         planned = self._clock.plan(started, target, shapes)
+        step = self._step = _Step(planned, started)
+        try:
+            output = super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
+        finally:
+            self._step = None
+        computed = time.perf_counter() - step.slept  # the compute alone, layers' sleeps out
         ended = self._clock.wait(planned)
         if self._log is not None:
             prefills = [shape for shape in shapes if shape.new > 1 or shape.context == 0]
@@ -99,5 +137,6 @@ class EmulatedLlamaForCausalLM(LlamaForCausalLM):
                 gap_s=planned.gap_s,
                 overlapped=planned.overlapped,
                 step_s=ended - started,
+                layer_ends_s=step.layer_ends or None,
             ))  # fmt: skip
         return output

@@ -11,7 +11,7 @@ From Python:
 
 In the GPU regime (`--gpu-profile llama8b-h100`, see `testbed`): the same servers with
 the emulated model, whose every forward pass lasts as long as that GPU profile says,
-a context of GPU_MAX_MODEL_LEN positions (8,192-token prompts and their answers) and
+a context of GPU_MAX_MODEL_LEN positions (16,384-token prompts and their answers) and
 GPU_MAX_BATCHED_TOKENS per step (vLLM's default on an H100). Each server's emulated
 steps are recorded in `<its log>.steps.jsonl` (testbed.clock.StepRecord, one JSON line
 per forward).
@@ -74,7 +74,7 @@ LOG_TAIL_LINES = 60
 CPU_MAX_MODEL_LEN = 512  # the tiny model at CPU speed: short prompts
 # The GPU regime (module docstring). The KV cache (VLLM_CPU_KVCACHE_SPACE, 1 GiB) holds
 # about a million of the tiny model's tokens (1 KiB each in float32): many such prompts.
-GPU_MAX_MODEL_LEN = 9216
+GPU_MAX_MODEL_LEN = 17408
 GPU_MAX_BATCHED_TOKENS = 8192
 GPU_REGIME_ARGS = ("--max-num-batched-tokens", str(GPU_MAX_BATCHED_TOKENS))
 TESTBED_PLUGIN = "pd_proxy_testbed"  # its `vllm.general_plugins` entry point
@@ -102,11 +102,13 @@ def free_port(span: int = 1) -> int:
     before by this process (a server binds its ports well after they are chosen); with
     `span`, the first of that many such ports in a row (a data-parallel server's ranks
     offset their ports by the rank)."""
+    from testbed.link import DATA_PORTS  # the emulated link's ports: never a server's
+
     ports = _listen_ports()
     for _ in range(1000):
         port = random.randrange(ports.start, ports.stop - span + 1)
         run = range(port, port + span)
-        if any(p in _HANDED_OUT for p in run) or not all(map(_bindable, run)):
+        if any(p in _HANDED_OUT or p in DATA_PORTS for p in run) or not all(map(_bindable, run)):
             continue
         _HANDED_OUT.update(run)
         return port
@@ -543,14 +545,14 @@ def require_testbed_plugin() -> None:
         )
 
 
-def gpu_model_dir(profile: str, tiny_dir: Path = DEFAULT_MODEL_DIR) -> Path:
-    """The emulated model for a GPU profile (`testbed`), derived from the tiny model
-    (both built on first use)."""
+def gpu_model_dir(profile: str, tiny_dir: Path = DEFAULT_MODEL_DIR, layers: int = 1) -> Path:
+    """The emulated model for a GPU profile (`testbed`) with `layers` decoder layers,
+    derived from the tiny model (both built on first use)."""
     from testbed import model_dir
     from testbed.tiny_model import build
 
     require_testbed_plugin()
-    return model_dir.build(build(tiny_dir), profile)
+    return model_dir.build(build(tiny_dir), profile, layers=layers)
 
 
 @dataclass(frozen=True)
