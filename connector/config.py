@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from connector.keys import (
+from connector.shared.keys import (
     ClientKeys,
     KeyFileError,
     ServerKeys,
@@ -38,7 +38,7 @@ DEFAULT_MAX_PENDING = 16384
 DEFAULT_MAX_PEERS = 256
 MAX_PEERS_LIMIT = 1000
 
-# How a server's NIXL agent makes progress (`nixl_progress_thread`; connector/progress.py).
+# How a server's NIXL agent makes progress (`nixl_progress_thread`; connector/shared/progress.py).
 ProgressMode = Literal["event", "off", "spin"]
 
 # The keys this module owns inside kv_connector_extra_config.
@@ -109,7 +109,7 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # P: honour `"fail_write": true` in a push request's kv_transfer_params by failing
     # its WRITE on purpose, before it starts. For tests and failure drills; leave off.
     fault_injection: bool = False
-    # How this server's NIXL agent makes progress (connector/progress.py): "event", NIXL's
+    # How this server's NIXL agent makes progress (connector/shared/progress.py): "event", NIXL's
     # progress thread woken by the transport's events, idle at no cost, so a peer's
     # transfer never waits for this server's next engine step; "off", no thread (vLLM
     # polls every engine step, our poller between steps while a push is in flight);
@@ -120,7 +120,7 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # pauses this long (seconds). vLLM steps a waiting engine back to back, which keeps
     # about half a core busy on a CPU server for as long as P computes the prompt: CPU
     # that the server's other work, or P's prefill where the two share cores, could use.
-    # D's workers end a pause as soon as a push's notification arrives (connector/wake.py).
+    # D's workers end a pause as soon as a push's notification arrives (connector/decode/wake.py).
     # None (the default): CPU_PAUSE on CPU servers, 0 (no pause, as vLLM does) on GPU
     # ones, whose forward pass does not need that CPU.
     push_wait_pause: float | None = None
@@ -128,7 +128,7 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # registered by the end of that pass, instead of at the start of the next step, after
     # sampling, the output's processing and the next schedule. CPU servers with one
     # worker only: on a GPU the forward's kernels may still be running when that step
-    # ends, and with several workers every one must be told (connector/early.py); those
+    # ends, and with several workers every one must be told (connector/prefill/early.py); those
     # servers always WRITE at the next step.
     early_write: bool = True
     # P: at most this many live push registrations from one peer (its CURVE key, else its
@@ -141,7 +141,7 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # flight is closed when its P proved unreachable, after a minute unused, or to make
     # room; a push to one more P while every socket has pushes in flight is computed here.
     max_peers: int = DEFAULT_MAX_PEERS
-    # Authentication of the push side channel (ZMQ CURVE; connector/keys.py makes keys).
+    # Authentication of the push side channel (ZMQ CURVE; connector/shared/keys.py makes keys).
     # All three, or none (then anyone who reaches the push port is trusted, and the
     # server logs a warning at start):
     # - curve_secret_key_file: this server's key pair (a `.key_secret` file): P's push

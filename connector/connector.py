@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from connector.metadata import PushReport
+from connector.protocol.step import PushReport
 from connector.scheduler import DualScheduler
 from connector.vllm_compat import (
     KVConnectorMetadata,

@@ -33,26 +33,23 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from connector import tp_plan, wire
-from connector.channel import DecodeChannel, FreeBlocks, PrefillChannel, StartWrite
 from connector.config import DualConfig
-from connector.messages import EngineId, RegisterBlocks, TransferId
-from connector.metadata import PushJob, PushReport, PushStep, WriteTally
-from connector.push_requests import (
-    DecodePushes,
-    DecodeState,
-    PrefillPush,
-    PrefillPushes,
-    PrefillState,
-)
-from connector.registry import PushRegistry, RegistryConfig
+from connector.decode.channel import DecodeChannel
+from connector.decode.registered import DecodePushes, DecodeState
+from connector.decode.wake import WakeListener
+from connector.prefill.channel import FreeBlocks, PrefillChannel, StartWrite
+from connector.prefill.prompts import PrefillPush, PrefillPushes, PrefillState
+from connector.prefill.registry import PushRegistry, RegistryConfig
+from connector.protocol import http_params
+from connector.protocol.side_channel import EngineId, RegisterBlocks, TransferId
+from connector.protocol.step import PushJob, PushReport, PushStep, WriteTally
+from connector.shared import tp_plan
 from connector.vllm_compat import (
     FEATURES,
     NixlPullConnectorScheduler,
     on_cpu,
     scheduled_blocks,
 )
-from connector.wake import WakeListener
 
 if TYPE_CHECKING:
     from connector.vllm_compat import (
@@ -104,7 +101,7 @@ def _dp_size(vllm_config: VllmConfig, engine_id: str) -> int | None:
     return None if engine_id.endswith(f"_dp{parallel.data_parallel_index}") else 1
 
 
-def transfer_id_of(params: wire.KVTransferParams) -> TransferId | None:
+def transfer_id_of(params: http_params.KVTransferParams) -> TransferId | None:
     """The router's `transfer_id`, naming this push on P and D; None when absent."""
     return TransferId(params.transfer_id) if params.transfer_id else None
 
@@ -136,8 +133,8 @@ class DualScheduler(NixlPullConnectorScheduler):
         # What this P tells the router it can do: push only if vLLM's push code writes a
         # prefix hit's tail right (checked at start, `vllm_compat`).
         self.push_supported = FEATURES["push_trims_decode_tail"]
-        self.transfer_modes = list(wire.TRANSFER_MODE_VALUES) if self.push_supported \
-            else [wire.PULL]
+        self.transfer_modes = list(http_params.TRANSFER_MODE_VALUES) if self.push_supported \
+            else [http_params.PULL]
         if not self.push_supported:
             logger.error("push refused on this server: this vLLM's push code does not write "
                          "only the blocks D lacks on a prefix hit (checked at start); the "
@@ -182,7 +179,7 @@ class DualScheduler(NixlPullConnectorScheduler):
         self._refused: tuple[int, ...] = (0,) * 15  # the drop counts last logged
         logger.info("dual connector: modes %s; push side channel on %s:%d (%s); idle steps "
                     "while waiting for pushes pause %.1f ms; early WRITEs %s",
-                    ",".join(wire.TRANSFER_MODE_VALUES), self.push_host, self.push_port,
+                    ",".join(http_params.TRANSFER_MODE_VALUES), self.push_host, self.push_port,
                     "CURVE-authenticated" if keys else "unauthenticated",
                     self.push_wait_pause * 1000, "on" if self.early_write else "off")
 
@@ -191,7 +188,7 @@ class DualScheduler(NixlPullConnectorScheduler):
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        params = wire.decode_params(request.kv_transfer_params)
+        params = http_params.decode_params(request.kv_transfer_params)
         if params is None or not params.is_push or not params.do_remote_prefill:
             super().update_state_after_alloc(request, blocks, num_external_tokens)
             if params is not None and params.is_push and params.do_remote_decode:
@@ -199,10 +196,10 @@ class DualScheduler(NixlPullConnectorScheduler):
             return
         raw = request.kv_transfer_params
         assert raw is not None  # decoded above
-        raw[wire.DO_REMOTE_PREFILL] = False  # register once, even after a preemption
+        raw[http_params.DO_REMOTE_PREFILL] = False  # register once, even after a preemption
         rid = request.request_id
         tid = transfer_id_of(params)
-        peer = wire.push_channel_address(params)
+        peer = http_params.push_channel_address(params)
         if num_external_tokens <= 0:
             # Every prompt block was in D's prefix cache: nothing to receive. P's blocks
             # are freed by telling P we will not take them.
@@ -210,7 +207,7 @@ class DualScheduler(NixlPullConnectorScheduler):
                 self.decode_channel.abort(tid, peer=peer)
             return
         local = self.get_exchange_clipped_blocks(blocks.get_unhashed_block_ids_all_groups())
-        raw[wire.REMOTE_BLOCK_IDS] = []  # vLLM's recv bookkeeping wants the key
+        raw[http_params.REMOTE_BLOCK_IDS] = []  # vLLM's recv bookkeeping wants the key
         self._reqs_need_recv[rid] = (request, local, (), True)
         self._step.recv.add(rid)
         if not tid or peer is None:
@@ -227,7 +224,7 @@ class DualScheduler(NixlPullConnectorScheduler):
         self._decode_pushes.registered(rid, tid)
         self.stats.registrations += 1
 
-    def _follow_prefill(self, request: Request, params: wire.KVTransferParams) -> None:
+    def _follow_prefill(self, request: Request, params: http_params.KVTransferParams) -> None:
         """P: a push request was scheduled. Follow its blocks step by step if its WRITE
         may start right after the forward pass that completes its prompt: only when that
         pass also finishes the request (max_tokens 1, as the router sends), since P's
@@ -242,7 +239,7 @@ class DualScheduler(NixlPullConnectorScheduler):
     def request_finished(
         self, request: Request, block_ids: BlockIds
     ) -> tuple[bool, dict[str, Any] | None]:
-        params = wire.decode_params(request.kv_transfer_params)
+        params = http_params.decode_params(request.kv_transfer_params)
         if params is not None and params.is_push and not params.do_remote_decode:
             return self._decode_push_finished(request, params)
         delay_free, answer = super().request_finished(request, block_ids)
@@ -260,16 +257,16 @@ class DualScheduler(NixlPullConnectorScheduler):
         elif delay_free:
             self.stats.pull_prefills += 1
         if answer is not None:
-            answer[wire.TRANSFER_MODES] = list(self.transfer_modes)
-            answer[wire.PUSH_HOST] = self.push_host
-            answer[wire.PUSH_PORT] = self.push_port
-            answer[wire.DP_RANK] = self.dp_rank
+            answer[http_params.TRANSFER_MODES] = list(self.transfer_modes)
+            answer[http_params.PUSH_HOST] = self.push_host
+            answer[http_params.PUSH_PORT] = self.push_port
+            answer[http_params.DP_RANK] = self.dp_rank
             if self.dp_size is not None:
-                answer[wire.DP_SIZE] = self.dp_size
+                answer[http_params.DP_SIZE] = self.dp_size
         return delay_free, answer
 
     def _prefill_push_finished(
-        self, rid: str, params: wire.KVTransferParams, delay_free: bool,
+        self, rid: str, params: http_params.KVTransferParams, delay_free: bool,
         answer: dict[str, Any] | None,
     ) -> tuple[bool, bool]:
         """P's push request ended: hand its blocks to the push registry (then True, with
@@ -284,9 +281,9 @@ class DualScheduler(NixlPullConnectorScheduler):
             # an abort): the registry may have matched it then, and a WRITE may be
             # reading these blocks. They go to the registry like any prefill's.
             if answer is not None \
-                    and [list(g) for g in answer[wire.REMOTE_BLOCK_IDS]] != completed:
+                    and [list(g) for g in answer[http_params.REMOTE_BLOCK_IDS]] != completed:
                 logger.error("push %s: request %s holds blocks %s, not the %s its last "
-                             "step was given", tid, rid, answer[wire.REMOTE_BLOCK_IDS],
+                             "step was given", tid, rid, answer[http_params.REMOTE_BLOCK_IDS],
                              completed)
             delay_free = True
         elif not delay_free or not tid or answer is None:
@@ -294,13 +291,13 @@ class DualScheduler(NixlPullConnectorScheduler):
                 self.prefill_channel.prefill_aborted(tid)
             return delay_free, False
         else:
-            completed = answer[wire.REMOTE_BLOCK_IDS]
+            completed = answer[http_params.REMOTE_BLOCK_IDS]
         # The push registry holds these blocks now, not vLLM's pull lease.
         self._stop_pull_lease(rid)
         self.prefill_channel.prefill_finished(tid, rid, completed,
                                               fail_on_purpose=fail_on_purpose)
         if answer is not None:
-            answer[wire.TRANSFER_MODE] = wire.PUSH
+            answer[http_params.TRANSFER_MODE] = http_params.PUSH
         self.stats.push_prefills += 1
         return delay_free, True
 
@@ -309,7 +306,7 @@ class DualScheduler(NixlPullConnectorScheduler):
         self._reqs_not_processed.add(request_id)
 
     def _decode_push_finished(
-        self, request: Request, params: wire.KVTransferParams
+        self, request: Request, params: http_params.KVTransferParams
     ) -> tuple[bool, dict[str, Any] | None]:
         """D's push request ended. If it still waits for P's WRITE (the client left),
         tell P; D's blocks are freed when P confirms nothing more will be written."""
@@ -318,8 +315,8 @@ class DualScheduler(NixlPullConnectorScheduler):
             self.decode_channel.abort(tid)
         elif params.do_remote_prefill and request.kv_transfer_params is not None:
             # Ended before it was ever scheduled: no registration; P may hold the KV.
-            request.kv_transfer_params[wire.DO_REMOTE_PREFILL] = False
-            peer, tid = wire.push_channel_address(params), transfer_id_of(params)
+            request.kv_transfer_params[http_params.DO_REMOTE_PREFILL] = False
+            peer, tid = http_params.push_channel_address(params), transfer_id_of(params)
             if peer and tid:
                 self.decode_channel.abort(tid, peer=peer)
         return False, None

@@ -8,13 +8,13 @@ Push adds, per step (`PushStep`, from the scheduler):
   recomputes, or frees an aborted request's blocks).
 - P: each job (started in `start_step`, when the step's metadata is bound, before the
   forward pass; or, for an early WRITE, which P's channel thread sends straight here
-  (`connector.early`), in `write_early`, right after the forward pass that completes the
+  (`connector.prefill.early`), in `write_early`, right after the forward pass that completes the
   job's prompt) performs the NIXL handshake with D's agent if none is cached yet
   (vLLM's own, on its background executor), then WRITEs this rank's share of the blocks
   with vLLM's push descriptor code; when every WRITE handle is done, the request is
   reported finished sending, which frees P's blocks, and the outcome goes back to the
   scheduler in a `PushReport`. `release` requests are reported finished at once. Each
-  push is one record with its state (`connector.outgoing`).
+  push is one record with its state (`connector.prefill.outgoing`).
 - P, a WRITE that failed or could not start: the blocks stay, under vLLM's own pull
   lease (`pull_fallback_ttl`), so that D can READ them instead; D's READ notification,
   the lease's end or a `release` order frees them.
@@ -33,7 +33,7 @@ flight; on D, while a push is awaited, it fetches the notifications for the engi
 thread. The engine thread still collects finished WRITEs in `get_transfer_results`, and
 handles every notification (the scheduler keeps the engines stepping while a push is
 alive). Each poll is guarded like the side-channel threads' passes
-(`connector.channel_thread.Guard`): an exception is counted and logged, and polling goes
+(`connector.shared.channel_thread.Guard`): an exception is counted and logged, and polling goes
 on; a poller that dies makes the next step raise `ThreadDied` (`start_step`), which
 stops the engine and fails vLLM's health check, instead of leaving pushes stuck.
 """
@@ -49,17 +49,18 @@ from collections import defaultdict
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
-from connector.channel import StartWrite
-from connector.channel_thread import Guard
 from connector.config import DualConfig
-from connector.early import EarlyInbox
-from connector.messages import PullOffer
-from connector.metadata import PushJob, PushReport, PushStep
-from connector.outgoing import OutgoingPush, OutgoingPushes, OutgoingState
-from connector.pages import small_pages
-from connector.progress import agent_progress
-from connector.push_requests import IncomingPushes
-from connector.tp_plan import keeps_state, writers_per_decode_rank
+from connector.decode.incoming import IncomingPushes
+from connector.decode.wake import WakeSender
+from connector.prefill.channel import StartWrite
+from connector.prefill.early import EarlyInbox
+from connector.prefill.outgoing import OutgoingPush, OutgoingPushes, OutgoingState
+from connector.protocol.side_channel import PullOffer
+from connector.protocol.step import PushJob, PushReport, PushStep
+from connector.shared.channel_thread import Guard
+from connector.shared.pages import small_pages
+from connector.shared.progress import agent_progress
+from connector.shared.tp_plan import keeps_state, writers_per_decode_rank
 from connector.vllm_compat import (
     NixlConnectorMetadata,
     PullPushWorker,
@@ -67,7 +68,6 @@ from connector.vllm_compat import (
     ReqMeta,
     on_cpu,
 )
-from connector.wake import WakeSender
 
 if TYPE_CHECKING:
     import torch

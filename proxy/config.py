@@ -314,7 +314,7 @@ class PushChannel(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """The router's own word to P's push side channels (our connector's `push_port`):
     after a push's D leg failed or the client left, the router abandons the transfer so
     that P frees the prompt's blocks at once instead of after its `unclaimed_ttl`.
-    With CURVE keys on the connectors (`python -m connector.keys`), the router needs its
+    With CURVE keys on the connectors (`python -m connector.shared.keys`), the router needs its
     key pair (its public key among P's `curve_allowed_keys`) and P's public key."""
 
     abandon: bool = True  # false: send no abandons (P frees the blocks after unclaimed_ttl)

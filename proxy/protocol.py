@@ -23,7 +23,7 @@ from typing import Any
 
 import msgspec
 
-from connector import wire
+from connector.protocol import http_params as wire
 from proxy.config import Mode
 from proxy.errors import InvalidRequest, PayloadTooLarge
 

@@ -73,7 +73,7 @@ def row(what: str, cores: float, budget: float) -> dict[str, Any]:
 def idle_agent(mode: str, seconds: float, conn: multiprocessing.connection.Connection) -> None:
     """The child: build an agent as vLLM does, register a buffer, then do nothing for
     `seconds`; send the cores this process used meanwhile."""
-    from connector.progress import agent_progress
+    from connector.shared.progress import agent_progress
     from connector.vllm_compat import nixl_base_worker as base_worker
 
     with agent_progress(mode):  # type: ignore[arg-type]  # one of MODES

@@ -37,7 +37,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from connector.wire import TRANSFER_MODE_HEADER
+from connector.protocol.http_params import TRANSFER_MODE_HEADER
 from testbed.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]

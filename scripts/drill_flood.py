@@ -49,7 +49,7 @@ from typing import Any
 import httpx
 import zmq
 
-from connector.messages import (
+from connector.protocol.side_channel import (
     MAX_KV_GROUPS,
     Abandon,
     Abort,

@@ -24,7 +24,7 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from connector import wire
+from connector.protocol import http_params as wire
 from proxy.protocol import PREFILL_KV_PARAMS  # P's leg params, in both modes
 
 JSON = dict[str, Any]

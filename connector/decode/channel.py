@@ -3,12 +3,12 @@ D's registrations, aborts and pings and watches the answers and the deadlines.
 
 Each DEALER's identity is D's engine id, so P's answers find their way back. D's engine
 hands the thread typed events (`RegisterPush`, `AbortPush`, `ForgetPush`; see
-`connector.channel_thread`) and learns which pushes failed from `take_failures` (it then
+`connector.shared.channel_thread`) and learns which pushes failed from `take_failures` (it then
 reads P's blocks where P offers them, recomputes the other prompts, or frees the blocks
 of an aborted request); a push that succeeds is known to D's workers from the WRITE's
 own NIXL notification, and D's engine then calls `forget`.
 
-With CURVE keys (`connector.keys`), each DEALER is a CURVE client that checks P by P's
+With CURVE keys (`connector.shared.keys`), each DEALER is a CURVE client that checks P by P's
 public key. The sockets are used only by the channel's thread, which closes them.
 
 P servers come and go (pods, times their data-parallel ranks), so D's sockets are
@@ -18,9 +18,9 @@ once its P proved unreachable (its pushes failed for silence or no Ack), or afte
 retried with a growing interval (`RECONNECT_IVL_MS` up to `RECONNECT_IVL_MAX_MS`), not
 every 100 ms for ever. A registration for which no socket can be had (every one busy, or
 ZMQ refusing another) fails at once, and D computes that prompt itself. Each engine event
-and each message is handled under the thread's guard (`connector.channel_thread`).
+and each message is handled under the thread's guard (`connector.shared.channel_thread`).
 
-The write lease (protocol 5, `connector.messages`; the why is in docs/ARCHITECTURE.md,
+The write lease (protocol 5, `connector.protocol.side_channel`; the why is in docs/ARCHITECTURE.md,
 section 5). D keeps the latest lease token each P sent (on every Ack and Pong) and grants
 with it: on each registration, and on each ping (every `ping_interval`, or a third of
 P's lease when that is shorter), naming the registrations it sent before it had a token
@@ -45,9 +45,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from connector.channel_thread import ChannelThread, describe, drain
-from connector.keys import ClientKeys
-from connector.messages import (
+from connector.protocol.side_channel import (
     MAX_WITHHELD,
     Abort,
     Ack,
@@ -67,6 +65,8 @@ from connector.messages import (
     decode,
     encode,
 )
+from connector.shared.channel_thread import ChannelThread, describe, drain
+from connector.shared.keys import ClientKeys
 
 logger = logging.getLogger("vllm.pd_connector.channel")
 

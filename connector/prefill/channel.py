@@ -4,12 +4,12 @@ that owns P's `PushRegistry`.
 D's registrations, aborts and pings (and the router's abandons) arrive on the socket;
 P's engine reports finished prefills and WRITE results through `PrefillChannel`'s
 methods, each a typed event (`PrefillFinished`, `PrefillCompleting`, `PrefillAborted`,
-`WriteEnded`) on the thread's queue (see `connector.channel_thread`), never a lock.
+`WriteEnded`) on the thread's queue (see `connector.shared.channel_thread`), never a lock.
 What the engine must do next, start a WRITE or free a prefill's blocks, comes back from
 `take_actions` (`StartWrite`, `FreeBlocks`), which the engine calls every step; an early
-WRITE goes straight to P's worker instead (`connector.early`).
+WRITE goes straight to P's worker instead (`connector.prefill.early`).
 
-With CURVE keys (`connector.keys`), the ROUTER is a CURVE server that admits only the
+With CURVE keys (`connector.shared.keys`), the ROUTER is a CURVE server that admits only the
 peers whose public keys it holds (ZMQ's ZAP handshake, answered by pyzmq's authenticator
 thread); a refused handshake is counted (`refused_handshakes`) and nothing of that peer
 reaches the registry. Each message's sender (`PeerId`) is its CURVE public key, else its
@@ -31,7 +31,7 @@ bounded per connection: at most `_RECEIVE_HWM` messages, none longer than P's la
 allows (`max_frame_bytes`; a longer frame ends its connection in ZMQ, unread).
 Messages that are not ours are counted (`bad_messages`) and logged at most
 `LOG_BURST` times a minute, as are refused registrations. Each message and engine event
-is handled under the thread's guard (see `connector.channel_thread`): one that raises is
+is handled under the thread's guard (see `connector.shared.channel_thread`): one that raises is
 counted and logged, and the thread goes on.
 """
 
@@ -50,10 +50,21 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
 
-from connector.channel_thread import LOG_BURST, ChannelThread, LogLimit, describe, drain
-from connector.early import EarlyOutbox
-from connector.keys import ServerKeys
-from connector.messages import (
+from connector.prefill.early import EarlyOutbox
+from connector.prefill.registry import (
+    BlockIds,
+    Ignored,
+    Outcome,
+    PeerId,
+    PushRegistry,
+    Ready,
+    Rejected,
+    Release,
+    RequestId,
+    TransferState,
+    Waiting,
+)
+from connector.protocol.side_channel import (
     MAX_KV_GROUPS,
     MAX_TRANSFER_ID_CHARS,
     MAX_WITHHELD,
@@ -77,19 +88,8 @@ from connector.messages import (
     decode,
     encode,
 )
-from connector.registry import (
-    BlockIds,
-    Ignored,
-    Outcome,
-    PeerId,
-    PushRegistry,
-    Ready,
-    Rejected,
-    Release,
-    RequestId,
-    TransferState,
-    Waiting,
-)
+from connector.shared.channel_thread import LOG_BURST, ChannelThread, LogLimit, describe, drain
+from connector.shared.keys import ServerKeys
 
 logger = logging.getLogger("vllm.pd_connector.channel")
 

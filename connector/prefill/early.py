@@ -7,7 +7,7 @@ metadata. The channel thread, which makes the match, sends it to the worker dire
 a ZMQ PUSH socket (`EarlyOutbox`, bound by the channel thread) to the worker's PULL
 socket (`EarlyInbox`, read by the worker's engine thread, without waiting, once the
 forward pass is done and at the start of each step). Both ends live on this host: an IPC
-socket named after the engine and its push port (see `connector.wake.ipc_address`), which
+socket named after the engine and its push port (see `connector.decode.wake.ipc_address`), which
 no other server on the host can share, in a directory only this user can enter.
 
 Only a P server with one worker makes early WRITEs: every rank must WRITE its share of a
@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from connector.wake import ipc_address, prepare_ipc_dir, remove_at_exit
+from connector.shared.ipc import ipc_address, prepare_ipc_dir, remove_at_exit
 
 logger = logging.getLogger("vllm.pd_connector.early")
 

@@ -37,8 +37,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from connector.messages import TransferId
-from connector.metadata import PushEnd, PushJob, PushReport
+from connector.protocol.side_channel import TransferId
+from connector.protocol.step import PushEnd, PushJob, PushReport
 
 
 class OutgoingState(enum.Enum):

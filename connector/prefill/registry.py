@@ -1,6 +1,6 @@
 """P's push registry: matches D's block registrations with P's finished prefills.
 
-Owned by one thread on P, the side channel's (`connector.prefill_channel`), so no lock:
+Owned by one thread on P, the side channel's (`connector.prefill.channel`), so no lock:
 it learns of D's registrations and aborts from the socket, of prefills and WRITE results
 from the engine, and calls `expire` on every wake-up (`next_deadline`). It does no I/O;
 each method returns what the caller must do (answer D, start a WRITE, free P's blocks).
@@ -8,7 +8,7 @@ each method returns what the caller must do (answer D, start a WRITE, free P's b
 Matching is exact on `transfer_id` and works in either order: D may register before P's
 prefill finishes, or after. One registry serves one P engine (all its ranks); D's
 scheduler registers for all of D's ranks at once (`tp_rank` 0), and every P rank WRITEs
-its share (see `connector.tp_plan`). P and D may run different tensor-parallel sizes when
+its share (see `connector.shared.tp_plan`). P and D may run different tensor-parallel sizes when
 one is a multiple of the other; any other pair, and a D whose tp would replicate the
 model's KV heads beyond P's tp, is refused (TP_MISMATCH, with the reason).
 
@@ -102,8 +102,14 @@ from typing import TypeAlias
 
 import msgspec
 
-from connector import tp_plan
-from connector.messages import EngineId, FailReason, NackReason, RegisterBlocks, TransferId
+from connector.protocol.side_channel import (
+    EngineId,
+    FailReason,
+    NackReason,
+    RegisterBlocks,
+    TransferId,
+)
+from connector.shared import tp_plan
 
 RequestId: TypeAlias = str  # P's engine request id, which holds P's blocks
 PeerId: TypeAlias = bytes  # who sent a message: CURVE public key, else ZMQ routing identity

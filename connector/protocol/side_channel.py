@@ -26,7 +26,7 @@ done with each WRITE (posted, or cancelled) `write_s` after the lease under whic
 started ends. A grant names the transfers it does not cover (`withheld`: those D gave
 up on, each also aborted); P aborts them first. So D, having given up on a push, knows
 when P is surely done with its blocks without a word from P: `write_s` after `lease_s`
-past the arrival of the latest token it had (`connector.decode_channel`; the design is
+past the arrival of the latest token it had (`connector.decode.channel`; the design is
 in docs/ARCHITECTURE.md, section 5).
 
 Who may do what: a registered transfer is aborted only by the peer that registered it
@@ -58,7 +58,7 @@ import msgspec
 #   2: PushFailed.pull, P's offer to be read instead after a failed WRITE.
 #   3: Abandon (router -> P); Nack reasons over_limit and too_many_blocks.
 #   4: RegisterBlocks.tp_size may differ from P's: P accepts a D whose tp is a multiple
-#      or a divisor of its own and its ranks WRITE D's ranks as `connector.tp_plan` maps
+#      or a divisor of its own and its ranks WRITE D's ranks as `connector.shared.tp_plan` maps
 #      them (version 3's P refused any other tp than its own).
 #   5: the write lease: Ack.lease and Pong.lease (P's LeaseToken), RegisterBlocks.grant
 #      and Ping.grant (D's Grant); FailReason lease_expired.
@@ -80,7 +80,7 @@ MAX_KV_GROUPS = 1024
 BlockIds: TypeAlias = Annotated[list[list[Annotated[int, msgspec.Meta(ge=0)]]],
                                 msgspec.Meta(max_length=MAX_KV_GROUPS)]
 # A transfer id is the router's 32 hex digits; any id on the wire has at most this many
-# characters, so that P can bound a legitimate frame (`connector.prefill_channel`).
+# characters, so that P can bound a legitimate frame (`connector.prefill.channel`).
 MAX_TRANSFER_ID_CHARS = 64
 # A grant names at most this many transfers of each kind (`adds`, `withheld`: D's
 # give-ups at that P that P has not answered yet, normally a handful). Past it, D sends
@@ -198,7 +198,7 @@ class RegisterBlocks(_TransferMessage, frozen=True, kw_only=True, tag="register_
     """D -> P: D's blocks for this transfer, one list per KV-cache group.
 
     D's scheduler speaks for all of D's ranks (`tp_rank` 0 of `tp_size`); each of P's
-    ranks writes the D ranks `connector.tp_plan` maps it to (P's rank r to D's rank r
+    ranks writes the D ranks `connector.shared.tp_plan` maps it to (P's rank r to D's rank r
     when the sizes are equal). `request_id` is D's engine request id: the WRITE's NIXL
     notification names it. `host`/`port` are D's NIXL side channel (vLLM's handshake
     listener), where P's workers fetch D's agent metadata before they WRITE. Replies go

@@ -9,11 +9,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from connector.channel import StartWrite
-from connector.messages import PullOffer, TransferId
-from connector.registry import BlockIds
+from connector.protocol.side_channel import PullOffer, RegisterBlocks, TransferId
 from connector.vllm_compat import KVConnectorWorkerMetadata
+
+BlockIds = list[list[int]]  # one list per KV-cache group
+
+
+class WriteOrder(Protocol):
+    """What `PushJob.of` reads: P's channel's `StartWrite` (`connector.prefill.channel`),
+    named by its shape, so that this floor imports nothing from P's side."""
+
+    @property
+    def transfer_id(self) -> TransferId: ...
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def block_ids(self) -> BlockIds: ...
+    @property
+    def registration(self) -> RegisterBlocks: ...
+    @property
+    def fail_on_purpose(self) -> bool: ...
+    @property
+    def write_by(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +55,7 @@ class PushJob:
     write_within: float = math.inf
 
     @classmethod
-    def of(cls, write: StartWrite, now: float) -> PushJob:
+    def of(cls, write: WriteOrder, now: float) -> PushJob:
         """The job for P's channel's `StartWrite`, made at `now` (the channel's clock)."""
         reg = write.registration
         return cls(

@@ -2,7 +2,7 @@
 engine's events for it.
 
 The push side channel is ZMQ between D's scheduler and P's scheduler, one thread on each
-(`connector.prefill_channel`, `connector.decode_channel`). Each thread owns its sockets
+(`connector.prefill.channel`, `connector.decode.channel`). Each thread owns its sockets
 and its state; the engine thread reaches it only through typed events (frozen
 dataclasses, one per kind, defined next to each side) put on a queue, followed by a
 byte on a wake-up pipe that the thread's poll watches. Nothing is shared under a lock

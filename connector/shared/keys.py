@@ -6,7 +6,7 @@ the router's abandon sender, are CURVE clients that must know P's public key. Th
 are ZMQ's certificate files (`zmq.auth`): `NAME.key` holds a public key, `NAME.key_secret`
 the key pair. To make a pair:
 
-    python -m connector.keys DIR [NAME]    # writes DIR/NAME.key and DIR/NAME.key_secret
+    python -m connector.shared.keys DIR [NAME]    # writes DIR/NAME.key and DIR/NAME.key_secret
 
 Keep `.key_secret` files private (the helper makes them readable by their owner only);
 copy `.key` files to where the peers' allowed keys are read from.
@@ -56,7 +56,7 @@ class ClientKeys(msgspec.Struct, frozen=True):
 def _valid(key: bytes | None, path: str, what: str) -> bytes:
     if key is None or len(key) != KEY_LENGTH:
         raise KeyFileError(f"{path} holds no CURVE {what} key (make one with "
-                        "`python -m connector.keys DIR`)")
+                        "`python -m connector.shared.keys DIR`)")
     try:
         z85.decode(key)
     except ValueError as exc:
@@ -105,7 +105,7 @@ def load_allowed(source: str | Iterable[str]) -> frozenset[bytes]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m connector.keys",
+        prog="python -m connector.shared.keys",
         description="Make a CURVE key pair for the push side channel: DIR/NAME.key "
                     "(public; give it to the peers) and DIR/NAME.key_secret (keep it).")
     parser.add_argument("dir", help="directory to write the two files in (made if absent)")

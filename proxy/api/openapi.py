@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from connector.wire import REQUEST_ID_HEADER, TRANSFER_MODE_HEADER
+from connector.protocol.http_params import REQUEST_ID_HEADER, TRANSFER_MODE_HEADER
 
 ERROR = {"$ref": "#/components/schemas/Error"}
 

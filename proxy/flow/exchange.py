@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from connector import wire
+from connector.protocol import http_params as wire
 from proxy.config import Mode
 from proxy.errors import (
     NoHealthyEndpoint,

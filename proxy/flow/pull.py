@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from connector import wire
+from connector.protocol import http_params as wire
 from proxy.config import MissingKVParams
 from proxy.errors import KVTransferError
 from proxy.flow.exchange import Exchange

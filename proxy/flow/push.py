@@ -32,7 +32,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from connector import wire
+from connector.protocol import http_params as wire
 from proxy.config import Mode, PushRecovery
 from proxy.errors import NoHealthyEndpoint, RouterError, UpstreamError, UpstreamStatusError
 from proxy.flow.exchange import Exchange

@@ -14,7 +14,7 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
-from connector import wire
+from connector.protocol import http_params as wire
 from proxy.config import ConfigSource, Mode, Policy, RouterConfig, resolve_secret
 from proxy.errors import InvalidRequest, NoHealthyEndpoint
 from proxy.flow.context import FlowContext

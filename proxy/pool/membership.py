@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from connector import wire
+from connector.protocol import http_params as wire
 from proxy.config import EndpointConfig, RouterConfig
 from proxy.errors import Conflict, NotFound
 from proxy.pool.endpoints import BOTH_MODES, Cluster, ClusterName, Endpoint

@@ -38,7 +38,7 @@ import msgspec
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from connector import wire
+from connector.protocol import http_params as wire
 from proxy.errors import Overloaded, UpstreamError, UpstreamStatusError
 from proxy.metrics import RouterMetrics
 from proxy.pool.endpoints import DataParallelRanks, Endpoint

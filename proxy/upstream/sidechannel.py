@@ -4,7 +4,7 @@ In push mode P's prefill and D's decode run at once; D registers its blocks with
 P holds the prompt's KV until a D claims it, or for `unclaimed_ttl` (120 s by default).
 When the router's D leg fails before D registered (D refused the connection, crashed,
 answered an error), nothing would tell P. `SideChannel.abandon` tells it: an `Abandon`
-message (the connector's own wire struct, `connector.messages`) to P's push port, and P
+message (the connector's own wire struct, `connector.protocol.side_channel`) to P's push port, and P
 frees the prompt's blocks at once. P honours it only while no D has registered the
 transfer, so a late abandon never disturbs a push under way; knowing the transfer's
 128-bit random id is the capability.
@@ -12,7 +12,7 @@ transfer, so a late abandon never disturbs a push under way; knowing the transfe
 Fire and forget, never waiting: each P gets one DEALER socket (kept, so later abandons
 reuse its connection), and a send that cannot be queued at once (P unreachable and its
 queue full) is dropped and counted: P then frees the blocks at `unclaimed_ttl`, as it
-would have anyway. With CURVE keys (`connector.keys`), the router authenticates itself
+would have anyway. With CURVE keys (`connector.shared.keys`), the router authenticates itself
 to P; its public key must be among P's `curve_allowed_keys`.
 
 Imports nothing from vLLM. Use it from the event loop's thread; `aclose()` at shutdown.
@@ -27,8 +27,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from connector.keys import ClientKeys, load_key_pair, load_public_key
-from connector.messages import Abandon, ProtocolError, TransferId, encode
+from connector.protocol.side_channel import Abandon, ProtocolError, TransferId, encode
+from connector.shared.keys import ClientKeys, load_key_pair, load_public_key
 
 logger = logging.getLogger("pdproxy.sidechannel")
 
@@ -50,7 +50,7 @@ class SideChannel:
         """`secret_key_file`: the router's CURVE key pair (a `.key_secret` file);
         `server_key_file`: the P servers' public key (a `.key` file). Both, or neither
         (then P must run without side-channel authentication). Raises ValueError (a
-        `connector.keys.KeyFileError`) for a file that holds no valid key."""
+        `connector.shared.keys.KeyFileError`) for a file that holds no valid key."""
         if (secret_key_file is None) != (server_key_file is None):
             raise ValueError("secret_key_file and server_key_file go together: the router's "
                              "key pair and P's public key")

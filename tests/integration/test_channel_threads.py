@@ -16,11 +16,12 @@ from typing import Any
 import pytest
 import zmq
 
-from connector import channel_thread, decode_channel
-from connector.channel import StartWrite
-from connector.channel_thread import ThreadDied
-from connector.messages import TransferId
+from connector.decode import channel as decode_channel
+from connector.prefill.channel import StartWrite
+from connector.protocol.side_channel import TransferId
 from connector.scheduler import DualScheduler
+from connector.shared import channel_thread
+from connector.shared.channel_thread import ThreadDied
 from testbed.ports import free_port
 from tests.integration.test_push_channel import (
     HOST,

@@ -288,7 +288,7 @@ async def test_a_push_whose_decode_fails_is_abandoned_on_ps_side_channel(pair: P
     import zmq
     import zmq.asyncio
 
-    from connector.messages import Abandon, decode
+    from connector.protocol.side_channel import Abandon, decode
 
     context = zmq.asyncio.Context()
     side_channel = context.socket(zmq.ROUTER)

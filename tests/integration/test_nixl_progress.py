@@ -36,7 +36,7 @@ def target(mode: str, conn: multiprocessing.connection.Connection) -> None:
     import nixl._api as api
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
-    from connector.progress import agent_progress
+    from connector.shared.progress import agent_progress
 
     # vLLM's module exports neither name explicitly
     factory = base_worker.nixl_agent_config  # type: ignore[attr-defined]

@@ -22,17 +22,17 @@ import msgspec
 import pytest
 import zmq
 
-from connector.channel import (
-    DecodeChannel,
+from connector.decode.channel import RELEASE_MARGIN_S, DecodeChannel, PushFailure
+from connector.prefill.channel import (
+    _BATCH_MESSAGES,
     FreeBlocks,
     PrefillAction,
     PrefillChannel,
-    PushFailure,
     StartWrite,
 )
-from connector.decode_channel import RELEASE_MARGIN_S
-from connector.early import EarlyInbox, EarlyOutbox
-from connector.messages import (
+from connector.prefill.early import EarlyInbox, EarlyOutbox
+from connector.prefill.registry import PushRegistry, RegistryConfig
+from connector.protocol.side_channel import (
     PROTOCOL_VERSION,
     Ack,
     EngineId,
@@ -45,8 +45,6 @@ from connector.messages import (
     decode,
     encode,
 )
-from connector.prefill_channel import _BATCH_MESSAGES
-from connector.registry import PushRegistry, RegistryConfig
 from testbed.ports import free_port
 from tests.conftest import until_sync
 
@@ -561,8 +559,8 @@ def test_an_abort_without_registration_frees_the_late_prefill_at_once(
 CHILD_LEASE_S, CHILD_WRITE_S = 1.0, 0.5  # the write lease of P's process below
 P_SCRIPT = f"""
 import sys, time
-from connector.channel import PrefillChannel
-from connector.registry import PushRegistry, RegistryConfig
+from connector.prefill.channel import PrefillChannel
+from connector.prefill.registry import PushRegistry, RegistryConfig
 channel = PrefillChannel(
     PushRegistry(RegistryConfig(engine_id="engine-p-child", block_size=int(sys.argv[2]),
                                 lease_s={CHILD_LEASE_S}, write_s={CHILD_WRITE_S})),

@@ -1,7 +1,7 @@
 """Pushes between tensor-parallel sizes on real NIXL (DRAM, UCX), one NIXL agent per rank
 as vLLM has, P's ranks in this process and D's in a child process.
 
-Each side holds the model's KV heads split over its ranks (`connector.tp_plan`); P's
+Each side holds the model's KV heads split over its ranks (`connector.shared.tp_plan`); P's
 ranks WRITE their blocks, head by head, where the plan puts them, each WRITE carrying the
 notification vLLM's push worker sends (`<D request id>:<P's tp>`). D counts them per rank
 with the connector's own bookkeeping (`IncomingPushes`, expecting
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from connector import tp_plan
-from connector.push_requests import IncomingPushes
+from connector.decode.incoming import IncomingPushes
+from connector.shared import tp_plan
 from scripts import bench_nixl
 from tests.conftest import until_sync
 

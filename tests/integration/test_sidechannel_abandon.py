@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import zmq.auth
 
-from connector.channel import FreeBlocks, PrefillChannel, StartWrite
-from connector.keys import KeyPair, ServerKeys, load_key_pair
-from connector.messages import TransferId
-from connector.registry import PushRegistry, RegistryConfig
+from connector.prefill.channel import FreeBlocks, PrefillChannel, StartWrite
+from connector.prefill.registry import PushRegistry, RegistryConfig
+from connector.protocol.side_channel import TransferId
+from connector.shared.keys import KeyPair, ServerKeys, load_key_pair
 from proxy.protocol import new_transfer_id
 from proxy.upstream.sidechannel import SEND_QUEUE, SideChannel
 from testbed.ports import free_port

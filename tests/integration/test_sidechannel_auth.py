@@ -17,9 +17,10 @@ import pytest
 import zmq
 import zmq.auth
 
-from connector.channel import DecodeChannel, PrefillChannel, StartWrite
-from connector.keys import ClientKeys, KeyPair, ServerKeys, load_key_pair, load_public_key
-from connector.messages import (
+from connector.decode.channel import DecodeChannel
+from connector.prefill.channel import PrefillChannel, StartWrite
+from connector.prefill.registry import PushRegistry, RegistryConfig
+from connector.protocol.side_channel import (
     MAX_KV_GROUPS,
     Abort,
     Ack,
@@ -32,7 +33,7 @@ from connector.messages import (
     TransferId,
     encode,
 )
-from connector.registry import PushRegistry, RegistryConfig
+from connector.shared.keys import ClientKeys, KeyPair, ServerKeys, load_key_pair, load_public_key
 from testbed.ports import free_port
 from tests.integration.test_push_channel import (
     BLOCK_SIZE,

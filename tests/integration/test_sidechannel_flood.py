@@ -16,9 +16,16 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from connector import prefill_channel
-from connector.channel import PrefillChannel, StartWrite
-from connector.messages import (
+from connector.prefill import channel as prefill_channel
+from connector.prefill.channel import (
+    _RECEIVE_HWM,
+    _STRANGER_MESSAGES,
+    PrefillChannel,
+    StartWrite,
+    max_frame_bytes,
+)
+from connector.prefill.registry import PushRegistry, RegistryConfig
+from connector.protocol.side_channel import (
     MAX_TRANSFER_ID_CHARS,
     MAX_WITHHELD,
     Ack,
@@ -32,12 +39,6 @@ from connector.messages import (
     TransferId,
     encode,
 )
-from connector.prefill_channel import (
-    _RECEIVE_HWM,
-    _STRANGER_MESSAGES,
-    max_frame_bytes,
-)
-from connector.registry import PushRegistry, RegistryConfig
 from scripts import drill_flood
 from testbed.ports import free_port
 from tests.integration.test_push_channel import (

@@ -17,8 +17,9 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from connector.early import EarlyOutbox
-from connector.wake import WakeListener, WakeSender, ipc_dir, wake_address
+from connector.decode.wake import WakeListener, WakeSender, wake_address
+from connector.prefill.early import EarlyOutbox
+from connector.shared.ipc import ipc_dir
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -154,8 +155,8 @@ def test_another_user_cannot_connect() -> None:
 
 EXIT_SCRIPT = """
 import sys
-from connector.early import EarlyOutbox
-from connector.wake import WakeListener
+from connector.prefill.early import EarlyOutbox
+from connector.decode.wake import WakeListener
 import zmq
 listener = WakeListener(sys.argv[1], 0)
 outbox = EarlyOutbox(zmq.Context(), sys.argv[1], 0, 5700)

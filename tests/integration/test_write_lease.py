@@ -26,9 +26,10 @@ import numpy as np
 import pytest
 import zmq
 
-from connector.channel import FreeBlocks, StartWrite
-from connector.decode_channel import RELEASE_MARGIN_S
-from connector.messages import (
+from connector.decode.channel import RELEASE_MARGIN_S
+from connector.prefill.channel import FreeBlocks, StartWrite
+from connector.prefill.registry import TransferState
+from connector.protocol.side_channel import (
     Ack,
     EngineId,
     FailReason,
@@ -40,8 +41,7 @@ from connector.messages import (
     TransferId,
     encode,
 )
-from connector.metadata import PushJob
-from connector.registry import TransferState
+from connector.protocol.step import PushJob
 from connector.worker import DualWorker
 from scripts import bench_nixl
 from tests.integration.test_push_channel import (

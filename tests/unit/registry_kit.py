@@ -12,8 +12,7 @@ from typing import TypeVar
 
 import msgspec
 
-from connector.messages import RegisterBlocks, TransferId
-from connector.registry import (
+from connector.prefill.registry import (
     BlockIds,
     Outcome,
     PeerId,
@@ -24,6 +23,7 @@ from connector.registry import (
     TransferState,
     Waiting,
 )
+from connector.protocol.side_channel import RegisterBlocks, TransferId
 
 FOREVER = 1e9  # a lease no test outlives
 T = TypeVar("T")

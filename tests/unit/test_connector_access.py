@@ -12,15 +12,7 @@ from typing import Any
 
 import pytest
 
-from connector.messages import (
-    MAX_KV_GROUPS,
-    EngineId,
-    FailReason,
-    NackReason,
-    RegisterBlocks,
-    TransferId,
-)
-from connector.registry import (
+from connector.prefill.registry import (
     Ignored,
     PushRegistry,
     Ready,
@@ -30,6 +22,14 @@ from connector.registry import (
     TransferState,
     Waiting,
     footprint,
+)
+from connector.protocol.side_channel import (
+    MAX_KV_GROUPS,
+    EngineId,
+    FailReason,
+    NackReason,
+    RegisterBlocks,
+    TransferId,
 )
 from tests.unit.registry_kit import GrantedRegistry
 

@@ -9,8 +9,8 @@ import pytest
 import zmq.auth
 
 from connector.config import CPU_PAUSE, MAX_PAUSE, ConfigError, DualConfig
-from connector.keys import load_key_pair, load_public_key
-from connector.keys import main as make_keys
+from connector.shared.keys import load_key_pair, load_public_key
+from connector.shared.keys import main as make_keys
 
 
 def test_only_our_keys_are_read_and_the_defaults_fill_the_rest() -> None:

@@ -15,10 +15,8 @@ from typing import Any
 
 import pytest
 
-from connector.messages import EngineId, FailReason, RegisterBlocks, TransferId
-from connector.metadata import PushJob
-from connector.outgoing import OutgoingPushes, OutgoingState
-from connector.registry import (
+from connector.prefill.outgoing import OutgoingPushes, OutgoingState
+from connector.prefill.registry import (
     PushRegistry,
     Ready,
     RegistryConfig,
@@ -26,6 +24,8 @@ from connector.registry import (
     TransferState,
     Waiting,
 )
+from connector.protocol.side_channel import EngineId, FailReason, RegisterBlocks, TransferId
+from connector.protocol.step import PushJob
 from connector.worker import DualWorker
 
 S = TransferState

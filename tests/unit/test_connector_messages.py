@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from connector.messages import (
+from connector.protocol.side_channel import (
     MAX_KV_GROUPS,
     MAX_WITHHELD,
     MESSAGE_TYPES,

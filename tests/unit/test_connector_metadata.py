@@ -3,8 +3,8 @@ steps by the scheduler, so a push ends only when every rank's share has ended.""
 
 from __future__ import annotations
 
-from connector.messages import TransferId
-from connector.metadata import PushEnd, PushReport, WriteTally
+from connector.protocol.side_channel import TransferId
+from connector.protocol.step import PushEnd, PushReport, WriteTally
 
 A, B = TransferId("a"), TransferId("b")
 

@@ -1,4 +1,4 @@
-"""P's worker's per-push records (`connector.outgoing`): each path from a job (or an
+"""P's worker's per-push records (`connector.prefill.outgoing`): each path from a job (or an
 early WRITE) to the step that hands its blocks back, what each end reports, and that
 no path leaves a record behind."""
 
@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from connector.channel import StartWrite
-from connector.messages import EngineId, RegisterBlocks, TransferId
-from connector.metadata import PushEnd, PushJob
-from connector.outgoing import OutgoingPushes, OutgoingState
+from connector.prefill.channel import StartWrite
+from connector.prefill.outgoing import OutgoingPushes, OutgoingState
+from connector.protocol.side_channel import EngineId, RegisterBlocks, TransferId
+from connector.protocol.step import PushEnd, PushJob
 from connector.worker import DualWorker
 
 S = OutgoingState

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 
-from connector.pages import small_pages
+from connector.shared.pages import small_pages
 
 SMAPS = """\
 7f0000000000-7f0040000000 rw-p 00000000 00:00 0

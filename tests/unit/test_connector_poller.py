@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from connector import channel_thread
-from connector.channel_thread import Guard, ThreadDied
+from connector.shared import channel_thread
+from connector.shared.channel_thread import Guard, ThreadDied
 from connector.worker import DualWorker
 from tests.conftest import until_sync
 

@@ -1,4 +1,5 @@
-"""The scheduler's per-request push records (`connector.push_requests`): each side's
+"""The scheduler's per-request push records (`connector.prefill.prompts`,
+`connector.decode.registered`, `connector.decode.incoming`): each side's
 states and transitions, and that ending a request leaves nothing behind."""
 
 from __future__ import annotations
@@ -8,14 +9,10 @@ from typing import Any
 
 import pytest
 
-from connector.messages import TransferId
-from connector.push_requests import (
-    DecodePushes,
-    DecodeState,
-    IncomingPushes,
-    PrefillPushes,
-    PrefillState,
-)
+from connector.decode.incoming import IncomingPushes
+from connector.decode.registered import DecodePushes, DecodeState
+from connector.prefill.prompts import PrefillPushes, PrefillState
+from connector.protocol.side_channel import TransferId
 
 TID = TransferId("t-1")
 

@@ -10,8 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from connector.messages import EngineId, FailReason, NackReason, RegisterBlocks, TransferId
-from connector.registry import (
+from connector.prefill.registry import (
     LIVE_STATES,
     InvalidTransition,
     PushRegistry,
@@ -22,6 +21,13 @@ from connector.registry import (
     Release,
     TransferState,
     Waiting,
+)
+from connector.protocol.side_channel import (
+    EngineId,
+    FailReason,
+    NackReason,
+    RegisterBlocks,
+    TransferId,
 )
 from tests.unit.registry_kit import GrantedRegistry
 

@@ -1,4 +1,4 @@
-"""The one wire contract between the router and the connector (`connector.wire`): its
+"""The one wire contract between the router and the connector (`connector.protocol.http_params`): its
 decoding at each edge, its key names, and that the router's legs and the connector's
 reads agree on them."""
 
@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from connector import wire
+from connector.protocol import http_params as wire
 from proxy.config import Mode
 from proxy.protocol import (
     PREFILL_KV_PARAMS,
@@ -112,7 +112,7 @@ def test_what_the_router_sends_the_connector_reads_back() -> None:
 
 
 def test_the_router_imports_no_vllm() -> None:
-    code = ("import sys, proxy.api.app, proxy.protocol, connector.wire; "
+    code = ("import sys, proxy.api.app, proxy.protocol, connector.protocol.http_params; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from connector import vllm_compat
-from connector.messages import EngineId, NackReason, RegisterBlocks, TransferId
-from connector.registry import PushRegistry, RegistryConfig, Rejected
+from connector.prefill.registry import PushRegistry, RegistryConfig, Rejected
+from connector.protocol.side_channel import EngineId, NackReason, RegisterBlocks, TransferId
 
 
 def test_the_installed_vllm_trims_to_ds_tail() -> None:

@@ -1,5 +1,5 @@
 """Pushes between tensor-parallel sizes: the mapping rule P's registry applies
-(`connector.tp_plan`), held to vLLM's own push mapping, and the registry's answers."""
+(`connector.shared.tp_plan`), held to vLLM's own push mapping, and the registry's answers."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ from typing import Any
 
 import pytest
 
-from connector import tp_plan
-from connector.messages import EngineId, NackReason, RegisterBlocks, TransferId
-from connector.registry import (
+from connector.prefill.registry import (
     PushRegistry,
     Ready,
     RegistryConfig,
@@ -17,7 +15,9 @@ from connector.registry import (
     TransferState,
     Waiting,
 )
-from connector.tp_plan import HeadWrite
+from connector.protocol.side_channel import EngineId, NackReason, RegisterBlocks, TransferId
+from connector.shared import tp_plan
+from connector.shared.tp_plan import HeadWrite
 from tests.unit.registry_kit import GrantedRegistry
 
 T1 = TransferId("t-1")
@@ -201,7 +201,7 @@ def test_d_worker_lands_a_push_only_with_its_last_write(
 ) -> None:
     from types import SimpleNamespace
 
-    from connector.push_requests import IncomingPushes
+    from connector.decode.incoming import IncomingPushes
     from connector.worker import DualWorker
 
     landed: list[int] = []

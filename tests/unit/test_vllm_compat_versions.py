@@ -34,7 +34,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import (
 import connector.scheduler as scheduler_module
 import connector.vllm_compat as compat
 from connector.connector import NixlDualConnector
-from connector.push_requests import PrefillPushes, PrefillState
+from connector.prefill.prompts import PrefillPushes, PrefillState
 
 INSTALLED_033 = Version(vllm.__version__).release[:2] >= (0, 33)
 needs_033 = pytest.mark.vllm_next  # runs vLLM 0.33's own code (see the docstring)
