@@ -127,11 +127,11 @@ vLLM's NixlPushConnector, and our pushes' WRITE throughput against a raw
 NIXL WRITE of the same shape. Leaves out: GPUs and a network (one CPU
 host), prefix-cache hits, decode."""),
     "regime": Script("scripts.bench_regime", """\
-pull, push and local TTFT in the emulated GPU regime (vLLM on CPU, every
-forward pass as long as a GPU profile says), D idle and busy, against the
-floor the profile allows, with the hand-off split out. Leaves out: a real
-GPU, the network (KV moves in host memory) and the host's own speed;
---help lists what else."""),
+pull, push, progressive push and local TTFT in the emulated GPU regime
+(vLLM on CPU, each layer as long as a GPU profile says, the KV over an
+emulated link: TCP on lo shaped by tc), D idle and busy, against the
+floors the profile and link allow. Leaves out: a real GPU and network
+(RDMA's offload, congestion) and the host's own speed; --help lists more."""),
     "idle": Script("scripts.bench_idle", """\
 cores used with nothing to do: a NIXL agent per progress mode, each server
 of an idle CPU pair, and D's engine while it only waits for a push. Leaves

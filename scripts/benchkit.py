@@ -435,13 +435,15 @@ DIRECT = "direct"  # the whole request on P alone: no router, no KV hand-over
 
 
 async def first_token_seconds(client: httpx.AsyncClient, url: str, prompt: list[int],
-                              mode: str) -> float:
-    """One streamed completion through the router; seconds to its first token."""
+                              mode: str, extra_headers: dict[str, str] | None = None) -> float:
+    """One streamed completion through the router; seconds to its first token.
+    `extra_headers` go with the request's X-KV-Transfer-Mode (the answer must still name
+    `mode`)."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "stream": True, "ignore_eos": True}
     started = time.perf_counter()
     ttft = None
-    headers = {} if mode == DIRECT else {"X-KV-Transfer-Mode": mode}
+    headers = {} if mode == DIRECT else {"X-KV-Transfer-Mode": mode, **(extra_headers or {})}
     async with client.stream("POST", f"{url}/v1/completions", json=body,
                              headers=headers) as resp:
         if resp.status_code != 200:
@@ -457,11 +459,12 @@ async def first_token_seconds(client: httpx.AsyncClient, url: str, prompt: list[
 
 
 async def batch(client: httpx.AsyncClient, url: str, mode: str, prompt_len: int,
-                concurrency: int, rng: random.Random) -> list[float]:
+                concurrency: int, rng: random.Random,
+                extra_headers: dict[str, str] | None = None) -> list[float]:
     """`concurrency` streamed completions at once in `mode`, each a fresh random prompt of
     `prompt_len` tokens of the tiny test model: their seconds to first token."""
     from testbed.tiny_model import VOCAB_SIZE as VOCAB
 
     prompts = [[rng.randrange(10, VOCAB) for _ in range(prompt_len)] for _ in range(concurrency)]
     return list(await asyncio.gather(
-        *(first_token_seconds(client, url, p, mode) for p in prompts)))
+        *(first_token_seconds(client, url, p, mode, extra_headers) for p in prompts)))

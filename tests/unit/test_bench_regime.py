@@ -1,0 +1,85 @@
+"""The regime benchmark's arithmetic (scripts.bench_regime), no server: its options,
+the emulated link's rate per profile, the two floors, and the summary of a case with
+progressive push (the share of whole push's transfer it hides)."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts import bench_regime as bench
+from testbed.profiles import get_profile
+
+P8 = get_profile("llama8b-h100")
+
+
+def test_quick_and_default_options() -> None:
+    quick = bench.parse_args(["--quick"])
+    assert quick.profiles == ("llama8b-h100",) and quick.links == ("eth25",)
+    assert quick.prompts == (1024, 8192) and quick.loads == ("idle",) and quick.no_stock
+    assert quick.modes == ("pull", "push", "local")  # progressive: once the router knows it
+    full = bench.parse_args([])
+    assert full.profiles == ("llama8b-h100", "llama70b-h100x8")
+    assert full.links == ("rdma400", "eth100", "eth25")
+    assert full.prompts == (1024, 4096, 8192, 16384) and full.layers == 8
+    chosen = bench.parse_args(["--quick", "--modes", "pull,progressive", "--links",
+                               "rdma400,none", "--prompts", "4096"])
+    assert chosen.modes == ("pull", "progressive") and chosen.links == ("rdma400", "none")
+    assert chosen.prompts == (4096,)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--modes", "pull,teleport"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--links", "eth10"])
+
+
+def test_modes_send_their_headers() -> None:
+    assert bench.ROUTER_MODE["progressive"] == bench.ROUTER_MODE["push"] == "push"
+    assert bench.MODE_HEADERS["progressive"] == {"X-KV-Push-Layers": "on"}
+    assert bench.MODE_HEADERS["push"] == {"X-KV-Push-Layers": "off"}
+
+
+def test_link_rates_and_floors() -> None:
+    args = bench.parse_args(["--quick"])
+    rate = bench.link_rate("eth25", P8, 2048)
+    assert rate.rate_bps == pytest.approx(390.625e6)
+    assert rate.transfer_s(8192) == pytest.approx(8192 * P8.kv_bytes_per_token * 8 / 25e9)
+    assert bench.link_rate("none", P8, 2048).transfer_s(8192) == 0.0
+    floor = bench.floor_s(P8, bench.Case("idle", 8192, 1, "eth25"), rate, args)
+    assert floor["prefill_s"] == pytest.approx(P8.prefill_s(8192))
+    assert floor["floor_s"] == pytest.approx(floor["prefill_s"] + floor["d_step_s"])
+    assert floor["floor_paid_s"] == pytest.approx(floor["floor_s"] + rate.transfer_s(8192))
+    # Slowed down: the GPU and the link alike, so every part stretches by the factor.
+    args.slowdown = 3.0
+    slow_rate = bench.link_rate("eth25", P8, 2048, slowdown=3.0)
+    slow = bench.floor_s(P8, bench.Case("idle", 8192, 1, "eth25"), slow_rate, args)
+    for name, value in floor.items():
+        assert slow[name] == pytest.approx(3 * value), name
+
+
+def test_the_summary_of_a_case_with_progressive_push() -> None:
+    args = bench.parse_args(["--quick", "--modes", "pull,push,progressive,local"])
+    rate = bench.link_rate("eth25", P8, 2048)
+    case = bench.Case("idle", 8192, 1, "eth25")
+    floor = bench.floor_s(P8, case, rate, args)
+    transfer = floor["transfer_s"]
+    steps = {"steps": 4, "long_steps": 0, "prefill_steps": 1,
+             "prefill_compute_over_target_max": 0.5,
+             "prefill_compute_over_target_median": 0.5, "decode_step_ms_median": None,
+             "decode_target_ms_median": None, "decode_period_ms_median": None}
+    paid = floor["floor_paid_s"]
+    result = {"case": {"load": "idle", "prompt_tokens": 8192, "concurrency": 1,
+                       "link": "eth25"}, "key": case.key,
+              "ttft_s": {"pull": [paid + 0.05] * 3, "push": [paid + 0.02] * 3,
+                         "progressive": [paid + 0.02 - 0.9 * transfer] * 3,
+                         "local": [floor["local_floor_s"] + 0.01] * 3},
+              "steps": {"P": steps, "D": steps}, "d_itl": None,
+              "link_bytes": 3 * 8192 * 2048, "kv_bytes_transferred": 3 * 8192 * 2048}
+    (row,) = bench.summarize(P8, [result], {}, {"eth25": rate}, args)
+    assert row["progressive_hidden_share"] == pytest.approx(0.9)
+    assert row["modes"]["push"]["over_paid_floor_ms"] == pytest.approx(20.0)
+    assert row["modes"]["push"]["overhead_ms"] == pytest.approx(20.0 + transfer * 1e3)
+    assert row["host_path_ms"] == pytest.approx(10.0)
+    assert row["flag"] is None
+    lines = bench.target_check([row])
+    assert any(line.startswith("progressive hides >= 80%") and "met" in line for line in lines)
+    assert any(line.startswith("progressive never slower") and "met" in line for line in lines)
+    assert any(line.startswith("progressive <= 0.6x pull") for line in lines)
