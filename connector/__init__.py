@@ -2,15 +2,16 @@
 
 vLLM loads it with `"kv_connector": "NixlDualConnector", "kv_connector_module_path":
 "connector"` (see `connector.connector`). Laid out by role and by side, each floor
-importing only the floors below it:
+importing only the floors below it (tests/unit/test_layers.py checks it):
 
 - `connector`: the facade vLLM loads; it forwards each call to its role.
-- `scheduler`, `worker`: the two roles vLLM runs it in (vLLM's pull code is their base,
-  push added per request).
+- `scheduler`, `worker`: the two roles vLLM runs it in, each a thin composition of a P
+  half and a D half (vLLM's pull code is their base).
 - `prefill/`: P's side: the registry, P's side-channel thread, early WRITEs, P's records
-  (in the scheduler and in the worker).
+  (in the scheduler and in the worker), and P's halves of the two roles.
 - `decode/`: D's side: D's side-channel thread, D's records, the wake-up of a pausing
-  scheduler. `prefill/` and `decode/` never import each other.
+  scheduler, and D's halves of the two roles. `prefill/` and `decode/` never import
+  each other.
 - `protocol/`: what crosses each hop: `http_params` (the router's `kv_transfer_params`),
   `side_channel` (D <-> P over ZMQ), `step` (scheduler -> workers, and back).
 - `shared/`: what both sides use: the channel thread, IPC sockets, CURVE keys

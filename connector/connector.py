@@ -55,7 +55,7 @@ class NixlDualConnector(NixlBaseConnector):
             self.connector_worker.start_step(connector_metadata)
 
     def wait_for_save(self) -> None:
-        """After the step's forward pass: P's early WRITEs (see `DualWorker.write_early`)."""
+        """After the step's forward pass: P's early WRITEs (see `PrefillWorker.write_early`)."""
         super().wait_for_save()  # type: ignore[no-untyped-call]
         if isinstance(self.connector_worker, DualWorker):
             self.connector_worker.write_early()

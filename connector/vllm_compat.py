@@ -121,6 +121,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.push_worker import (
 from vllm.platforms import current_platform
 
 if TYPE_CHECKING:  # types for annotations only (re-exported: `X as X`)
+    import threading
+    from collections import defaultdict
+
     from vllm.config import VllmConfig as VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.utils import BlockIds as BlockIds
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -271,6 +274,12 @@ class PullPushWorker(NixlPullConnectorWorker):
     mapping, block-size ratios, prefix caching, MLA replication). We reuse that code as
     is; it needs `_sending_transfers`, its lock and `_send_failures`, which the subclass
     sets up."""
+
+    # Set up by the subclass; declared here for the code that reaches them through this
+    # type (P's half of the worker, `connector.prefill.worker_side`).
+    _sending_transfers: defaultdict[str, list[int]]
+    _sending_transfers_lock: threading.Lock
+    _send_failures: set[str]
 
     _xfer_blocks = NixlPushConnectorWorker._xfer_blocks
 

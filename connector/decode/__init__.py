@@ -5,6 +5,7 @@
 - `registered`: D's scheduler's record of each push it registered with a P.
 - `incoming`: D's worker's record of each push it receives.
 - `wake`: D's workers wake D's pausing scheduler when a push lands.
+- `scheduler_side`, `worker_side`: D's halves of the connector's scheduler and worker.
 
 Nothing here imports `connector.prefill`: what both sides use is in `connector.shared`
 and `connector.protocol`.

@@ -35,6 +35,8 @@ from typing import Any, Final
 
 import msgspec
 
+from connector.protocol.side_channel import TransferId
+
 # The request body's key that holds them.
 KV_TRANSFER_PARAMS: Final = "kv_transfer_params"
 
@@ -131,3 +133,8 @@ def push_channel_address(params: KVTransferParams) -> str | None:
     if host is None or port is None or not 0 < port < 65536:
         return None
     return f"tcp://{host}:{port}"
+
+
+def transfer_id_of(params: KVTransferParams) -> TransferId | None:
+    """The router's `transfer_id`, naming this push on P and D; None when absent."""
+    return TransferId(params.transfer_id) if params.transfer_id else None

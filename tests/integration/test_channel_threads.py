@@ -123,7 +123,8 @@ def test_a_thread_that_dies_makes_the_engines_next_step_raise(
     caplog.set_level(logging.CRITICAL, logger="vllm.pd_connector.channel")
     p = channels.prefill()
     d = channels.decode()
-    scheduler = SimpleNamespace(prefill_channel=p, decode_channel=d)
+    scheduler = SimpleNamespace(prefill=SimpleNamespace(channel=p),
+                                decode=SimpleNamespace(channel=d))
     scheduler.check_threads = lambda: DualScheduler.check_threads(scheduler)  # type: ignore[arg-type]
     scheduler.check_threads()  # both alive
 

@@ -4,7 +4,7 @@ a working data path.
 P's and D's real channels talk through a TCP relay on 127.0.0.1, which the test stalls
 (the side channel's link congested or cut, both ways) once P has matched a push and
 ordered its WRITE. NIXL's data path does not go through the relay: P's WRITE is posted by
-P's worker's own code (`DualWorker._write` and its poller, on a bare worker) with a real
+P's worker's own code (`PrefillWorker._write` and its poll, on a bare worker) with a real
 NIXL agent into a real agent's buffer standing for D's KV cache, as late as the test
 makes it (a long engine step, a slow handshake). D, cut off from P, gives up on the push
 (its request ended, or P went silent) and reports it; the test then reuses D's blocks at
@@ -42,7 +42,6 @@ from connector.protocol.side_channel import (
     encode,
 )
 from connector.protocol.step import PushJob
-from connector.worker import DualWorker
 from scripts import bench_nixl
 from tests.integration.test_push_channel import (
     HOST,
@@ -139,7 +138,7 @@ class DataPath:
             np.array(meta.remote.block_ids[0], dtype=np.int32), f"{rid}:1".encode())
         assert self.p_agent.transfer(handle) in ("PROC", "DONE")
         self.posted_at.append(time.monotonic())
-        worker._sending_transfers[rid].append(handle)
+        worker._vllm._sending_transfers[rid].append(handle)
 
     def progress(self) -> None:
         """Poll D's agent, as D's worker does while it awaits a push."""
@@ -203,10 +202,10 @@ def test_no_write_lands_in_blocks_d_reused_after_the_side_channel_stalled(
                 released_at = now
                 data_path.reuse_d_blocks()  # vLLM gives them to another request at once
             if not started and now >= start_at:  # the step is built, its worker starts it
-                DualWorker._start_job(worker, PushJob.of(write, time.monotonic()))
+                worker._start_job(PushJob.of(write, time.monotonic()))
                 started = writing = True
             if writing:
-                writing = worker._poll_writes()
+                writing = worker.poll_writes()
             data_path.progress()
             time.sleep(0.005)
         for _ in range(20):  # a WRITE in flight would have landed by now

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from connector.prefill.outgoing import OutgoingPushes, OutgoingState
+from connector.prefill.outgoing import OutgoingState
 from connector.prefill.registry import (
     PushRegistry,
     Ready,
@@ -24,9 +24,9 @@ from connector.prefill.registry import (
     TransferState,
     Waiting,
 )
+from connector.prefill.worker_side import PrefillWorker
 from connector.protocol.side_channel import EngineId, FailReason, RegisterBlocks, TransferId
 from connector.protocol.step import PushJob
-from connector.worker import DualWorker
 
 S = TransferState
 T1 = TransferId("t-1")
@@ -217,30 +217,29 @@ class FakeAgent:
 
 
 def bare_worker(agent: Any, post: Callable[[Any, str, Any], None]) -> Any:
-    """P's worker with only what its WRITE path and poller use, its NIXL agent `agent`,
-    and vLLM's push code (`_xfer_blocks_for_req`) replaced by `post(worker, rid, meta)`,
-    which must add the WRITE's handle to `worker._sending_transfers[rid]`. D's agent is
-    known already (no handshake)."""
-    w: Any = SimpleNamespace(
-        _outgoing=OutgoingPushes(), _sending_transfers=defaultdict(list),
-        _sending_transfers_lock=threading.Lock(), _send_failures=set(), _write_deadlines={},
-        _cancelled=set(), _engine_last_active={}, _pull_fallback_ttl=30.0, world_size=1,
+    """P's half of a worker (`PrefillWorker`) over a vLLM worker with only what its WRITE
+    path and poller use, its NIXL agent `agent`, and vLLM's push code
+    (`_xfer_blocks_for_req`) replaced by `post(worker, rid, meta)`, which must add the
+    WRITE's handle to `worker._vllm._sending_transfers[rid]`. D's agent is known already
+    (no handshake)."""
+    vllm: Any = SimpleNamespace(
+        _sending_transfers=defaultdict(list), _sending_transfers_lock=threading.Lock(),
+        _send_failures=set(), _engine_last_active={}, world_size=1,
         _physical_blocks_per_logical_kv_block=1, nixl_wrapper=agent)
-    w._logical_to_kernel_block_ids = lambda ids, _ratio: ids
+    vllm._logical_to_kernel_block_ids = lambda ids, _ratio: ids
 
     def try_release(rid: str, handle: Any) -> bool:  # vLLM's: False keeps the handle
         try:
-            w.nixl_wrapper.release_xfer_handle(handle)
+            vllm.nixl_wrapper.release_xfer_handle(handle)
         except Exception:
             return False
         return True
 
-    w._xfer_blocks_for_req = lambda rid, meta: post(w, rid, meta)
-    w._try_release_xfer_handle = try_release
-    w._ensure_handshake = lambda *args: None
-    w._wake_poller = lambda: None
-    for name in ("_write", "_end", "_poll_writes", "_cancel"):
-        setattr(w, name, getattr(DualWorker, name).__get__(w))
+    vllm._try_release_xfer_handle = try_release
+    vllm._ensure_handshake = lambda *args: None
+    w: Any = PrefillWorker(vllm, pull_fallback_ttl=30.0, early_at=None,
+                           wake_poller=lambda: None)
+    vllm._xfer_blocks_for_req = lambda rid, meta: post(w, rid, meta)
     return w
 
 
@@ -249,7 +248,7 @@ def worker(agent: FakeAgent | None = None) -> Any:
 
     def post(w: Any, rid: str, meta: Any) -> None:
         w.posted.append(rid)
-        w._sending_transfers[rid].append(100 + len(w.posted))
+        w._vllm._sending_transfers[rid].append(100 + len(w.posted))
 
     w = bare_worker(agent or FakeAgent(), post)
     w.posted = []
@@ -258,7 +257,7 @@ def worker(agent: FakeAgent | None = None) -> Any:
 
 def test_a_job_whose_deadline_passed_is_not_posted() -> None:
     w = worker()
-    DualWorker._start_job(w, job(write_within=-0.001))
+    w._start_job(job(write_within=-0.001))
     assert w.posted == []
     assert w._outgoing.get(P_REQ).state is OutgoingState.HELD, "kept for D to READ"
     (end,) = w._outgoing.take_report().ended.values()
@@ -267,7 +266,7 @@ def test_a_job_whose_deadline_passed_is_not_posted() -> None:
 
 def test_a_job_within_its_deadline_is_posted_and_its_deadline_is_kept() -> None:
     w = worker()
-    DualWorker._start_job(w, job(write_within=60.0))
+    w._start_job(job(write_within=60.0))
     assert w.posted == [P_REQ]
     assert P_REQ in w._write_deadlines and math.isfinite(w._write_deadlines[P_REQ])
 
@@ -276,11 +275,11 @@ def test_a_job_within_its_deadline_is_posted_and_its_deadline_is_kept() -> None:
 def test_a_write_still_in_flight_at_its_deadline_is_cancelled(refusals: int) -> None:
     agent = FakeAgent(refusals)
     w = worker(agent)
-    DualWorker._start_job(w, job(write_within=60.0))
-    assert w._poll_writes() is True and agent.released == [], "in flight, within its lease"
+    w._start_job(job(write_within=60.0))
+    assert w.poll_writes() is True and agent.released == [], "in flight, within its lease"
     w._write_deadlines[P_REQ] = 0.0  # its deadline has passed
     for _ in range(refusals):
-        assert w._poll_writes() is True, "NIXL refused to cancel: still in flight"
-    assert w._poll_writes() is False
-    assert agent.released == [101] and w._sending_transfers[P_REQ] == []
-    assert P_REQ in w._cancelled and P_REQ in w._send_failures
+        assert w.poll_writes() is True, "NIXL refused to cancel: still in flight"
+    assert w.poll_writes() is False
+    assert agent.released == [101] and w._vllm._sending_transfers[P_REQ] == []
+    assert P_REQ in w._cancelled and P_REQ in w._vllm._send_failures

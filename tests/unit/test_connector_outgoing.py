@@ -11,9 +11,9 @@ import pytest
 
 from connector.prefill.channel import StartWrite
 from connector.prefill.outgoing import OutgoingPushes, OutgoingState
+from connector.prefill.worker_side import PrefillWorker
 from connector.protocol.side_channel import EngineId, RegisterBlocks, TransferId
 from connector.protocol.step import PushEnd, PushJob
-from connector.worker import DualWorker
 
 S = OutgoingState
 TID = TransferId("t-1")
@@ -153,14 +153,14 @@ def test_the_worker_starts_early_writes_only_after_their_forward_pass() -> None:
         worker._outgoing.start(j, handshaking=True, now=0.0)
 
     worker._start_job = start_job
-    DualWorker._start_early(worker, forward_done=False)  # step 4's start: no forward yet
+    PrefillWorker._start_early(worker, forward_done=False)  # step 4's start: no forward yet
     assert started == [] and state(worker._outgoing) is S.EARLY
-    DualWorker._start_early(worker, forward_done=True)
+    PrefillWorker._start_early(worker, forward_done=True)
     assert started == [RID]
-    DualWorker._start_early(worker, forward_done=True)  # takes p-2: due after step 5's
+    PrefillWorker._start_early(worker, forward_done=True)  # takes p-2: due after step 5's
     assert started == [RID] and state(worker._outgoing, "p-2") is S.EARLY
     worker._step_number = 5
-    DualWorker._start_early(worker, forward_done=False)
+    PrefillWorker._start_early(worker, forward_done=False)
     assert started == [RID]
-    DualWorker._start_early(worker, forward_done=True)
+    PrefillWorker._start_early(worker, forward_done=True)
     assert started == [RID, "p-2"] and state(worker._outgoing, "p-2") is S.HANDSHAKING

@@ -8,10 +8,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
+from connector.decode.worker_side import DecodeWorker
 from connector.shared import channel_thread
 from connector.shared.channel_thread import Guard, ThreadDied
 from connector.worker import DualWorker
@@ -20,16 +21,17 @@ from tests.conftest import until_sync
 
 @pytest.fixture
 def poller() -> Iterator[Callable[[Callable[[], bool]], Any]]:
-    """A worker with only what its poller thread uses, its WRITE poll replaced by
+    """A worker with only what its poller thread uses, P's half's WRITE poll replaced by
     `poll_writes`; the thread is started and stopped here."""
     made: list[Any] = []
 
     def make(poll_writes: Callable[[], bool]) -> Any:
+        decode = DecodeWorker(cast(Any, SimpleNamespace()), wake_at=("engine-poller-test", 0),
+                              wake_poller=lambda: None)  # no push awaited: polls nothing
         worker: Any = SimpleNamespace(
             _stopping=threading.Event(), _poll_wanted=threading.Event(),
-            _wake_at=("engine-poller-test", 0), _poller_guard=Guard("pd-nixl-poller"),
-            _incoming=SimpleNamespace(awaiting=0), _poll_writes=poll_writes)
-        worker._poll_notifs = lambda wake: DualWorker._poll_notifs(worker, wake)
+            _poller_guard=Guard("pd-nixl-poller"),
+            prefill=SimpleNamespace(poll_writes=poll_writes), decode=decode)
         worker._poll_once = lambda wake: DualWorker._poll_once(worker, wake)
         worker.check_poller = lambda: DualWorker.check_poller(worker)
         worker._poller = threading.Thread(target=DualWorker._poll, args=(worker,),

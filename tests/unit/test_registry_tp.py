@@ -200,20 +200,21 @@ def test_d_worker_lands_a_push_only_with_its_last_write(
     prefill_tp: int, decode_tp: int, pp_size: int, writes: int
 ) -> None:
     from types import SimpleNamespace
+    from typing import Any, cast
 
-    from connector.decode.incoming import IncomingPushes
-    from connector.worker import DualWorker
+    from connector.decode.worker_side import DecodeWorker
 
     landed: list[int] = []
-    worker = SimpleNamespace(
-        world_size=decode_tp, _incoming=IncomingPushes(),
-        _recving_metadata={"d-req": SimpleNamespace(pp_size=pp_size)})
-    worker._finish_landed = lambda: landed.append(worker._incoming.awaiting)
-    worker._incoming.expect("d-req")
+    vllm = SimpleNamespace(world_size=decode_tp,
+                           _recving_metadata={"d-req": SimpleNamespace(pp_size=pp_size)})
+    worker = DecodeWorker(cast(Any, vllm), wake_at=("engine", 0), wake_poller=lambda: None)
+    incoming = worker._incoming
+    worker.finish_landed = lambda: landed.append(incoming.awaiting)  # type: ignore[method-assign]
+    incoming.expect("d-req")
     for notification in range(writes):
         assert not landed, f"landed after {notification} of {writes} WRITEs"
-        DualWorker._push_arrived(worker, "d-req", prefill_tp)  # type: ignore[arg-type]
-    assert landed == [0] and worker._incoming.landed() == ["d-req"]
+        worker.push_arrived("d-req", prefill_tp)
+    assert landed == [0] and incoming.landed() == ["d-req"]
 
 
 # --- models with Mamba state: equal tp sizes only ------------------------------------------

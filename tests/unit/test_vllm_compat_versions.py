@@ -31,7 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.utils import (
     TransferTopology,
 )
 
-import connector.scheduler as scheduler_module
+import connector.prefill.scheduler_side as scheduler_side
 import connector.vllm_compat as compat
 from connector.connector import NixlDualConnector
 from connector.prefill.prompts import PrefillPushes, PrefillState
@@ -113,13 +113,13 @@ def test_p_follows_a_push_prompt_through_a_preemption_in_either_version(
     """P's scheduler (`_prompts_completing`) keeps a followed prompt's blocks: adds a
     chunk's new blocks, and takes the whole table again when the request comes back from
     a preemption listed as new, which vLLM 0.32 flags False."""
-    monkeypatch.setattr(scheduler_module, "scheduled_blocks",
+    monkeypatch.setattr(scheduler_side, "scheduled_blocks",
                         lambda out: compat.scheduled_blocks(out, reader=READERS[version]))
     pushes = PrefillPushes()
     _follow(pushes, "r", prompt_tokens=64)
-    fake = SimpleNamespace(_prefill_pushes=pushes,
-                           get_exchange_clipped_blocks=lambda blocks: blocks)
-    completing = scheduler_module.DualScheduler._prompts_completing
+    fake = SimpleNamespace(_prefill_pushes=pushes, _vllm=SimpleNamespace(
+        get_exchange_clipped_blocks=lambda blocks: blocks))
+    completing = scheduler_side.PrefillScheduler._prompts_completing
 
     def step(output: Any) -> list[str]:
         return [r.request.request_id for r in completing(cast(Any, fake), output)]

@@ -1,0 +1,301 @@
+"""P's half of the dual connector's worker (`connector.worker.DualWorker`): the WRITE.
+
+Each job (started when the step's metadata is bound, before the forward pass; or, for an
+early WRITE, which P's channel thread sends straight here (`connector.prefill.early`),
+right after the forward pass that completes the job's prompt) performs the NIXL
+handshake with D's agent if none is cached yet (vLLM's own, on its background
+executor), then WRITEs this rank's share of the blocks with vLLM's push descriptor code;
+when every WRITE handle is done, the request is reported finished sending, which frees
+P's blocks, and the outcome goes back to the scheduler in a `PushReport`. `release`
+requests are reported finished at once. Each push is one record with its state
+(`connector.prefill.outgoing`).
+
+- A WRITE that failed or could not start: the blocks stay, under vLLM's own pull lease
+  (`pull_fallback_ttl`), so that D can READ them instead; D's READ notification, the
+  lease's end or a `release` order frees them.
+- The write lease: each job comes with its deadline (`PushJob.write_within`): a WRITE not
+  posted by then is not posted (it fails, as above), and the poller cancels the WRITE
+  handles still in flight then (NIXL's release of a transfer in progress), so that D,
+  which may have given up on the push, can reuse its blocks once that deadline, known to
+  it, has passed (docs/ARCHITECTURE.md, section 5).
+
+Threads: the engine thread runs all of it but `poll_writes` and `_cancel`, which the
+worker's poller thread runs. vLLM's push code keeps its WRITE handles in the worker's
+`_sending_transfers` (with `_send_failures`), under `_sending_transfers_lock`; this half
+keeps each posted WRITE's deadline and the WRITEs the poller cancelled under that lock
+too. Its other state is the engine thread's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from connector.prefill.channel import StartWrite
+from connector.prefill.early import EarlyInbox
+from connector.prefill.outgoing import OutgoingPush, OutgoingPushes, OutgoingState
+from connector.protocol.step import PushJob, PushReport, PushStep
+from connector.vllm_compat import RemoteMeta, ReqMeta
+
+if TYPE_CHECKING:
+    from connector.vllm_compat import KVConnectorTransferResults, PullPushWorker
+
+logger = logging.getLogger("vllm.pd_connector.worker")
+
+
+class PrefillWorker:
+    """P's WRITEs on this rank, from their job (or early WRITE) to the step that hands
+    their blocks back to vLLM."""
+
+    def __init__(self, vllm: PullPushWorker, *, pull_fallback_ttl: float,
+                 early_at: tuple[str, int, int] | None,
+                 wake_poller: Callable[[], None]) -> None:
+        """`early_at`: this server's engine id, data-parallel index and push port, where
+        P's channel thread sends early WRITEs (None: this server makes none)."""
+        self._vllm = vllm
+        self._pull_fallback_ttl = pull_fallback_ttl
+        self._wake_poller = wake_poller  # the worker's poller polls the WRITEs in flight
+        # Under vLLM's `_sending_transfers_lock`: each posted WRITE's deadline (the write
+        # lease), and the WRITEs the poller cancelled at theirs.
+        self._write_deadlines: dict[str, float] = {}
+        self._cancelled: set[str] = set()
+        # One record per push this rank WRITEs, from its job (or early WRITE) to the step
+        # that hands its blocks back to vLLM, and the ends for the next PushReport.
+        self._outgoing = OutgoingPushes()
+        # Early WRITEs from P's channel thread, if this server makes them; the number of
+        # the step now running.
+        self._early_inbox = None if early_at is None else EarlyInbox(StartWrite, *early_at)
+        self._step_number = 0
+        # Jobs whose handshake with D finished (P's request id, its error), from vLLM's
+        # handshake executor.
+        self._handshaken: queue.SimpleQueue[tuple[str, BaseException | None]] = (
+            queue.SimpleQueue())
+
+    # --- each step: the scheduler's orders ------------------------------------------------
+
+    def begin_step(self, step: PushStep) -> None:
+        """The step's number, and the early WRITEs of earlier steps that came late."""
+        self._step_number = step.number
+        self._start_early(forward_done=False)
+
+    def take_step(self, step: PushStep) -> None:
+        """The step's WRITEs to start, and the blocks to release."""
+        for job in step.jobs:
+            self._start_job(job)
+        self.write_handshaken()
+        vllm = self._vllm
+        for rid in step.release:
+            # A failed push's blocks, kept for a READ that will not come: drop the lease
+            # (vLLM's, unless they were not put under it yet).
+            was = self._outgoing.release(rid)
+            if was is None or was is OutgoingState.RELEASED:
+                if vllm._reqs_to_send.pop(rid, None) is not None:
+                    vllm._reqs_to_process.discard(rid)
+            elif was is not OutgoingState.HELD:
+                logger.warning("request %s: release of blocks a WRITE still reads (%s); "
+                               "its end frees them", rid, was.value)
+
+    def write_early(self) -> None:
+        """Right after the step's forward pass (vLLM's `wait_for_save`): start the early
+        WRITEs of the prompts it completed. CPU servers only, where the forward is done
+        when this is called."""
+        self._start_early(forward_done=True)
+
+    def _start_early(self, *, forward_done: bool) -> None:
+        """Start the early WRITEs whose prompt is computed: their step is an earlier one,
+        or this one once its forward pass is done."""
+        if self._early_inbox is None:
+            return
+        for write in self._early_inbox.take():  # from P's channel thread, on this host
+            now = time.monotonic()
+            job = PushJob.of(write, now)
+            self._outgoing.early(job, write.early_step, deadline=now + job.write_within)
+        due = self._step_number if forward_done else self._step_number - 1
+        for record in self._outgoing.early_due(due):
+            assert record.job is not None
+            self._start_job(record.job)
+
+    def lease_for_pull(self) -> None:
+        """Put failed WRITEs' blocks under vLLM's pull lease. Only after vLLM's pull code
+        has handled the step's `reqs_not_processed` (`start_load_kv`): it holds that none
+        of those has a lease, and a push that fails at once is in that list in its step."""
+        for rid, expiry in self._outgoing.take_held():
+            self._vllm._reqs_to_process.add(rid)
+            self._vllm._reqs_to_send[rid] = expiry
+
+    def write_handshaken(self) -> None:
+        """WRITE the jobs whose handshake with D finished since the last call."""
+        while True:
+            try:
+                rid, error = self._handshaken.get_nowait()
+            except queue.Empty:
+                return
+            record = self._outgoing.get(rid)
+            if record is None or record.state is not OutgoingState.HANDSHAKING:
+                continue  # cannot happen: only the handshake's end moves it on
+            if error is None:
+                self._outgoing.handshaken(record)
+                self._write(record)
+            else:
+                self._end(record, f"handshake with D failed: {error}")
+
+    # --- the WRITE ------------------------------------------------------------------------
+
+    def _start_job(self, job: PushJob) -> None:
+        future = self._vllm._ensure_handshake(
+            job.decode_engine_id, job.decode_host, job.decode_port, job.decode_tp_size)
+        record = self._outgoing.start(job, handshaking=future is not None,
+                                      now=time.perf_counter(),
+                                      deadline=time.monotonic() + job.write_within)
+        if future is None:
+            self._write(record)
+            return
+
+        def handshake_done(f: Future[Any], rid: str = job.request_id) -> None:
+            self._handshaken.put((rid, f.exception()))
+
+        future.add_done_callback(handshake_done)
+
+    def _write(self, record: OutgoingPush) -> None:
+        job = record.job
+        assert job is not None and record.state is OutgoingState.WRITING
+        if job.fail_on_purpose:
+            self._end(record, "WRITE failed on purpose (fail_write, fault_injection on)")
+            return
+        if time.monotonic() >= record.deadline:
+            self._end(record, "not posted: its write lease ended first (D may have given up "
+                              "on the push, and may reuse its blocks)")
+            return
+        vllm = self._vllm
+        local = [list(group) for group in job.block_ids]
+        meta = ReqMeta(
+            local_block_ids=local,
+            local_physical_block_ids=vllm._logical_to_kernel_block_ids(
+                local, vllm._physical_blocks_per_logical_kv_block),
+            tp_size=vllm.world_size,
+            remote=RemoteMeta(
+                block_ids=[list(group) for group in job.decode_block_ids], host="", port=0,
+                engine_id=job.decode_engine_id, request_id=job.decode_request_id),
+        )
+        vllm._engine_last_active[job.decode_engine_id] = time.perf_counter()
+        try:
+            vllm._xfer_blocks_for_req(job.request_id, meta)
+        except Exception as exc:  # a layout vLLM's push code refuses, or NIXL itself
+            logger.exception("push %s: WRITE could not start", job.transfer_id)
+            self._end(record, f"WRITE could not start: {exc}")
+            return
+        with vllm._sending_transfers_lock:
+            submitted = bool(vllm._sending_transfers.get(job.request_id))
+            if submitted:
+                self._write_deadlines[job.request_id] = record.deadline
+        if not submitted:
+            self._end(record, "WRITE could not start (see the log above)")
+            return
+        if self.poll_writes():  # a small WRITE is often done at its first poll
+            self._wake_poller()
+
+    def poll_writes(self) -> bool:
+        """Poll every WRITE in flight once: NIXL moves a WRITE's bytes, and sends its
+        notification, only while it is polled. True while any is still going.
+
+        Only polls, but for a WRITE still in flight at its deadline (the write lease),
+        whose handles it cancels (NIXL's release of a transfer in progress; one that NIXL
+        cannot cancel yet is tried again at the next poll). The engine thread collects
+        and releases finished handles (under the same lock) in `transfer_results`."""
+        pending = False
+        now = time.monotonic()
+        vllm = self._vllm
+        with vllm._sending_transfers_lock:
+            for rid, handles in vllm._sending_transfers.items():
+                overdue = self._write_deadlines.get(rid, math.inf) <= now
+                for handle in list(handles):
+                    try:
+                        in_flight = vllm.nixl_wrapper.check_xfer_state(handle) == "PROC"
+                    except Exception:  # the engine thread reports it when it polls
+                        continue
+                    if in_flight and overdue and self._cancel(rid, handle):
+                        handles.remove(handle)
+                    else:
+                        pending |= in_flight
+        return pending
+
+    def _cancel(self, rid: str, handle: int) -> bool:
+        """Cancel a WRITE handle of `rid` in flight past its deadline (under the lock):
+        True once NIXL released it (nothing more of it is written)."""
+        if not self._vllm._try_release_xfer_handle(rid, handle):  # logs why, keeps it
+            return False
+        if rid not in self._cancelled:
+            logger.warning("request %s: a push WRITE still in flight at the end of its write "
+                           "lease was cancelled", rid)
+        self._cancelled.add(rid)
+        self._vllm._send_failures.add(rid)
+        return True
+
+    def _end(self, record: OutgoingPush, error: str | None) -> None:
+        """The job is over on this rank: report the outcome, and free P's blocks, or,
+        when the WRITE failed, keep them under vLLM's pull lease for D to READ."""
+        self._outgoing.ended(record, error, now=time.perf_counter(),
+                             lease_ttl=self._pull_fallback_ttl)
+
+    # --- each step: what finished ---------------------------------------------------------
+
+    def transfer_results(self, results: KVConnectorTransferResults) -> None:
+        """The WRITEs whose handles are all done, ended; the blocks released since the
+        last step, reported finished sending in `results` (vLLM's, of this step)."""
+        vllm = self._vllm
+        with vllm._sending_transfers_lock:
+            done, failed = vllm._pop_done_transfers(vllm._sending_transfers)
+            failed |= vllm._send_failures  # from submitting WRITEs, since the last step
+            vllm._send_failures.clear()
+            cancelled = self._cancelled & done
+            self._cancelled -= done
+            for rid in done:
+                self._write_deadlines.pop(rid, None)
+        self._outgoing.failed(failed)
+        for rid in done:
+            record = self._outgoing.get(rid)
+            if record is not None and record.state is OutgoingState.WRITING:
+                self._end(record, "WRITE cancelled: not done when its write lease ended"
+                          if rid in cancelled else "WRITE failed" if record.failed else None)
+        released = self._outgoing.take_released()
+        if released:
+            results.finished_sending.update(released)
+
+    def read_done(self, req_id: str, expected: int, done: set[str]) -> None:
+        """D finished reading `req_id` (pull). Same accounting as vLLM's pull worker."""
+        vllm = self._vllm
+        if req_id not in vllm._reqs_to_send and req_id not in vllm._reqs_to_process:
+            vllm.xfer_stats.record_notification_after_expiry()  # type: ignore[no-untyped-call]
+            logger.error("KV blocks of unknown request %s were read by a decode worker; "
+                         "they may have expired", req_id)
+            return
+        vllm.expected_consumer_notifications_by_req[req_id] = expected
+        vllm.consumer_notification_counts_by_req[req_id] += 1
+        if vllm.consumer_notification_counts_by_req[req_id] == expected:
+            done.add(req_id)
+            del vllm.consumer_notification_counts_by_req[req_id]
+            del vllm.expected_consumer_notifications_by_req[req_id]
+            vllm._reqs_to_process.remove(req_id)
+            vllm._reqs_to_send.pop(req_id, None)
+
+    def take_report(self) -> PushReport | None:
+        return self._outgoing.take_report()
+
+    def close_inbox(self) -> None:
+        if self._early_inbox is not None:
+            self._early_inbox.close()
+
+    def release_writes(self) -> None:
+        """At shutdown: release every WRITE handle still held (the poller has stopped)."""
+        vllm = self._vllm
+        with vllm._sending_transfers_lock:
+            for handles in vllm._sending_transfers.values():
+                for handle in handles:
+                    vllm._try_release_xfer_handle("shutdown", handle)
+            vllm._sending_transfers.clear()
+            self._write_deadlines.clear()
