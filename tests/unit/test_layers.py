@@ -1,8 +1,11 @@
-"""The router's floors and the absence of import circles, read from the source.
+"""The router's floors and the connector's, and the absence of import circles, read from
+the source.
 
 Every import counts: at the top, inside functions, and under `TYPE_CHECKING`. A floor
 may import its own floor and those below it; nothing imports in a circle, in `proxy/`
-or in `connector/`. docs/ARCHITECTURE.md (section 1) explains the floors.
+or in `connector/`; and the connector's two sides, P's (`connector.prefill`) and D's
+(`connector.decode`), on one floor, never import each other. docs/ARCHITECTURE.md
+(section 1) explains the floors.
 """
 
 from __future__ import annotations
@@ -23,6 +26,18 @@ FLOORS: list[tuple[str, ...]] = [
     ("proxy.upstream", "proxy.protocol"),
     ("proxy.config", "proxy.errors", "proxy.metrics", "proxy.tracing"),
 ]
+
+# The connector's floors, top first: the facade vLLM loads, its two roles (each a
+# composition of a P half and a D half), the two sides, and what crosses the hops with
+# what both sides share.
+CONNECTOR_FLOORS: list[tuple[str, ...]] = [
+    ("connector", "connector.connector"),
+    ("connector.scheduler", "connector.worker"),
+    ("connector.prefill", "connector.decode"),
+    ("connector.protocol", "connector.shared", "connector.vllm_compat", "connector.config"),
+]
+# Sides on one floor that never import each other: what they share is below them.
+CONNECTOR_SIDES: tuple[str, ...] = ("connector.prefill", "connector.decode")
 
 
 def module_names(package: str) -> dict[str, Path]:
@@ -100,15 +115,42 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def floor_of(module: str) -> int:
+def floor_of(module: str, floors: list[tuple[str, ...]] = FLOORS) -> int:
     best, best_length = -1, -1
-    for floor, prefixes in enumerate(FLOORS):
+    for floor, prefixes in enumerate(floors):
         for prefix in prefixes:
             matches = module == prefix or module.startswith(prefix + ".")
             if matches and len(prefix) > best_length:
                 best, best_length = floor, len(prefix)
-    assert best >= 0, f"{module} is on no floor: add it to FLOORS"
+    assert best >= 0, f"{module} is on no floor: add it to its package's floors"
     return best
+
+
+def upward(package: str, floors: list[tuple[str, ...]]) -> list[str]:
+    """Each import of `package` from a floor to a higher one, as a line."""
+    return [
+        f"{module} ({floors[floor_of(module, floors)][0]}) imports "
+        f"{target} ({floors[floor_of(target, floors)][0]})"
+        for module, targets in sorted(graph(package).items())
+        for target in sorted(targets)
+        if floor_of(target, floors) < floor_of(module, floors)  # smaller: a higher floor
+    ]
+
+
+def side_of(module: str, sides: tuple[str, ...]) -> str | None:
+    return next((side for side in sides if module == side or module.startswith(side + ".")),
+                None)
+
+
+def crossings(edges: dict[str, set[str]], sides: tuple[str, ...]) -> list[str]:
+    """Each import from one of `sides` into another, as a line."""
+    return [
+        f"{module} imports {target}"
+        for module, targets in sorted(edges.items())
+        for target in sorted(targets)
+        if side_of(module, sides) is not None
+        and side_of(target, sides) not in (None, side_of(module, sides))
+    ]
 
 
 def test_the_circle_finder_finds_a_circle() -> None:
@@ -129,11 +171,19 @@ def test_no_module_imports_in_a_circle(package: str) -> None:
     assert circles(graph(package)) == []
 
 
+def test_the_side_check_finds_a_crossing() -> None:
+    edges = {"c.p.a": {"c.d.b", "c.s"}, "c.d.b": {"c.s"}, "c.p": {"c.p.a"}, "c.s": set()}
+    assert crossings(edges, ("c.p", "c.d")) == ["c.p.a imports c.d.b"]
+    assert crossings({"c.d": {"c.p"}}, ("c.p", "c.d")) == ["c.d imports c.p"]
+
+
 def test_each_floor_of_the_router_imports_only_floors_below_it() -> None:
-    upward = [
-        f"{module} ({FLOORS[floor_of(module)][0]}) imports {target} ({FLOORS[floor_of(target)][0]})"
-        for module, targets in sorted(graph("proxy").items())
-        for target in sorted(targets)
-        if floor_of(target) < floor_of(module)  # a smaller number is a higher floor
-    ]
-    assert upward == []
+    assert upward("proxy", FLOORS) == []
+
+
+def test_each_floor_of_the_connector_imports_only_floors_below_it() -> None:
+    assert upward("connector", CONNECTOR_FLOORS) == []
+
+
+def test_the_connectors_prefill_and_decode_sides_never_import_each_other() -> None:
+    assert crossings(graph("connector"), CONNECTOR_SIDES) == []
