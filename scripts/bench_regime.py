@@ -43,9 +43,14 @@ router, API server, scheduling, streaming back). Per case also the bytes the sha
 link carried against the KV of the case's transfers (proof that the KV took the link).
 Busy cases report the inter-token latency of D's background streams per mode. Cases
 whose emulated steps ran long (the tiny model's own compute past the profile's time:
-long prompts with several layers on this CPU) are flagged from the servers' step logs;
-`--slowdown K` runs the emulated GPU and the link K times slower for them (every time
-and floor then K times longer; the host's own costs are not slowed). vLLM's own
+long prompts with several layers on this CPU) are flagged from the servers' step logs.
+`--slowdown` (default auto) runs the emulated GPU and the link K times slower where the
+CPU's compute needs it: auto measures a calibration round per load, length and
+concurrency and takes the least K (in steps of 0.5) that keeps the prefill's compute
+within 80% of its time, set live on the servers (testbed.clock.TimeScale) and on the
+link; every time and floor of the case is then K times longer, the host's own costs are
+not (they weigh K times less than on the real pair); `--slowdown 1` keeps the profile's
+own time and flags the steps that run long. vLLM's own
 connectors (`NixlConnector` in pull, `NixlPushConnector` in push) run the same cases on
 pairs of their own afterwards (`--no-stock` skips them; `--quick` too). Results go to
 JSON and a PNG plot.
@@ -74,7 +79,7 @@ from scripts.benchkit import batch, pyplot, save_figure, write_json
 from scripts.demo import router
 from testbed import link as links
 from testbed import profiles, tiny_model
-from testbed.clock import TIME_SCALE_ENV, StepRecord, read_step_log
+from testbed.clock import TIME_SCALE_FILE_ENV, StepRecord, read_step_log, write_time_scale
 from testbed.profiles import Profile, StepShape, get_profile
 from testbed.vllm_cpu import (
     DEFAULT_LOG_DIR,
@@ -111,6 +116,10 @@ QUICK_PROMPTS = (1024, 8192)
 BUSY_PROMPT_TOKENS = 64
 BUSY_MAX_TOKENS = 2048
 SLOW_STEP = 1.10  # a step lasting more than this x its target ran long
+# --slowdown auto: each case's factor keeps its prefill's compute within this share of
+# its (slowed) time, measured on a calibration prompt, in steps of SLOWDOWN_STEP.
+AUTO_COMPUTE_SHARE = 0.8
+SLOWDOWN_STEP = 0.5
 # What the emulation leaves out, besides the profile module's own list (docs/benchmarks.md,
 # "The GPU regime, emulated").
 LEFT_OUT = (
@@ -153,7 +162,6 @@ class LinkRate(msgspec.Struct, frozen=True):
     rate_bps: float | None
     emulated_kv_bytes: int
     profile_kv_bytes: int
-    slowdown: float = 1.0
 
     def transfer_s(self, tokens: int) -> float:
         """The KV transfer's time on the emulated link (0 unshaped: the host's speed)."""
@@ -161,26 +169,39 @@ class LinkRate(msgspec.Struct, frozen=True):
             return 0.0
         return links.transfer_s(tokens, self.emulated_kv_bytes, self.rate_bps)
 
+    def shaped_bps(self, slowdown: float) -> float | None:
+        """The rate `tc` gets with the emulated GPU `slowdown` times slower."""
+        return None if self.rate_bps is None else self.rate_bps / slowdown
+
     def describe(self) -> str:
         link = links.get_link(self.name)
         if self.rate_bps is None:
             return f"{self.name}: {link.description}"
-        slow = f" / slowdown {self.slowdown:g}" if self.slowdown != 1 else ""
         return (f"{self.name} ({link.description}): {self.gbps:g} Gb/s x "
                 f"{self.emulated_kv_bytes} / {self.profile_kv_bytes} KV bytes per token"
-                f"{slow} = {self.rate_bps / 1e6:.1f} Mb/s on lo (EMULATED)")
+                f" = {self.rate_bps / 1e6:.1f} Mb/s on lo (EMULATED; divided by a case's "
+                "slowdown)")
 
 
-def link_rate(name: str, profile: Profile, emulated_kv_bytes: int,
-              slowdown: float = 1.0) -> LinkRate:
-    """The rate `name` is shaped to for `profile`'s pair (testbed.link.scaled_rate_bps),
-    `slowdown` times slower with the emulated GPU."""
+def link_rate(name: str, profile: Profile, emulated_kv_bytes: int) -> LinkRate:
+    """The rate `name` is shaped to for `profile`'s pair (testbed.link.scaled_rate_bps)."""
     link = links.get_link(name)
     rate = None if link.gbps is None else links.scaled_rate_bps(
-        link.gbps, emulated_kv_bytes, profile.kv_bytes_per_token) / slowdown
+        link.gbps, emulated_kv_bytes, profile.kv_bytes_per_token)
     return LinkRate(name=name, gbps=link.gbps, rate_bps=rate,
                     emulated_kv_bytes=emulated_kv_bytes,
-                    profile_kv_bytes=profile.kv_bytes_per_token, slowdown=slowdown)
+                    profile_kv_bytes=profile.kv_bytes_per_token)
+
+
+def auto_slowdown(compute_over_target: float) -> float:
+    """The factor that keeps a prefill whose compute took `compute_over_target` x the
+    profile's time within AUTO_COMPUTE_SHARE of its slowed time: 1 when it fits, else
+    rounded up to a step of SLOWDOWN_STEP."""
+    needed = compute_over_target / AUTO_COMPUTE_SHARE
+    if needed <= 1.0:
+        return 1.0
+    steps = -(-needed // SLOWDOWN_STEP)
+    return float(steps * SLOWDOWN_STEP)
 
 
 # The floor ----------------------------------------------------------------------------
@@ -217,20 +238,20 @@ def busy_context(args: argparse.Namespace) -> int:
 
 
 def floor_s(profile: Profile, case: Case, rate: LinkRate,
-            args: argparse.Namespace) -> dict[str, float]:
+            args: argparse.Namespace, slowdown: float = 1.0) -> dict[str, float]:
     """The emulated physics' lower bounds on the case's median TTFT, and their parts:
     P's prefill (the median request's finish, see `prefill_finish_s`), one D step (the
     request's last token, which D computes, with the case's other new requests and,
     when D is busy, its background decodes), and the prompt's KV over the emulated
     link. `floor_s` is prefill + D step, the transfer fully hidden (what progressive
     push could reach); `floor_paid_s` adds the whole transfer (what whole push and pull
-    pay at least). Every time is `--slowdown` times the profile's. With concurrency above
+    pay at least). Every time is `slowdown` times the profile's. With concurrency above
     1 it assumes the prompts reach P together; through the router they arrive a little
     apart, and the first can finish before the bound."""
-    scale = float(args.slowdown)
+    scale = slowdown
     prefill = statistics.median(prefill_finish_s(profile, case.prompt_tokens,
                                                  case.concurrency)) * scale
-    transfer = rate.transfer_s(case.prompt_tokens)  # the rate is slowed already
+    transfer = rate.transfer_s(case.prompt_tokens) * scale
     shapes = [StepShape(1, case.prompt_tokens - 1)] * case.concurrency
     if case.load == "busy":
         shapes += [StepShape(1, busy_context(args) - 1)] * int(args.busy_streams)
@@ -409,14 +430,35 @@ def itl_summary(ticks: Ticks | None, windows: dict[str, list[tuple[float, float]
     return summary
 
 
+async def calibrate(client: httpx.AsyncClient, url: str, p: Pair, case: Case,
+                    current: float, rng: random.Random) -> float:
+    """How long the prefill of the case's prompts computes here against the profile's
+    (unslowed) time: one round in pull (P computes) and one in local (D does), the
+    larger of the two servers' median over their prefill steps."""
+    since = time.time()
+    for mode in ("pull", "local"):
+        await batch(client, url, mode, case.prompt_tokens, case.concurrency, rng)
+    ratios = []
+    for server in (p.prefill, p.decode):
+        steps = [r for r in read_step_log(server.spec.step_log_path)
+                 if r.at >= since and r.prefill_tokens > 0 and r.target_s > 0]
+        if steps:
+            ratios.append(statistics.median(r.compute_s * current / r.target_s for r in steps))
+    return max(ratios, default=0.0)
+
+
 async def run_all(p: Pair, url: str, cases: Sequence[Case], modes: Sequence[str],
-                  rates: dict[str, LinkRate], shaper: links.Shaper | None,
+                  rates: dict[str, LinkRate], shaper: links.Shaper | None, scale_path: Path,
                   args: argparse.Namespace, rng: random.Random,
                   ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
-    """Every case, link by link (the shaping re-rated live between links). Returns the
-    results and, per shaped link, the check of its rate."""
+    """Every case, link by link (the shaping re-rated live between links), each at its
+    slowdown (`--slowdown`; auto: calibrated per load, length and concurrency, the
+    servers' time scale and the link's rate set before the case). Returns the results
+    and, per shaped link, the check of its rate."""
     results: list[dict[str, Any]] = []
     proofs: dict[str, dict[str, Any]] = {}
+    compute_ratios: dict[tuple[str, int, int], float] = {}
+    current = 1.0
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0),
                                  limits=httpx.Limits(max_connections=64)) as client:
         for link_name in dict.fromkeys(case.link for case in cases):
@@ -446,6 +488,20 @@ async def run_all(p: Pair, url: str, cases: Sequence[Case], modes: Sequence[str]
                     say(f"D busy: starting {args.busy_streams} background streams on D ...")
                 async with busy as ticks:
                     for case in load_cases:
+                        ratio = None
+                        if args.slowdown == "auto":
+                            shape = (case.load, case.prompt_tokens, case.concurrency)
+                            if shape not in compute_ratios:
+                                compute_ratios[shape] = await calibrate(client, url, p, case,
+                                                                        current, rng)
+                            ratio = compute_ratios[shape]
+                            slowdown = auto_slowdown(ratio)
+                        else:
+                            slowdown = float(args.slowdown)
+                        write_time_scale(scale_path, slowdown)
+                        current = slowdown
+                        if shaper is not None:
+                            shaper.set(rate.shaped_bps(slowdown))
                         since = time.time()
                         sent_before = links.shaped_bytes() if shaper is not None else None
                         ttfts, windows = await run_case(client, url, case, modes, args, rng)
@@ -463,13 +519,18 @@ async def run_all(p: Pair, url: str, cases: Sequence[Case], modes: Sequence[str]
                             "ttft_s": ttfts, "steps": steps, "d_itl": itl_summary(ticks, windows),
                             "link_bytes": link_bytes,
                             "kv_bytes_transferred": transfers * case.prompt_tokens
-                            * rate.emulated_kv_bytes})
+                            * rate.emulated_kv_bytes,
+                            "slowdown": slowdown, "calibrated_compute_over_target": ratio})
                         medians = ", ".join(f"{m} {statistics.median(v) * 1e3:.1f} ms"
                                             for m, v in ttfts.items())
                         carried = ("" if link_bytes is None else
                                    f"; link carried {link_bytes / 1e6:.1f} MB for "
                                    f"{results[-1]['kv_bytes_transferred'] / 1e6:.1f} MB of KV")
-                        say(f"  [{len(results)}/{len(cases)}] {case.key}: median TTFT "
+                        slow = "" if slowdown == 1 else (
+                            f" (slowdown {slowdown:g}"
+                            + ("" if ratio is None else f": compute {ratio:.2f}x the profile")
+                            + ")")
+                        say(f"  [{len(results)}/{len(cases)}] {case.key}{slow}: median TTFT "
                             f"{medians}{carried}")
     return results, proofs
 
@@ -516,7 +577,8 @@ def summarize(profile: Profile, results: Sequence[dict[str, Any]],
                     for name, stock_results in stock.items()}
     for result in results:
         case = msgspec.convert(result["case"], Case)
-        floor = floor_s(profile, case, rates[case.link], args)
+        slowdown = float(result.get("slowdown", 1.0))
+        floor = floor_s(profile, case, rates[case.link], args, slowdown)
         modes = {mode: mode_summary(values,
                                     floor["local_floor_s" if mode == "local" else "floor_s"],
                                     floor["local_floor_s" if mode == "local"
@@ -538,7 +600,7 @@ def summarize(profile: Profile, results: Sequence[dict[str, Any]],
                 / transfer_ms
         rows.append({
             "link": case.link, "load": case.load, "prompt_tokens": case.prompt_tokens,
-            "concurrency": case.concurrency,
+            "concurrency": case.concurrency, "slowdown": slowdown,
             "floor_ms": {name: value * 1e3 for name, value in floor.items()},
             "modes": modes, **ratios,
             "progressive_hidden_share": hidden,
@@ -561,14 +623,16 @@ def _modes_of(rows: Sequence[dict[str, Any]]) -> list[str]:
 def print_table(rows: Sequence[dict[str, Any]], profile: Profile,
                 args: argparse.Namespace) -> None:
     modes = _modes_of(rows)
-    slow = (f"; SLOWDOWN {args.slowdown:g}: the emulated GPU and link {args.slowdown:g}x "
-            "slower, every time and floor with them" if args.slowdown != 1 else "")
+    slowed = any(row["slowdown"] != 1 for row in rows)
+    slow = ("; slow = the case's SLOWDOWN: its emulated GPU and link that many times "
+            "slower, every time and floor with them (the host's own costs not)"
+            if slowed else "")
     print(f"\nEMULATED GPU regime, profile {profile.name}, {args.layers} layers (no GPU: "
           "vLLM on CPU, each layer sleeping to its share of the profile's time; no network: "
           "KV over TCP on lo shaped to the link's scaled rate); floor = prefill + one D step "
           "(transfer hidden), paid = floor + the whole transfer; TTFT in ms, median (p90) "
           f"[median - floor; local's: over its own floor, D's prefill]; ! = steps ran long{slow}")
-    print(f"{'link':>7} {'load':>4} {'prompt':>6} {'conc':>4} {'floor':>7} {'paid':>7} "
+    print(f"{'link':>7} {'load':>4} {'prompt':>6} {'conc':>4} {'slow':>4} {'floor':>7} {'paid':>7} "
           + " ".join(f"{m + ' med (p90) [over]':>28}" for m in modes)
           + "".join(f" {m + '/pull':>9}" for m in ("push", "progressive", "local")
                     if m in modes and "pull" in modes)
@@ -586,8 +650,20 @@ def print_table(rows: Sequence[dict[str, Any]], profile: Profile,
             f" {'-' if hidden is None else f'{hidden:.0%}':>6}")
         flag = f"  ! {row['flag']}" if row["flag"] else ""
         print(f"{row['link']:>7} {row['load']:>4} {row['prompt_tokens']:>6} "
-              f"{row['concurrency']:>4} {row['floor_ms']['floor_s']:>7.1f} "
+              f"{row['concurrency']:>4} {row['slowdown']:>4g} {row['floor_ms']['floor_s']:>7.1f} "
               f"{row['floor_ms']['floor_paid_s']:>7.1f} {cells}{ratios}{hidden_cell}{flag}")
+    if slowed:
+        print("\nthe same in the profile's time (every number / the case's slowdown; the "
+              "host's own costs, not slowed, shrink with it): median TTFT ms")
+        print(f"{'link':>7} {'load':>4} {'prompt':>6} {'conc':>4} {'floor':>7} {'paid':>7} "
+              + " ".join(f"{m:>11}" for m in modes))
+        for row in rows:
+            k = row["slowdown"]
+            print(f"{row['link']:>7} {row['load']:>4} {row['prompt_tokens']:>6} "
+                  f"{row['concurrency']:>4} {row['floor_ms']['floor_s'] / k:>7.1f} "
+                  f"{row['floor_ms']['floor_paid_s'] / k:>7.1f} "
+                  + " ".join(f"{row['modes'][m]['median_ms'] / k:>11.1f}" if m in row["modes"]
+                             else f"{'-':>11}" for m in modes))
     print("\nfloor parts (ms): prefill + D step, + transfer when paid; the shaped link's "
           "bytes against the KV of the case's transfers")
     for row in rows:
@@ -716,23 +792,28 @@ def plot(rows_by_profile: dict[str, list[dict[str, Any]]], path: Path) -> bool:
                 ax.set_visible(False)
                 continue
             x = [r["prompt_tokens"] for r in chosen]
+            k = [float(r["slowdown"]) for r in chosen]
             for mode, marker in zip(MODES, "os^D", strict=True):
                 if all(mode in r["modes"] for r in chosen):
-                    ax.plot(x, [r["modes"][mode]["median_ms"] for r in chosen], f"{marker}-",
+                    ax.plot(x, [r["modes"][mode]["median_ms"] / s
+                                for r, s in zip(chosen, k, strict=True)], f"{marker}-",
                             label=mode)
             for label, marker in zip(sorted({k for r in chosen for k in r["stock"]}), "vx",
                                      strict=False):
                 if all(label in r["stock"] for r in chosen):
-                    ax.plot(x, [r["stock"][label]["median_ms"] for r in chosen],
+                    ax.plot(x, [r["stock"][label]["median_ms"] / s
+                                for r, s in zip(chosen, k, strict=True)],
                             f"{marker}--", label=f"vLLM {label}")
-            ax.plot(x, [r["floor_ms"]["floor_s"] for r in chosen], "k:",
-                    label="floor (transfer hidden)")
-            ax.plot(x, [r["floor_ms"]["floor_paid_s"] for r in chosen], "k--", alpha=0.5,
+            ax.plot(x, [r["floor_ms"]["floor_s"] / s for r, s in zip(chosen, k, strict=True)],
+                    "k:", label="floor (transfer hidden)")
+            ax.plot(x, [r["floor_ms"]["floor_paid_s"] / s
+                        for r, s in zip(chosen, k, strict=True)], "k--", alpha=0.5,
                     label="floor (transfer paid)")
             ax.set_title(f"EMULATED {name}, link {link_name}: D {load}, concurrency "
                          f"{chosen[0]['concurrency']}")
             ax.set_xlabel("prompt tokens")
-            ax.set_ylabel("median TTFT (ms)")
+            ax.set_ylabel("median TTFT / slowdown (ms, the profile's time)"
+                          if any(s != 1 for s in k) else "median TTFT (ms)")
             ax.set_xscale("log", base=2)
             ax.grid(alpha=0.3)
             ax.legend()
@@ -749,6 +830,19 @@ def _names(choices: Sequence[str], what: str) -> Any:
                 f"{what} must be some of {', '.join(choices)} (got {text!r})")
         return names
     return parse
+
+
+def _slowdown(text: str) -> str | float:
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"--slowdown must be auto or a positive number, "
+                                         f"got {text!r}")
+    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -779,11 +873,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="D's loads to measure: idle, busy or both (default: both)")
     parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS,
                         help="the emulated model's decoder layers (default: %(default)s)")
-    parser.add_argument("--slowdown", type=float, default=1.0,
+    parser.add_argument("--slowdown", type=_slowdown, default="auto",
                         help="run the emulated GPU and link this many times slower, for "
                              "prompts whose real compute outlasts the profile's time; "
                              "every time and floor is then this many times longer, the "
-                             "host's own costs are not (default: %(default)s)")
+                             "host's own costs are not. auto (default): per case, the "
+                             "least (in steps of 0.5) that keeps the prefill's compute "
+                             "within 80%% of its time, measured on a calibration round; 1: "
+                             "the profile's own time, steps that run long flagged")
     parser.add_argument("--requests", type=int, default=None,
                         help="requests per mode and case, rounded up to whole rounds "
                              "(default: 8)")
@@ -826,8 +923,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("concurrencies, --requests and --busy-streams must be >= 1")
     if BUSY_PROMPT_TOKENS + args.busy_max_tokens > GPU_MAX_MODEL_LEN:
         parser.error(f"--busy-max-tokens must be at most {GPU_MAX_MODEL_LEN - BUSY_PROMPT_TOKENS}")
-    if args.layers < 1 or not args.slowdown > 0:
-        parser.error("--layers must be >= 1 and --slowdown > 0")
+    if args.layers < 1:
+        parser.error("--layers must be >= 1")
     if args.plot is None:
         args.plot = args.out.with_suffix(".png")
     return args
@@ -854,7 +951,7 @@ async def bench_profile(name: str, shaper: links.Shaper | None, args: argparse.N
     print(profile.describe(), flush=True)
     model_dir = gpu_model_dir(profile.name, layers=args.layers)
     emulated_kv = links.model_kv_bytes_per_token(model_dir)
-    rates = {link_name: link_rate(link_name, profile, emulated_kv, args.slowdown)
+    rates = {link_name: link_rate(link_name, profile, emulated_kv)
              for link_name in args.links}
     for rate in rates.values():
         say(f"  {rate.describe()}")
@@ -901,7 +998,9 @@ async def run_pair(connector: str, modes: Sequence[str], model_dir: Path,
     its NIXL data path on the emulated link's ports."""
     say(f"starting a P/D pair with {connector}, {model_dir.name} ... (30-90 s)")
     started = time.monotonic()
-    env = {**links.ucx_env(), TIME_SCALE_ENV: repr(float(args.slowdown))}
+    scale_path = DEFAULT_LOG_DIR / f"time-scale-{os.getpid()}-{connector}.txt"
+    write_time_scale(scale_path, 1.0 if args.slowdown == "auto" else float(args.slowdown))
+    env = {**links.ucx_env(), TIME_SCALE_FILE_ENV: str(scale_path)}
     with pair(connector, model_dir=model_dir, extra_args=GPU_REGIME_ARGS,
               max_model_len=GPU_MAX_MODEL_LEN, start_timeout_s=args.start_timeout,
               extra_env=env) as p, \
@@ -909,7 +1008,7 @@ async def run_pair(connector: str, modes: Sequence[str], model_dir: Path,
                          DEFAULT_LOG_DIR / f"router-{p.decode.spec.port}.log") as url:
         say(f"pair healthy after {time.monotonic() - started:.0f} s; step logs "
             f"{p.prefill.spec.step_log_path}, {p.decode.spec.step_log_path}")
-        return await run_all(p, url, cases, modes, rates, shaper, args, rng)
+        return await run_all(p, url, cases, modes, rates, shaper, scale_path, args, rng)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,23 +47,66 @@ from testbed.profiles import StepShape
 STEP_LOG_ENV = "TESTBED_STEP_LOG"
 # Every step's profile time multiplied by this (unset: 1): an emulated GPU this many
 # times slower, for prompts whose real compute on this CPU would outlast the profile's
-# time (`scripts.bench_regime --slowdown`, which slows the emulated link alike).
+# time (`scripts.bench_regime --slowdown`, which slows the emulated link alike). With
+# TIME_SCALE_FILE_ENV naming a file, the factor is that file's content instead, read
+# again whenever the file changes: a benchmark changes it between cases, live.
 TIME_SCALE_ENV = "TESTBED_TIME_SCALE"
+TIME_SCALE_FILE_ENV = "TESTBED_TIME_SCALE_FILE"
+
+
+def parse_scale(raw: str, what: str = TIME_SCALE_ENV) -> float:
+    """A time scale's text as a positive float; ValueError naming `what` otherwise."""
+    try:
+        scale = float(raw.strip())
+    except ValueError:
+        scale = 0.0
+    if not scale > 0 or scale == float("inf"):
+        raise ValueError(f"{what} must be a positive number, got {raw!r}")
+    return scale
 
 
 def time_scale() -> float:
     """TIME_SCALE_ENV's value (1.0 when unset); a value that is not a positive number
     fails here, at the model's start."""
     raw = os.environ.get(TIME_SCALE_ENV, "").strip()
-    if not raw:
-        return 1.0
-    try:
-        scale = float(raw)
-    except ValueError:
-        scale = 0.0
-    if not scale > 0:
-        raise ValueError(f"{TIME_SCALE_ENV} must be a positive number, got {raw!r}")
-    return scale
+    return parse_scale(raw) if raw else 1.0
+
+
+class TimeScale:
+    """The factor on every step's time: TIME_SCALE_ENV's, or TIME_SCALE_FILE_ENV's file's
+    content, read again when the file's modification time changes (a file that is
+    missing or does not hold a positive number keeps the factor as it was)."""
+
+    def __init__(self, value: float = 1.0, path: Path | None = None) -> None:
+        self.value = value
+        self.path = path
+        self._stamp: int | None = None
+
+    @classmethod
+    def from_env(cls) -> TimeScale:
+        path = os.environ.get(TIME_SCALE_FILE_ENV)
+        return cls(time_scale(), Path(path) if path else None)
+
+    def current(self) -> float:
+        if self.path is not None:
+            try:
+                stamp = self.path.stat().st_mtime_ns
+                if stamp != self._stamp:
+                    self.value = parse_scale(self.path.read_text(), str(self.path))
+                    self._stamp = stamp
+            except (OSError, ValueError):
+                pass
+        return self.value
+
+
+def write_time_scale(path: Path, scale: float) -> None:
+    """Set the factor a `TimeScale` on `path` reads (atomically: a reader never sees a
+    half-written number)."""
+    parse_scale(repr(scale))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(f".{path.name}.{os.getpid()}")
+    staging.write_text(repr(float(scale)))
+    os.replace(staging, path)
 
 
 class StepRecord(msgspec.Struct, frozen=True, kw_only=True):

@@ -11,7 +11,8 @@ With several decoder layers (`testbed.model_dir`, `layers`), each layer ends at 
 share of the step's time (a forward hook per layer sleeps to `Planned.layer_deadline`),
 so that vLLM's per-layer KV hooks (`save_kv_layer`) fire through the step as they would
 on a GPU, not all at its start; the servers run eager (`--enforce-eager`), so the hooks
-run as Python between the layers. `TESTBED_TIME_SCALE` (testbed.clock) multiplies every
+run as Python between the layers. `TESTBED_TIME_SCALE` (or the file named by
+`TESTBED_TIME_SCALE_FILE`, read again when it changes; testbed.clock) multiplies every
 step's time: an emulated GPU that many times slower.
 
 The profile is named by the model's config.json, field `testbed_gpu_profile` (see
@@ -31,7 +32,7 @@ from vllm.forward_context import get_forward_context, is_forward_context_availab
 from vllm.model_executor.models.llama import LlamaForCausalLM
 from vllm.sequence import IntermediateTensors
 
-from testbed.clock import Planned, StepClock, StepLog, StepRecord, time_scale
+from testbed.clock import Planned, StepClock, StepLog, StepRecord, TimeScale
 from testbed.model_dir import PROFILE_FIELD
 from testbed.profiles import Profile, StepShape, get_profile
 
@@ -83,7 +84,7 @@ class EmulatedLlamaForCausalLM(LlamaForCausalLM):
             )
         self.profile: Profile = get_profile(name)
         self._clock = StepClock()
-        self._scale = time_scale()  # testbed.clock.TIME_SCALE_ENV
+        self._scale = TimeScale.from_env()  # testbed.clock.TIME_SCALE_ENV
         self._log = StepLog.from_env()
         self._pid = os.getpid()
         self._step: _Step | None = None
@@ -114,7 +115,7 @@ class EmulatedLlamaForCausalLM(LlamaForCausalLM):
         shapes = step_shapes()
         if shapes is None:
             return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds)
-        target = self.profile.step_s(shapes) * self._scale
+        target = self.profile.step_s(shapes) * self._scale.current()
         planned = self._clock.plan(started, target, shapes)
         step = self._step = _Step(planned, started)
         try:

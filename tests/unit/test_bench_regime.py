@@ -48,11 +48,22 @@ def test_link_rates_and_floors() -> None:
     assert floor["floor_s"] == pytest.approx(floor["prefill_s"] + floor["d_step_s"])
     assert floor["floor_paid_s"] == pytest.approx(floor["floor_s"] + rate.transfer_s(8192))
     # Slowed down: the GPU and the link alike, so every part stretches by the factor.
-    args.slowdown = 3.0
-    slow_rate = bench.link_rate("eth25", P8, 2048, slowdown=3.0)
-    slow = bench.floor_s(P8, bench.Case("idle", 8192, 1, "eth25"), slow_rate, args)
+    slow = bench.floor_s(P8, bench.Case("idle", 8192, 1, "eth25"), rate, args, 3.0)
     for name, value in floor.items():
         assert slow[name] == pytest.approx(3 * value), name
+    assert rate.shaped_bps(3.0) == pytest.approx(390.625e6 / 3)
+
+
+def test_auto_slowdown_keeps_the_compute_within_its_share() -> None:
+    assert bench.parse_args(["--quick"]).slowdown == "auto"
+    assert bench.parse_args(["--slowdown", "2.5"]).slowdown == 2.5
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--slowdown", "0"])
+    assert bench.auto_slowdown(0.5) == 1.0
+    assert bench.auto_slowdown(0.8) == 1.0
+    assert bench.auto_slowdown(0.81) == 1.5
+    assert bench.auto_slowdown(2.4) == 3.0  # 2.4 / 0.8 = 3.0 exactly
+    assert bench.auto_slowdown(2.5) == 3.5
 
 
 def test_the_summary_of_a_case_with_progressive_push() -> None:
@@ -74,6 +85,7 @@ def test_the_summary_of_a_case_with_progressive_push() -> None:
               "steps": {"P": steps, "D": steps}, "d_itl": None,
               "link_bytes": 3 * 8192 * 2048, "kv_bytes_transferred": 3 * 8192 * 2048}
     (row,) = bench.summarize(P8, [result], {}, {"eth25": rate}, args)
+    assert row["slowdown"] == 1.0
     assert row["progressive_hidden_share"] == pytest.approx(0.9)
     assert row["modes"]["push"]["over_paid_floor_ms"] == pytest.approx(20.0)
     assert row["modes"]["push"]["overhead_ms"] == pytest.approx(20.0 + transfer * 1e3)

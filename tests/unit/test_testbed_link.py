@@ -13,7 +13,14 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from testbed import link, model_dir
-from testbed.clock import TIME_SCALE_ENV, StepClock, time_scale
+from testbed.clock import (
+    TIME_SCALE_ENV,
+    TIME_SCALE_FILE_ENV,
+    StepClock,
+    TimeScale,
+    time_scale,
+    write_time_scale,
+)
 from testbed.profiles import StepShape, get_profile
 
 P8 = get_profile("llama8b-h100")
@@ -157,6 +164,23 @@ def test_the_time_scale(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(TIME_SCALE_ENV, "-1")
     with pytest.raises(ValueError, match=TIME_SCALE_ENV):
         time_scale()
+
+
+def test_the_time_scale_file_is_read_again_when_it_changes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "scale"
+    monkeypatch.setenv(TIME_SCALE_ENV, "2")
+    monkeypatch.setenv(TIME_SCALE_FILE_ENV, str(path))
+    scale = TimeScale.from_env()
+    assert scale.current() == 2.0  # no file yet: the environment's
+    write_time_scale(path, 3.0)
+    assert scale.current() == 3.0
+    path.write_text("nonsense")
+    assert scale.current() == 3.0  # a bad value keeps the last good one
+    write_time_scale(path, 1.5)
+    assert scale.current() == 1.5
+    with pytest.raises(ValueError):
+        write_time_scale(path, 0.0)
 
 
 # The layered model directory ----------------------------------------------------------
