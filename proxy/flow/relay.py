@@ -155,6 +155,9 @@ class Downstream:
         await self._send({"type": "http.response.body", "body": chunk, "more_body": False})
 
     async def whole(self, status: int, content_type: str, body: bytes) -> None:
+        """A whole answer, with its Content-Length (not chunked: the server frames nothing,
+        and the client knows the size from the head)."""
+        self.headers.append((b"content-length", b"%d" % len(body)))
         await self.start(status, content_type)
         await self.end(body)
 

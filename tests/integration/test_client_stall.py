@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.api.app import create_app, serving
@@ -229,6 +230,61 @@ async def test_a_connection_that_sends_nothing_is_closed(pair: Pair) -> None:
             sock.close()
         assert received == b""
         assert await metric(url, "pdproxy_client_cuts_total") == 0  # idle: closed, not cut
+
+
+async def read_whole_answer(sock: socket.socket) -> bytes:
+    """One whole (not streamed) answer's head and body, by its Content-Length."""
+    loop = asyncio.get_running_loop()
+
+    async def more() -> bytes:
+        data = await loop.sock_recv(sock, 65536)
+        assert data, "the router closed the connection before its answer was whole"
+        return data
+
+    received = b""
+    async with asyncio.timeout(BOUND):
+        while b"\r\n\r\n" not in received:
+            received += await more()
+        head, _, body = received.partition(b"\r\n\r\n")
+        fields = dict(line.split(b": ", 1) for line in head.split(b"\r\n")[1:])
+        while len(body) < int(fields[b"content-length"]):
+            body += await more()
+    return head
+
+
+async def test_an_idle_connection_is_closed_a_keep_alive_timeout_after_its_last_answer(
+    pair: Pair,
+) -> None:
+    """The keep-alive timeout is one deadline per connection (not a timer per answer):
+    it counts from the end of the connection's last answer."""
+    keep_alive = 1.0
+    config = build_config({"prefill": [pair.p_url], "decode": [pair.d_url],
+                           "health": {"interval": 0}}, {})
+    server = uvicorn.Server(server_config(create_app(config), config, host="127.0.0.1",
+                                          port=0, log_level="warning", lifespan="on",
+                                          timeout_keep_alive=keep_alive))
+    task = asyncio.create_task(server.serve())
+    try:
+        await until(lambda: server.started, "the router started", BOUND)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        sock = await connect(f"http://127.0.0.1:{port}")
+        loop = asyncio.get_running_loop()
+        body = b'{"model": "fake-model", "prompt": "hi", "max_tokens": 2}'
+        request = (b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: "
+                   b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        try:
+            for _ in range(3):  # each within the timeout of the last answer, not the first
+                await loop.sock_sendall(sock, request)
+                assert (await read_whole_answer(sock)).startswith(b"HTTP/1.1 200")
+                last_answer = loop.time()
+                await asyncio.sleep(0.6 * keep_alive)
+            assert await wait_closed_by_router(sock, keep_alive + BOUND) == b""
+            assert loop.time() - last_answer >= 0.9 * keep_alive
+        finally:
+            sock.close()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, BOUND)
 
 
 async def test_the_cli_serves_through_the_same_listener(pair: Pair) -> None:

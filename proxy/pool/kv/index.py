@@ -38,6 +38,7 @@ What each event does, and the mistakes it guards against:
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -266,9 +267,9 @@ class SourceIndex:
         and its events have not arrived yet. Bounded: the oldest credits go first. Keys
         its events already stored need none (a prompt sent again: no work at all)."""
         credits, held = self._credits, self._keys
-        for key in keys:
-            if key in held:
-                continue
+        # The keys not stored yet, found in C (a prompt sent again: none): a Python loop
+        # over every key was 1% of kv_aware's CPU per request (the profile scenario).
+        for key in itertools.filterfalse(held.__contains__, keys):
             credits[key] = until
             credits.move_to_end(key)
         while len(credits) > MAX_CREDITS:
@@ -277,8 +278,13 @@ class SourceIndex:
     def hits(self, keys: Sequence[Key], now: float) -> int:
         """How many of `keys`, from the first, this source holds (or was credited)."""
         held, credits = self._keys, self._credits
-        count = 0
-        for key in keys:
+        # The leading keys stored, counted in C (a prompt sent again: all of them); a
+        # Python loop over every key was 3.5% of kv_aware's CPU per request, 1k-token
+        # prompts (the profile scenario). Credits are looked up from the first one not.
+        count = len(list(itertools.takewhile(held.__contains__, keys)))
+        if count == len(keys):
+            return count
+        for key in itertools.islice(keys, count, None):
             if key not in held:
                 until = credits.get(key)
                 if until is None or until < now:

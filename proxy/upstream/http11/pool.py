@@ -151,13 +151,12 @@ class Pool:
             connection.close()
 
     def _head(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
-        lines = [f"{method} {path} HTTP/1.1\r\n".encode("latin-1"), b"Host: ", self._host_header,
-                 b"\r\nContent-Length: ", str(len(body)).encode("latin-1"), b"\r\n",
-                 self.extra_headers]  # fmt: skip
-        for name, value in headers.items():
-            lines.append(f"{name}: {value}\r\n".encode("latin-1"))
-        lines.append(b"\r\n")
-        return b"".join(lines)
+        # One string formatted and encoded once (a line at a time was 1% of the router's
+        # CPU per request, the profile scenario).
+        fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+        return b"".join((f"{method} {path} HTTP/1.1\r\nHost: ".encode("latin-1"),
+                         self._host_header, b"\r\nContent-Length: %d\r\n" % len(body),
+                         self.extra_headers, fields.encode("latin-1"), b"\r\n"))
 
     async def _exchange(self, connection: Connection, head: bytes, body: bytes,
                         deadline: float) -> Response:
