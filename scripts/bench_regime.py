@@ -45,8 +45,8 @@ Busy cases report the inter-token latency of D's background streams per mode. Ca
 whose emulated steps ran long (the tiny model's own compute past the profile's time:
 long prompts with several layers on this CPU) are flagged from the servers' step logs.
 `--slowdown` (default auto) runs the emulated GPU and the link K times slower where the
-CPU's compute needs it: auto measures a calibration round per load, length and
-concurrency and takes the least K (in steps of 0.5) that keeps the prefill's compute
+CPU's compute needs it: auto measures calibration rounds per load, length and
+concurrency (its longest prefill step) and takes the least K (in steps of 0.5) that keeps the prefill's compute
 within 80% of its time, set live on the servers (testbed.clock.TimeScale) and on the
 link; every time and floor of the case is then K times longer, the host's own costs are
 not (they weigh K times less than on the real pair); `--slowdown 1` keeps the profile's
@@ -431,29 +431,33 @@ def itl_summary(ticks: Ticks | None, windows: dict[str, list[tuple[float, float]
 
 
 async def calibrate(client: httpx.AsyncClient, url: str, p: Pair, case: Case,
-                    current: float, rng: random.Random) -> float:
+                    modes: Sequence[str], current: float, rng: random.Random) -> float:
     """How long the prefill of the case's prompts computes here against the profile's
-    (unslowed) time: one round in pull (P computes) and one in local (D does), the
-    larger of the two servers' median over their prefill steps."""
+    (unslowed) time: two rounds in the first transfer mode of `modes` (P computes) and
+    one in local if `modes` has it (D does); the longest of their prefill steps (one
+    round's step is noisy: whatever else the cores run counts in its compute)."""
     since = time.time()
-    for mode in ("pull", "local"):
-        await batch(client, url, mode, case.prompt_tokens, case.concurrency, rng)
-    ratios = []
-    for server in (p.prefill, p.decode):
-        steps = [r for r in read_step_log(server.spec.step_log_path)
-                 if r.at >= since and r.prefill_tokens > 0 and r.target_s > 0]
-        if steps:
-            ratios.append(statistics.median(r.compute_s * current / r.target_s for r in steps))
+    first = [m for m in modes if m in TRANSFER_MODES][:1]
+    chosen = first * 2 + [m for m in modes if m == "local"]
+    for mode in chosen:
+        await batch(client, url, ROUTER_MODE[mode], case.prompt_tokens, case.concurrency,
+                    rng, MODE_HEADERS[mode])
+    ratios = [r.compute_s * current / r.target_s
+              for server in (p.prefill, p.decode)
+              for r in read_step_log(server.spec.step_log_path)
+              if r.at >= since and r.prefill_tokens > 0 and r.target_s > 0]
     return max(ratios, default=0.0)
 
 
 async def run_all(p: Pair, url: str, cases: Sequence[Case], modes: Sequence[str],
                   rates: dict[str, LinkRate], shaper: links.Shaper | None, scale_path: Path,
                   args: argparse.Namespace, rng: random.Random,
+                  slowdowns: dict[str, float] | None = None,
                   ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """Every case, link by link (the shaping re-rated live between links), each at its
     slowdown (`--slowdown`; auto: calibrated per load, length and concurrency, the
-    servers' time scale and the link's rate set before the case). Returns the results
+    servers' time scale and the link's rate set before the case; `slowdowns`, by case
+    key, instead: vLLM's connectors run at our pair's factors). Returns the results
     and, per shaped link, the check of its rate."""
     results: list[dict[str, Any]] = []
     proofs: dict[str, dict[str, Any]] = {}
@@ -489,11 +493,13 @@ async def run_all(p: Pair, url: str, cases: Sequence[Case], modes: Sequence[str]
                 async with busy as ticks:
                     for case in load_cases:
                         ratio = None
-                        if args.slowdown == "auto":
+                        if slowdowns is not None and case.key in slowdowns:
+                            slowdown = slowdowns[case.key]
+                        elif args.slowdown == "auto":
                             shape = (case.load, case.prompt_tokens, case.concurrency)
                             if shape not in compute_ratios:
-                                compute_ratios[shape] = await calibrate(client, url, p, case,
-                                                                        current, rng)
+                                compute_ratios[shape] = await calibrate(
+                                    client, url, p, case, modes, current, rng)
                             ratio = compute_ratios[shape]
                             slowdown = auto_slowdown(ratio)
                         else:
@@ -879,7 +885,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "every time and floor is then this many times longer, the "
                              "host's own costs are not. auto (default): per case, the "
                              "least (in steps of 0.5) that keeps the prefill's compute "
-                             "within 80%% of its time, measured on a calibration round; 1: "
+                             "within 80%% of its time, measured on calibration rounds (the longest step); 1: "
                              "the profile's own time, steps that run long flagged")
     parser.add_argument("--requests", type=int, default=None,
                         help="requests per mode and case, rounded up to whole rounds "
@@ -962,9 +968,10 @@ async def bench_profile(name: str, shaper: links.Shaper | None, args: argparse.N
     results, proofs = await run_pair(DUAL_CONNECTOR, args.modes, model_dir, cases, rates,
                                      shaper, args, rng)
     stock = {}
+    ours = {result["key"]: float(result["slowdown"]) for result in results}
     for connector, mode in ({} if args.no_stock else STOCK_MODES).items():
         stock[connector], _ = await run_pair(connector, (mode,), model_dir, cases, rates,
-                                             shaper, args, random.Random(args.seed))
+                                             shaper, args, random.Random(args.seed), ours)
     rows = summarize(profile, results, stock, rates, args)
     return {"profile": profile.name, "profile_description": profile.describe(),
             "layers": args.layers, "emulated_kv_bytes_per_token": emulated_kv,
@@ -992,10 +999,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 async def run_pair(connector: str, modes: Sequence[str], model_dir: Path,
                    cases: Sequence[Case], rates: dict[str, LinkRate],
                    shaper: links.Shaper | None, args: argparse.Namespace,
-                   rng: random.Random,
+                   rng: random.Random, slowdowns: dict[str, float] | None = None,
                    ) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
     """Every case in `modes` on a fresh P/D pair with `connector` and the router in front,
-    its NIXL data path on the emulated link's ports."""
+    its NIXL data path on the emulated link's ports (`slowdowns`: see `run_all`)."""
     say(f"starting a P/D pair with {connector}, {model_dir.name} ... (30-90 s)")
     started = time.monotonic()
     scale_path = DEFAULT_LOG_DIR / f"time-scale-{os.getpid()}-{connector}.txt"
@@ -1008,7 +1015,8 @@ async def run_pair(connector: str, modes: Sequence[str], model_dir: Path,
                          DEFAULT_LOG_DIR / f"router-{p.decode.spec.port}.log") as url:
         say(f"pair healthy after {time.monotonic() - started:.0f} s; step logs "
             f"{p.prefill.spec.step_log_path}, {p.decode.spec.step_log_path}")
-        return await run_all(p, url, cases, modes, rates, shaper, scale_path, args, rng)
+        return await run_all(p, url, cases, modes, rates, shaper, scale_path, args, rng,
+                             slowdowns)
 
 
 def main(argv: list[str] | None = None) -> int:
