@@ -41,6 +41,12 @@ MAX_PEERS_LIMIT = 1000
 # How a server's NIXL agent makes progress (`nixl_progress_thread`; connector/shared/progress.py).
 ProgressMode = Literal["event", "off", "spin"]
 
+# Whether P writes a push layer by layer (`push_layers`).
+PushLayers = Literal["auto", "on", "off"]
+# Below this many prompt tokens, "auto" writes a push whole: a short prompt's forward pass
+# is too short for its layers' WRITEs to hide anything (see docs/benchmarks.md).
+DEFAULT_PUSH_LAYERS_MIN_TOKENS = 1024
+
 # The keys this module owns inside kv_connector_extra_config.
 KEYS = (
     "push_port",
@@ -58,6 +64,8 @@ KEYS = (
     "nixl_progress_thread",
     "push_wait_pause",
     "early_write",
+    "push_layers",
+    "push_layers_min_tokens",
     "max_pending_per_peer",
     "max_pending",
     "max_peers",
@@ -131,6 +139,16 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # ends, and with several workers every one must be told (connector/prefill/early.py); those
     # servers always WRITE at the next step.
     early_write: bool = True
+    # P: write a push's KV layer by layer while the forward pass computes the prompt
+    # (progressive push, connector/prefill/layers.py), when D registered before that pass
+    # reached the layer: "auto" for prompts of at least push_layers_min_tokens tokens,
+    # "on" for every push, "off" never. A request's kv_transfer_params `push_layers`
+    # (the router's X-KV-Push-Layers header) overrides it. Needs early WRITEs (CPU
+    # servers with one worker, `early_write`) and a model whose KV every layer writes
+    # through vLLM's per-layer hook (not Mamba state, one KV cache group); elsewhere,
+    # and when D registers late, the push is written whole.
+    push_layers: PushLayers = "auto"
+    push_layers_min_tokens: int = DEFAULT_PUSH_LAYERS_MIN_TOKENS
     # P: at most this many live push registrations from one peer (its CURVE key, else its
     # ZMQ identity); more are refused (`NACK over_limit`) and that D recomputes.
     max_pending_per_peer: int = DEFAULT_MAX_PENDING_PER_PEER
@@ -173,6 +191,9 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
         if pause is not None and not (math.isfinite(pause) and 0 <= pause <= MAX_PAUSE):
             raise ConfigError(f"push_wait_pause must be in 0..{MAX_PAUSE} seconds "
                               f"(0 turns the pause off), got {pause}")
+        if self.push_layers_min_tokens < 0:
+            raise ConfigError("push_layers_min_tokens must be >= 0, got "
+                              f"{self.push_layers_min_tokens}")
         for name in ("max_pending_per_peer", "max_pending"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -196,6 +217,15 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.push_wait_pause is not None:
             return self.push_wait_pause
         return CPU_PAUSE if on_cpu else 0.0
+
+    def writes_layers(self, asked: bool | None, prompt_tokens: int) -> bool:
+        """Whether a push of `prompt_tokens` is written layer by layer, by the request's
+        choice (`asked`, None: none) or this config."""
+        if asked is not None:
+            return asked
+        if self.push_layers == "auto":
+            return prompt_tokens >= self.push_layers_min_tokens
+        return self.push_layers == "on"
 
     def writes_early(self, on_cpu: bool, world_size: int) -> bool:
         """Whether P WRITEs right after the forward that completes a prompt."""

@@ -26,6 +26,8 @@ from connector.vllm_compat import (
 from connector.worker import DualWorker
 
 if TYPE_CHECKING:
+    import torch
+
     from connector.vllm_compat import ForwardContext, KVCacheConfig, VllmConfig
 
 
@@ -53,6 +55,13 @@ class NixlDualConnector(NixlBaseConnector):
         if isinstance(self.connector_worker, DualWorker):
             assert isinstance(connector_metadata, NixlConnectorMetadata)
             self.connector_worker.start_step(connector_metadata)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: Any, **kwargs: Any) -> None:
+        """On exit of each attention layer, during the forward pass: P WRITEs that
+        layer's KV of the pushes written by layer (`DualWorker.layer_saved`)."""
+        if isinstance(self.connector_worker, DualWorker):
+            self.connector_worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
         """After the step's forward pass: P's early WRITEs (see `PrefillWorker.write_early`)."""

@@ -118,6 +118,7 @@ class DualWorker(PullPushWorker):
             wake_poller=self._wake_poller)
         self.decode = DecodeWorker(self, wake_at=(engine_id, dp_index),
                                    wake_poller=self._wake_poller)
+        self._kv_cache_groups = len(kv_cache_config.kv_cache_groups)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         cache = next(iter(kv_caches.values()), None)
@@ -126,6 +127,7 @@ class DualWorker(PullPushWorker):
                         "THP_MEM_ALLOC_ENABLE=1 to put it on huge pages, which makes KV "
                         "transfers between CPU servers (pull and push) faster")
         super().register_kv_caches(kv_caches)
+        self.prefill.kv_caches_registered(groups=self._kv_cache_groups)
 
     def add_remote_agent(self, nixl_agent_meta: Any, remote_tp_rank: int = 0,
                          remote_tp_size: int = 1, *args: Any, **kwargs: Any) -> str:
@@ -161,9 +163,14 @@ class DualWorker(PullPushWorker):
         self.decode.take_step(metadata, step)
         self.prefill.take_step(step)
 
+    def layer_saved(self, layer_name: str) -> None:
+        """P, during the forward pass (vLLM's `save_kv_layer`): a layer's KV is computed;
+        the layered pushes WRITE it."""
+        self.prefill.layer_saved(layer_name)
+
     def write_early(self) -> None:
-        """P, right after the step's forward pass (vLLM's `wait_for_save`): start the
-        early WRITEs of the prompts it completed."""
+        """P, right after the step's forward pass (vLLM's `wait_for_save`): the layered
+        pushes' last parts, and the early WRITEs of the prompts it completed."""
         self.prefill.write_early()
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:

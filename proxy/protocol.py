@@ -52,6 +52,9 @@ class ClientRequest(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool
     request_id: str
     mode_override: Mode | None
+    # A push written layer by layer (True) or whole (False), from PUSH_LAYERS_HEADER;
+    # None: P's connector decides.
+    push_layers: bool | None = None
     # A completion's prompt given as token ids (one prompt, not a batch), checked once
     # here; None for text, chats and anything else.
     token_ids: list[int] | None = None
@@ -154,6 +157,7 @@ def parse_request(
         stream=stream,
         request_id=_request_id(headers.get(wire.REQUEST_ID_HEADER.lower())),
         mode_override=_mode_override(headers.get(wire.TRANSFER_MODE_HEADER.lower())),
+        push_layers=_push_layers(headers.get(_PUSH_LAYERS_HEADER)),
         token_ids=token_ids,
     )
 
@@ -277,6 +281,22 @@ def _mode_override(value: str | None) -> Mode | None:
         ) from None
 
 
+_PUSH_LAYERS_HEADER = wire.PUSH_LAYERS_HEADER.lower()
+_PUSH_LAYERS_VALUES = {"on": True, "off": False, "auto": None, "": None}
+
+
+def _push_layers(value: str | None) -> bool | None:
+    if value is None:
+        return None
+    try:
+        return _PUSH_LAYERS_VALUES[value.strip().lower()]
+    except KeyError:
+        raise InvalidRequest(
+            f"{wire.PUSH_LAYERS_HEADER} must be on, off or auto, got {value!r}",
+            param=wire.PUSH_LAYERS_HEADER,
+        ) from None
+
+
 # --- kv_transfer_params --------------------------------------------------------------
 
 
@@ -365,6 +385,8 @@ def prefill_body(request: ClientRequest, *, transfer_id: str | None) -> dict[str
     if transfer_id is not None:
         params[wire.TRANSFER_ID] = transfer_id
         params[wire.TRANSFER_MODE] = wire.PUSH
+        if request.push_layers is not None:
+            params[wire.PUSH_LAYERS] = request.push_layers
     body[wire.KV_TRANSFER_PARAMS] = params
     return body
 

@@ -74,6 +74,7 @@ class OutgoingPush:
     failed: bool = False  # WRITING: one of its WRITE handles failed
     lease_until: float = 0.0  # HELD: when vLLM's pull lease ends (perf_counter)
     deadline: float = math.inf  # no WRITE posted after it (time.monotonic; write lease)
+    layered: bool = False  # WRITING: written layer by layer (connector/prefill/layers.py)
 
 
 class OutgoingPushes:
@@ -139,7 +140,8 @@ class OutgoingPushes:
         self._move(record, OutgoingState.HELD if held else OutgoingState.RELEASED)
         blocks = sum(len(group) for group in job.block_ids)
         self._report[job.transfer_id] = PushEnd(
-            error, now - record.started, blocks, holding_ranks=int(held))
+            error, now - record.started, blocks, holding_ranks=int(held),
+            layered=record.layered)
 
     def release(self, request_id: str) -> OutgoingState | None:
         """No READ will come for these blocks: RELEASED. Returns the state it was in

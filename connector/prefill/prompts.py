@@ -41,6 +41,9 @@ class PrefillPush:
     transfer_id: TransferId | None
     fail_on_purpose: bool  # fault injection (`fail_write`): its WRITE fails, on purpose
     state: PrefillState
+    # FOLLOWED: its WRITE is to go layer by layer while the step that completes its
+    # prompt computes it, if D has registered by then (connector/prefill/layers.py).
+    layered: bool = False
     # FOLLOWED: all its blocks so far (None before its first step); COMPLETING: the
     # blocks (clipped for the exchange) its last step was given.
     block_ids: BlockIds | None = None
@@ -53,14 +56,15 @@ class PrefillPushes:
         self._records: dict[str, PrefillPush] = {}
 
     def scheduled(self, request: Request, transfer_id: TransferId | None, *,
-                  fail_on_purpose: bool, follow: bool) -> None:
+                  fail_on_purpose: bool, follow: bool, layered: bool = False) -> None:
         """A push request's blocks were allocated (again, after a preemption: then its
         record stays as it is)."""
         if request.request_id in self._records:
             return
         self._records[request.request_id] = PrefillPush(
             request, transfer_id, fail_on_purpose,
-            PrefillState.FOLLOWED if follow and transfer_id else PrefillState.UNFOLLOWED)
+            PrefillState.FOLLOWED if follow and transfer_id else PrefillState.UNFOLLOWED,
+            layered=layered and follow)
 
     def followed(self) -> Iterator[PrefillPush]:
         """The records whose blocks are followed step by step."""

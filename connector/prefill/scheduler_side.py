@@ -72,6 +72,7 @@ class PrefillScheduler:
         self.early_write = early_write
         self.fault_injection = config.fault_injection
         self.pull_fallback_ttl = config.pull_fallback_ttl
+        self._config = config  # whether a push is written layer by layer (`writes_layers`)
         registry = PushRegistry(RegistryConfig(
             engine_id=EngineId(vllm.engine_id), block_size=vllm.block_size,
             tp_size=vllm.transfer_tp_size, registration_ttl=config.registration_ttl,
@@ -99,11 +100,13 @@ class PrefillScheduler:
         """A push request was scheduled. Follow its blocks step by step if its WRITE may
         start right after the forward pass that completes its prompt: only when that
         pass also finishes the request (max_tokens 1, as the router sends), since P's
-        blocks are freed as soon as the WRITE is done."""
+        blocks are freed as soon as the WRITE is done. A followed push may be written
+        layer by layer (the request's `push_layers`, else `DualConfig.push_layers`)."""
         self._prefill_pushes.scheduled(
             request, http_params.transfer_id_of(params),
             fail_on_purpose=self.fault_injection and params.fail_write,
-            follow=self.early_write and not params.probe and request.max_tokens == 1)
+            follow=self.early_write and not params.probe and request.max_tokens == 1,
+            layered=self._config.writes_layers(params.push_layers, request.num_prompt_tokens))
 
     def request_finished(
         self, rid: str, params: http_params.KVTransferParams, delay_free: bool,
@@ -180,8 +183,11 @@ class PrefillScheduler:
         self._next_step_jobs = []
         for record in self._prompts_completing(scheduler_output):
             # If D has registered, or does before this step ends, P's worker WRITEs right
-            # after this step's forward pass.
+            # after this step's forward pass; a layered one, while that pass computes it,
+            # if D registered in time.
             assert record.transfer_id is not None and record.block_ids is not None
+            if record.layered:
+                step.layered.add(record.request.request_id)
             self.channel.prefill_completing(
                 record.transfer_id, record.request.request_id, record.block_ids,
                 self._step_number, fail_on_purpose=record.fail_on_purpose)
@@ -236,6 +242,7 @@ class PrefillScheduler:
             self.stats.pull_offers += offer
             if end.error is None:
                 self.stats.writes_done += 1
+                self.stats.writes_by_layer += end.layered
                 self.stats.blocks_written += end.blocks
                 self.stats.write_seconds += end.seconds
                 logger.debug("push %s: %d blocks written in %.1f ms", tid, end.blocks,

@@ -13,17 +13,27 @@ requests are reported finished at once. Each push is one record with its state
 - A WRITE that failed or could not start: the blocks stay, under vLLM's own pull lease
   (`pull_fallback_ttl`), so that D can READ them instead; D's READ notification, the
   lease's end or a `release` order frees them.
+- Progressive push (`connector.prefill.layers`): a push the step asks to write by layer
+  (`PushStep.layered`), whose D registered before the forward pass that completes its
+  prompt got to the layer (its early WRITE is in the inbox) and whose handshake with D is
+  cached, is planned with vLLM's push code (recorded, not posted) and cut by layer; each
+  layer's part is posted from vLLM's per-layer hook (`layer_saved`) as the forward pass
+  computes it, the parts of layers computed before the match at once, the rest when the
+  pass ends; the last layer's part, with D's notification, once every other part is
+  done (the poller posts it). Until then a placeholder handle (`HELD`) keeps the push
+  open in vLLM's bookkeeping. Anything else is written whole, as before.
 - The write lease: each job comes with its deadline (`PushJob.write_within`): a WRITE not
   posted by then is not posted (it fails, as above), and the poller cancels the WRITE
   handles still in flight then (NIXL's release of a transfer in progress), so that D,
   which may have given up on the push, can reuse its blocks once that deadline, known to
   it, has passed (docs/ARCHITECTURE.md, section 5).
 
-Threads: the engine thread runs all of it but `poll_writes` and `_cancel`, which the
-worker's poller thread runs. vLLM's push code keeps its WRITE handles in the worker's
+Threads: the engine thread runs all of it but `poll_writes`, `_cancel` and
+`_post_finals`, which the worker's poller thread runs. vLLM's push code keeps its WRITE handles in the worker's
 `_sending_transfers` (with `_send_failures`), under `_sending_transfers_lock`; this half
 keeps each posted WRITE's deadline and the WRITEs the poller cancelled under that lock
-too. Its other state is the engine thread's.
+too, and the layered pushes waiting for their final parts (`_finishing`). Its other
+state is the engine thread's.
 """
 
 from __future__ import annotations
@@ -38,6 +48,14 @@ from typing import TYPE_CHECKING, Any
 
 from connector.prefill.channel import StartWrite
 from connector.prefill.early import EarlyInbox
+from connector.prefill.layers import (
+    HELD,
+    LayeredWrite,
+    PlannedWrite,
+    RecordingAgent,
+    RegionLayers,
+    layout_refusal,
+)
 from connector.prefill.outgoing import OutgoingPush, OutgoingPushes, OutgoingState
 from connector.protocol.step import PushJob, PushReport, PushStep
 from connector.vllm_compat import RemoteMeta, ReqMeta
@@ -75,12 +93,48 @@ class PrefillWorker:
         # handshake executor.
         self._handshaken: queue.SimpleQueue[tuple[str, BaseException | None]] = (
             queue.SimpleQueue())
+        # Progressive push: which layer each KV region holds (None: this worker writes
+        # every push whole, `_layers_refusal` says why); the P requests this step asks
+        # to write by layer, the layers its forward pass has computed so far, and the
+        # layered pushes it is writing; then, under vLLM's lock, those waiting for their
+        # other parts to be done before their final parts are posted.
+        self._layers: RegionLayers | None = None
+        self._layers_refusal: str | None = "the KV caches are not registered yet"
+        self._layered_wanted: set[str] = set()
+        self._computed: set[int] = set()
+        self._layering: dict[str, LayeredWrite] = {}
+        self._finishing: dict[str, LayeredWrite] = {}
+        # Layered pushes that failed to start during the forward pass, ended after it:
+        # vLLM's `start_load_kv` runs between the two, and a push ended before it would
+        # go under vLLM's pull lease (`lease_for_pull`) while vLLM may still list the
+        # request as not processed (its check that no such request has a lease fails).
+        self._ending: list[tuple[OutgoingPush, str]] = []
+
+    def kv_caches_registered(self, *, groups: int) -> None:
+        """After vLLM registered the KV caches with NIXL: can pushes be cut by layer?"""
+        vllm = self._vllm
+        names = list(getattr(vllm, "region_names", None) or ())
+        self._layers_refusal = layout_refusal(
+            region_names=names, has_state=bool(getattr(vllm, "_has_mamba", False)),
+            groups=groups, routed_by_layer=bool(getattr(vllm, "_transfer_layer_group_ids", None)))
+        if self._early_inbox is None:
+            self._layers_refusal = "no early WRITEs on this server (GPU, several workers, " \
+                                   "or early_write off)"
+        if self._layers_refusal is None:
+            self._layers = RegionLayers(names, vllm.dst_region_num_blocks[vllm.engine_id])
+            vllm.nixl_wrapper = RecordingAgent(vllm.nixl_wrapper)
+            logger.info("pushes may be written layer by layer (%d layers)", len(self._layers))
+        else:
+            logger.info("pushes are written whole: %s", self._layers_refusal)
 
     # --- each step: the scheduler's orders ------------------------------------------------
 
     def begin_step(self, step: PushStep) -> None:
-        """The step's number, and the early WRITEs of earlier steps that came late."""
+        """The step's number, and the early WRITEs of earlier steps that came late; the
+        pushes this step would write by layer (started from its layers' hooks)."""
         self._step_number = step.number
+        self._computed.clear()
+        self._layered_wanted = step.layered if self._layers is not None else set()
         self._start_early(forward_done=False)
 
     def take_step(self, step: PushStep) -> None:
@@ -101,10 +155,37 @@ class PrefillWorker:
                                "its end frees them", rid, was.value)
 
     def write_early(self) -> None:
-        """Right after the step's forward pass (vLLM's `wait_for_save`): start the early
-        WRITEs of the prompts it completed. CPU servers only, where the forward is done
-        when this is called."""
+        """Right after the step's forward pass (vLLM's `wait_for_save`): the layered
+        pushes' parts not posted yet, then the early WRITEs of the prompts it completed,
+        whole. CPU servers only, where the forward is done when this is called."""
+        for record, error in self._ending:
+            self._end(record, error)
+        self._ending = []
+        if self._layering:
+            for push in self._layering.values():
+                self._post(push, push.rest(), in_forward=False)
+            with self._vllm._sending_transfers_lock:
+                self._finishing.update(self._layering)
+                self._post_finals()
+            self._layering = {}
+        self._layered_wanted = set()
         self._start_early(forward_done=True)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """vLLM's per-layer hook, during the forward pass: `layer_name`'s KV is computed.
+        Post that layer's part of each layered push, starting those whose D registered
+        since (their layers computed so far go at once)."""
+        if not self._layered_wanted:
+            return
+        assert self._layers is not None
+        layer = self._layers.index.get(layer_name)
+        if layer is None:
+            return
+        self._computed.add(layer)
+        self._start_early(forward_done=False)  # new matches from P's channel thread
+        self._start_layered()
+        for push in self._layering.values():
+            self._post(push, push.due((layer,)), in_forward=True)
 
     def _start_early(self, *, forward_done: bool) -> None:
         """Start the early WRITEs whose prompt is computed: their step is an earlier one,
@@ -144,7 +225,125 @@ class PrefillWorker:
             else:
                 self._end(record, f"handshake with D failed: {error}")
 
-    # --- the WRITE ------------------------------------------------------------------------
+    # --- the WRITE, layer by layer ---------------------------------------------------------
+
+    def _start_layered(self) -> None:
+        """Start, by layer, the early WRITEs of this step that it asks to write so."""
+        if not self._layered_wanted:
+            return
+        for record in self._outgoing.early_due(self._step_number):
+            if record.early_step == self._step_number \
+                    and record.request_id in self._layered_wanted:
+                self._write_layered(record)
+
+    def _write_layered(self, record: OutgoingPush) -> None:
+        job = record.job
+        assert job is not None and self._layers is not None
+        vllm = self._vllm
+        with vllm._handshake_lock:
+            ready = job.decode_engine_id in vllm._remote_agents
+        if not ready or time.monotonic() >= record.deadline:
+            # Written whole after the forward pass (its handshake, or its lapse, then).
+            self._layered_wanted.discard(job.request_id)
+            return
+        self._outgoing.start(job, handshaking=False, now=time.perf_counter())
+        record.layered = True
+        if job.fail_on_purpose:
+            self._ending.append((record, "WRITE failed on purpose (fail_write, "
+                                         "fault_injection on)"))
+            self._layered_wanted.discard(job.request_id)
+            return
+        try:
+            push = LayeredWrite.plan(job.request_id, self._plan(job), self._layers,
+                                     record.deadline)
+        except Exception as exc:  # a layout vLLM's push code refuses, or NIXL itself
+            logger.exception("push %s: WRITE could not start", job.transfer_id)
+            self._ending.append((record, f"WRITE could not start: {exc}"))
+            self._layered_wanted.discard(job.request_id)
+            return
+        with vllm._sending_transfers_lock:
+            vllm._sending_transfers[job.request_id].append(HELD)
+            self._write_deadlines[job.request_id] = record.deadline
+        self._layering[job.request_id] = push
+        self._post(push, push.due(self._computed), in_forward=True)
+        self._wake_poller()
+
+    def _plan(self, job: PushJob) -> list[PlannedWrite]:
+        """The WRITEs vLLM's push code would post for `job`, recorded, not posted."""
+        vllm = self._vllm
+        key = f"{job.request_id}\x00plan"  # its handles (placeholders) are dropped below
+        agent = vllm.nixl_wrapper
+        assert isinstance(agent, RecordingAgent)
+        vllm._engine_last_active[job.decode_engine_id] = time.perf_counter()
+        with agent.recording() as planned:
+            try:
+                vllm._xfer_blocks_for_req(key, self._meta(job))
+            finally:
+                with vllm._sending_transfers_lock:
+                    vllm._sending_transfers.pop(key, None)
+        return planned
+
+    def _post(self, push: LayeredWrite, parts: list[PlannedWrite], *, in_forward: bool) -> None:
+        """Post `parts` of `push` (none with a notification); a part that cannot be
+        posted fails the push (its final parts are never posted)."""
+        vllm = self._vllm
+        agent = vllm.nixl_wrapper
+        for part in parts:
+            try:
+                handle = agent.make_prepped_xfer("WRITE", part.local_handle, part.local_ids,
+                                                 part.remote_handle, part.remote_ids, b"")
+                with vllm._sending_transfers_lock:
+                    vllm._sending_transfers[push.request_id].append(handle)
+                agent.transfer(handle)
+            except Exception:
+                logger.exception("push of request %s: a layer's WRITE could not be posted",
+                                 push.request_id)
+                with vllm._sending_transfers_lock:
+                    self._drop_held(push.request_id)
+                    vllm._send_failures.add(push.request_id)
+                self._layering.pop(push.request_id, None)
+                return
+            push.layers_in_forward += in_forward
+
+    def _post_finals(self) -> None:
+        """(Under vLLM's lock; engine or poller thread.) Post the final parts, with D's
+        notification, of each layered push whose other parts are all done; drop those
+        that failed or were cancelled meanwhile."""
+        vllm = self._vllm
+        agent = vllm.nixl_wrapper
+        for rid, push in list(self._finishing.items()):
+            handles = vllm._sending_transfers.get(rid)
+            if not handles or HELD not in handles:  # cancelled at its deadline, or failed
+                del self._finishing[rid]
+                continue
+            states = [agent.check_xfer_state(h) for h in handles if h is not HELD]
+            if any(state not in ("DONE", "PROC") for state in states):
+                self._drop_held(rid)  # vLLM's bookkeeping reports the failed part
+                continue
+            if any(state == "PROC" for state in states):
+                continue
+            try:
+                for part in push.final:
+                    handle = agent.make_prepped_xfer(
+                        "WRITE", part.local_handle, part.local_ids, part.remote_handle,
+                        part.remote_ids, part.notif)
+                    handles.append(handle)
+                    agent.transfer(handle)
+            except Exception:
+                logger.exception("push of request %s: its last layer's WRITE could not be "
+                                 "posted", rid)
+                vllm._send_failures.add(rid)
+            self._drop_held(rid)
+
+    def _drop_held(self, rid: str) -> None:
+        """(Under vLLM's lock.) The layered push `rid` posts nothing more: its handles
+        decide its end."""
+        handles = self._vllm._sending_transfers.get(rid)
+        if handles is not None and HELD in handles:
+            handles.remove(HELD)
+        self._finishing.pop(rid, None)
+
+    # --- the WRITE, whole ------------------------------------------------------------------
 
     def _start_job(self, job: PushJob) -> None:
         future = self._vllm._ensure_handshake(
@@ -172,19 +371,9 @@ class PrefillWorker:
                               "on the push, and may reuse its blocks)")
             return
         vllm = self._vllm
-        local = [list(group) for group in job.block_ids]
-        meta = ReqMeta(
-            local_block_ids=local,
-            local_physical_block_ids=vllm._logical_to_kernel_block_ids(
-                local, vllm._physical_blocks_per_logical_kv_block),
-            tp_size=vllm.world_size,
-            remote=RemoteMeta(
-                block_ids=[list(group) for group in job.decode_block_ids], host="", port=0,
-                engine_id=job.decode_engine_id, request_id=job.decode_request_id),
-        )
         vllm._engine_last_active[job.decode_engine_id] = time.perf_counter()
         try:
-            vllm._xfer_blocks_for_req(job.request_id, meta)
+            vllm._xfer_blocks_for_req(job.request_id, self._meta(job))
         except Exception as exc:  # a layout vLLM's push code refuses, or NIXL itself
             logger.exception("push %s: WRITE could not start", job.transfer_id)
             self._end(record, f"WRITE could not start: {exc}")
@@ -198,6 +387,20 @@ class PrefillWorker:
             return
         if self.poll_writes():  # a small WRITE is often done at its first poll
             self._wake_poller()
+
+    def _meta(self, job: PushJob) -> ReqMeta:
+        """What vLLM's push code takes for `job`'s WRITE (a fresh one: it changes it)."""
+        vllm = self._vllm
+        local = [list(group) for group in job.block_ids]
+        return ReqMeta(
+            local_block_ids=local,
+            local_physical_block_ids=vllm._logical_to_kernel_block_ids(
+                local, vllm._physical_blocks_per_logical_kv_block),
+            tp_size=vllm.world_size,
+            remote=RemoteMeta(
+                block_ids=[list(group) for group in job.decode_block_ids], host="", port=0,
+                engine_id=job.decode_engine_id, request_id=job.decode_request_id),
+        )
 
     def poll_writes(self) -> bool:
         """Poll every WRITE in flight once: NIXL moves a WRITE's bytes, and sends its
@@ -222,6 +425,8 @@ class PrefillWorker:
                         handles.remove(handle)
                     else:
                         pending |= in_flight
+            if self._finishing:
+                self._post_finals()
         return pending
 
     def _cancel(self, rid: str, handle: int) -> bool:
@@ -252,6 +457,8 @@ class PrefillWorker:
             done, failed = vllm._pop_done_transfers(vllm._sending_transfers)
             failed |= vllm._send_failures  # from submitting WRITEs, since the last step
             vllm._send_failures.clear()
+            for rid in failed & self._finishing.keys():
+                self._drop_held(rid)  # a part failed: no final part, the push fails
             cancelled = self._cancelled & done
             self._cancelled -= done
             for rid in done:

@@ -10,8 +10,10 @@ names below.
 Who sends what (vLLM 0.32's NIXL keys, plus ours):
 
 - P leg, both modes: `do_remote_decode` true, nulls for `remote_*`; in push, also
-  `transfer_id` and `transfer_mode` "push"; a probe adds `probe` true; a test may add
-  `fail_write` true (honoured only with the connector's `fault_injection`).
+  `transfer_id` and `transfer_mode` "push", and `push_layers` true or false when the
+  client asked for a push written layer by layer or whole (`PUSH_LAYERS_HEADER`; absent:
+  P's connector decides); a probe adds `probe` true; a test may add `fail_write` true
+  (honoured only with the connector's `fault_injection`).
 - P's answer: `do_remote_prefill` true, `remote_engine_id`, `remote_block_ids`,
   `remote_host`, `remote_port`, `tp_size`, ...; from our connector also
   `transfer_modes`, `push_host`, `push_port`, `dp_rank` (the data-parallel rank of the
@@ -57,6 +59,7 @@ PUSH_HOST: Final = "push_host"
 PUSH_PORT: Final = "push_port"
 PROBE: Final = "probe"
 FAIL_WRITE: Final = "fail_write"
+PUSH_LAYERS: Final = "push_layers"
 DP_RANK: Final = "dp_rank"
 DP_SIZE: Final = "dp_size"
 
@@ -73,6 +76,9 @@ TRANSFER_MODE_HEADER: Final = "X-KV-Transfer-Mode"
 # vLLM's: a server started with --data-parallel-size runs the request on this rank's
 # engine (0-based; out of range: 400). The router pins a push's P leg with it.
 DATA_PARALLEL_RANK_HEADER: Final = "X-data-parallel-rank"
+# A client's choice, for a push, of writing the KV layer by layer while P computes
+# ("on") or whole once P is done ("off"); absent or "auto": P's connector decides.
+PUSH_LAYERS_HEADER: Final = "X-KV-Push-Layers"
 
 
 class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,6 +100,7 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True):
     push_port: int | None = None
     probe: bool = False
     fail_write: bool = False
+    push_layers: bool | None = None
     dp_rank: int | None = None
     dp_size: int | None = None
 

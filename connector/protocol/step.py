@@ -79,6 +79,10 @@ class PushStep:
     jobs: list[PushJob] = field(default_factory=list)
     # P: requests whose held blocks no WRITE will read: free them now.
     release: set[str] = field(default_factory=set)
+    # P: push requests whose prompt this step completes, to be written layer by layer
+    # while its forward pass runs, if D has registered by then (progressive push,
+    # connector/prefill/layers.py); otherwise they are written whole after it.
+    layered: set[str] = field(default_factory=set)
     # D: pushes that failed while P kept the prompt's KV: READ P's blocks instead.
     pull: dict[str, PullOffer] = field(default_factory=dict)
     # The scheduler's count of the steps it built, this one included: P's worker starts
@@ -86,7 +90,8 @@ class PushStep:
     number: int = 0
 
     def is_empty(self) -> bool:
-        return not (self.recv or self.failed or self.jobs or self.release or self.pull)
+        return not (self.recv or self.failed or self.jobs or self.release or self.pull
+                    or self.layered)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,13 +105,15 @@ class PushEnd:
     blocks: int
     ranks: int = 1
     holding_ranks: int = 0
+    layered: bool = False  # written layer by layer (on every rank, when merged)
 
     def merge(self, other: PushEnd) -> PushEnd:
         """Both ranks' shares (of the same blocks): failed if either failed; as long as
         the slower one."""
         return PushEnd(self.error if self.error is not None else other.error,
                        max(self.seconds, other.seconds), max(self.blocks, other.blocks),
-                       self.ranks + other.ranks, self.holding_ranks + other.holding_ranks)
+                       self.ranks + other.ranks, self.holding_ranks + other.holding_ranks,
+                       self.layered and other.layered)
 
 
 class PushReport(KVConnectorWorkerMetadata):

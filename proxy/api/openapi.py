@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from connector.protocol.http_params import REQUEST_ID_HEADER, TRANSFER_MODE_HEADER
+from connector.protocol.http_params import (
+    PUSH_LAYERS_HEADER,
+    REQUEST_ID_HEADER,
+    TRANSFER_MODE_HEADER,
+)
 
 ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -42,6 +46,13 @@ _MODE_HEADER = {
     "schema": {"type": "string", "enum": ["pull", "push", "local", "auto"]},
     "description": "KV hand-over for this request; overrides the configured mode "
                    "(local: no prefill server, the decode server computes the prompt).",
+}
+_PUSH_LAYERS_HEADER = {
+    "name": PUSH_LAYERS_HEADER, "in": "header", "required": False,
+    "schema": {"type": "string", "enum": ["on", "off", "auto"]},
+    "description": "For a push: the prefill server writes the KV layer by layer while it "
+                   "computes (on) or whole when it is done (off); auto or absent: the "
+                   "prefill server's connector decides (push_layers).",
 }
 _REQUEST_ID_HEADER = {
     "name": REQUEST_ID_HEADER, "in": "header", "required": False,
@@ -78,7 +89,7 @@ def _inference(summary: str, prompt_field: dict[str, Any]) -> dict[str, Any]:
     answer["headers"] = _ANSWER_HEADERS
     return {"post": {
         "summary": summary,
-        "parameters": [_MODE_HEADER, _REQUEST_ID_HEADER],
+        "parameters": [_MODE_HEADER, _PUSH_LAYERS_HEADER, _REQUEST_ID_HEADER],
         "requestBody": {"required": True, "content": {"application/json": {"schema": body}}},
         "responses": {"200": answer, **_errors(400, 401, 404, 413, 502, 503, 504)},
     }}

@@ -391,6 +391,63 @@ async def test_a_push_d_registered_first_is_written_right_after_the_prompt(
         await push_stats(client, dual_pair.prefill, r"early [1-9]")
 
 
+async def test_a_push_written_layer_by_layer_lands_every_layer(dual_pair: Pair) -> None:
+    """D registers before P computes the prompt and the push asks for layers
+    (`push_layers`): P WRITEs each layer's KV from vLLM's per-layer hook while the forward
+    pass runs, and the last layer's, with D's notification, once the others are done. D
+    decodes one server's tokens from KV it never computed or READ (a layer missing or
+    misplaced would change them), and P's stats count the push as written by layer."""
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        body, _, d_before, (tokens, prompt_tokens) = await push_registered_first(
+            client, dual_pair, push_layers=True)
+        d_after = await wait_for_metric(
+            client, dual_pair.decode_url,
+            lambda s: external_kv_tokens(s) - external_kv_tokens(d_before) >= prompt_tokens)
+        assert external_kv_tokens(d_after) - external_kv_tokens(d_before) == prompt_tokens
+        assert metric(d_after, NIXL_READS) == metric(d_before, NIXL_READS), "D READ instead"
+        assert tokens == await reference_tokens(client, dual_pair.decode_url, COMPLETIONS, body)
+        await assert_nothing_held(client, dual_pair)
+        await push_stats(client, dual_pair.prefill, r"by layer [1-9]")
+
+
+async def test_a_layered_push_whose_write_fails_is_read_by_d_instead(dual_pair: Pair) -> None:
+    """A push asked by layer whose WRITE fails takes the whole push's failure path: P
+    keeps the blocks, D READs them, the tokens are one server's and nothing stays held."""
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        body, request_id, d_before, (tokens, _) = await push_registered_first(
+            client, dual_pair, push_layers=True, fail_write=True)
+        d_after = await wait_for_metric(
+            client, dual_pair.decode_url,
+            lambda s: metric(s, NIXL_READS) > metric(d_before, NIXL_READS))
+        assert metric(d_after, NIXL_READS) > metric(d_before, NIXL_READS), "D did not READ"
+        assert tokens == await reference_tokens(client, dual_pair.decode_url, COMPLETIONS, body)
+        await assert_nothing_held(client, dual_pair, within_s=10)
+    p_log = dual_pair.prefill.spec.log_path.read_text()
+    assert re.search(rf"push {re.escape(request_id)}: WRITE failed: WRITE failed on purpose",
+                     p_log), "P did not log the failed WRITE"
+
+
+@pytest.mark.parametrize("layers", ["on", "off"])
+async def test_through_the_router_a_push_by_layer_or_whole_gives_one_servers_tokens(
+    dual_pair: Pair, proxy_for: ProxyFactory, layers: str,
+) -> None:
+    """The client's X-KV-Push-Layers reaches P: by layer when D registered in time (else
+    whole), or whole; either way one server's tokens, the whole prompt by transfer."""
+    router_url = proxy_for(dual_pair, "pull")
+    body = {**make_body(COMPLETIONS), "prompt": f"{layers}: layer by layer " * 20}
+    headers = {"X-KV-Transfer-Mode": "push", "X-KV-Push-Layers": layers}
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        before = await get_metrics(client, dual_pair.decode_url)
+        tokens, prompt_tokens = await decode(client, router_url + COMPLETIONS, body,
+                                             stream=False, headers=headers)
+        after = await wait_for_metric(
+            client, dual_pair.decode_url,
+            lambda s: external_kv_tokens(s) - external_kv_tokens(before) >= prompt_tokens)
+        assert external_kv_tokens(after) - external_kv_tokens(before) == prompt_tokens
+        assert tokens == await reference_tokens(client, dual_pair.decode_url, COMPLETIONS, body)
+        await assert_nothing_held(client, dual_pair)
+
+
 @pytest.mark.closes_pair
 async def test_p_killed_after_d_registered_ends_ds_wait_within_seconds(
     dual_pair: Pair, pair_manager: PairManager

@@ -137,3 +137,22 @@ def test_size_limit_and_mode_header() -> None:
     assert req.mode_override is Mode.PUSH
     with pytest.raises(InvalidRequest):
         parse_request(Route.COMPLETIONS, b'{"model":"m","prompt":[]}', {}, max_body_bytes=100)
+
+
+@pytest.mark.parametrize(("value", "sent"), [("on", True), (" OFF", False), ("auto", None),
+                                             (None, None)])
+def test_a_push_written_by_layer_or_whole_is_the_clients_choice(value: str | None,
+                                                                 sent: bool | None) -> None:
+    headers = {} if value is None else {"x-kv-push-layers": value}
+    req = parse_request(Route.COMPLETIONS, b'{"model":"m","prompt":"x"}', headers,
+                        max_body_bytes=100)
+    params = prefill_body(req, transfer_id="t-1")["kv_transfer_params"]
+    assert params.get("push_layers", "absent") == ("absent" if sent is None else sent)
+    # A pull's P leg never carries it: it names how a push is written.
+    assert "push_layers" not in prefill_body(req, transfer_id=None)["kv_transfer_params"]
+
+
+def test_an_unknown_push_layers_value_is_a_400_naming_the_header() -> None:
+    with pytest.raises(InvalidRequest, match="X-KV-Push-Layers must be on, off or auto"):
+        parse_request(Route.COMPLETIONS, b'{"model":"m","prompt":"x"}',
+                      {"x-kv-push-layers": "yes"}, max_body_bytes=100)
