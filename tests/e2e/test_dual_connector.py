@@ -30,6 +30,7 @@ import pytest
 
 from connector.config import CPU_PAUSE
 from testbed.pd_protocol import KV_USAGE, metric, prefill_leg, probe_body, push_decode_leg
+from testbed.tiny_model import sample_text
 from testbed.vllm_cpu import Pair, VllmServer
 from tests.conftest import until
 from tests.e2e.conftest import DUAL_EXTRA_CONFIG, PairManager, ProxyFactory, RouterProcess
@@ -37,6 +38,7 @@ from tests.e2e.vllm_client import (
     CHAT,
     COMPLETIONS,
     TIMEOUT,
+    by_source,
     decode,
     external_kv_tokens,
     get_metrics,
@@ -244,13 +246,14 @@ async def leave(waiting: asyncio.Task[Any]) -> None:
 
 
 async def push_registered_first(
-    client: httpx.AsyncClient, running: Pair, **p_extra: Any
+    client: httpx.AsyncClient, running: Pair, body: dict[str, Any] | None = None,
+    **p_extra: Any,
 ) -> tuple[dict[str, Any], str, dict[Any, float], tuple[list[int], int]]:
-    """A push whose D leg registers its blocks before P's leg is sent (with `p_extra`
-    in P's kv_transfer_params). Returns the body, D's request id, D's metrics from before,
-    and D's answer: its tokens and the prompt's length."""
+    """A push (of `body`, else a fresh one) whose D leg registers its blocks before P's
+    leg is sent (with `p_extra` in P's kv_transfer_params). Returns the body, D's request
+    id, D's metrics from before, and D's answer: its tokens and the prompt's length."""
     p_params = await coordinates(client, running)
-    body = make_body(COMPLETIONS)
+    body = body or make_body(COMPLETIONS)
     leg, request_id = push_to_d(body, p_params)
     d_before = await get_metrics(client, running.decode_url)
     decoding = asyncio.create_task(decode(client, running.decode_url + COMPLETIONS, leg,
@@ -408,6 +411,31 @@ async def test_a_push_written_layer_by_layer_lands_every_layer(dual_pair: Pair) 
         assert tokens == await reference_tokens(client, dual_pair.decode_url, COMPLETIONS, body)
         await assert_nothing_held(client, dual_pair)
         await push_stats(client, dual_pair.prefill, r"by layer [1-9]")
+
+
+async def test_a_push_by_layer_on_a_prefix_hit_writes_only_ds_tail(dual_pair: Pair) -> None:
+    """D already holds the start of the prompt (a later turn of a conversation): it
+    registers only its uncached blocks, and P's layered WRITE, planned by vLLM's push
+    code, sends only that tail, layer by layer; one server's tokens."""
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        first = make_body(COMPLETIONS)
+        warm, _ = await decode(client, dual_pair.decode_url + COMPLETIONS, first, stream=False)
+        assert warm, "D served the first turn"
+        body = {**first, "prompt": first["prompt"] + " " + sample_text(7, lines=4)}
+        before = by_source(await get_metrics(client, dual_pair.decode_url))
+        _, _, _, (tokens, prompt_tokens) = await push_registered_first(
+            client, dual_pair, body, push_layers=True)
+
+        def counted(samples: dict[Any, float]) -> bool:
+            now = by_source(samples)
+            return sum(now[s] - before[s] for s in now) >= prompt_tokens
+
+        after = by_source(await wait_for_metric(client, dual_pair.decode_url, counted))
+        delta = {s: after[s] - before[s] for s in after}
+        assert delta["local_cache_hit"] > 0, f"D had no prefix hit: {delta}"
+        assert delta["external_kv_transfer"] == prompt_tokens - delta["local_cache_hit"], delta
+        assert tokens == await reference_tokens(client, dual_pair.decode_url, COMPLETIONS, body)
+        await assert_nothing_held(client, dual_pair)
 
 
 async def test_a_layered_push_whose_write_fails_is_read_by_d_instead(dual_pair: Pair) -> None:
