@@ -513,6 +513,11 @@ async def run_all(p: Pair, url: str, cases: Sequence[Case], modes: Sequence[str]
                         ttfts, windows = await run_case(client, url, case, modes, args, rng)
                         sent_after = links.shaped_bytes() if shaper is not None else None
                         until = time.time()
+                        lost = shaper is not None and not shaper.intact()
+                        if lost:
+                            say(f"  WARNING: the shaping of lo was removed during {case.key} "
+                                "(by another process?): its transfers were not shaped; "
+                                "shaping again for the next case")
                         steps = {role: step_summary(read_step_log(server.spec.step_log_path),
                                                     since, until)
                                  for role, server in (("P", p.prefill), ("D", p.decode))}
@@ -526,7 +531,8 @@ async def run_all(p: Pair, url: str, cases: Sequence[Case], modes: Sequence[str]
                             "link_bytes": link_bytes,
                             "kv_bytes_transferred": transfers * case.prompt_tokens
                             * rate.emulated_kv_bytes,
-                            "slowdown": slowdown, "calibrated_compute_over_target": ratio})
+                            "slowdown": slowdown, "calibrated_compute_over_target": ratio,
+                            "link_lost": lost})
                         medians = ", ".join(f"{m} {statistics.median(v) * 1e3:.1f} ms"
                                             for m, v in ttfts.items())
                         carried = ("" if link_bytes is None else
@@ -617,7 +623,10 @@ def summarize(profile: Profile, results: Sequence[dict[str, Any]],
             "stock": stock_modes,
             "d_itl": result.get("d_itl"),
             "steps": result["steps"],
-            "flag": long_steps_note(result["steps"]),
+            "flag": "; ".join(note for note in (
+                "LINK LOST: the shaping was removed during the case, its transfers unshaped"
+                if result.get("link_lost") else None,
+                long_steps_note(result["steps"])) if note) or None,
         })
     return rows
 

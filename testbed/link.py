@@ -45,9 +45,11 @@ cores) are not reached: `rdma400` against the 8-layer model asks 6.25 Gb/s and i
 limited by the host.
 
 Needs: Linux, root (CAP_NET_ADMIN), the `tc` tool (iproute2), and the kernel's `htb`
-qdisc and `u32` classifier; `require_tc` says clearly what is missing. `shaped()`
-removes the qdisc when its block ends, on SIGTERM and SIGINT, and at exit; `clear`
-removes one left behind by a process killed outright.
+qdisc and `u32` classifier; `require_tc` says clearly what is missing. `lo` is the
+machine's: one process shapes it at a time (`shaped()` refuses, naming the holder,
+while another live process holds it; HOLDER_PATH). `shaped()` removes the qdisc when its
+block ends, on SIGTERM and SIGINT, and at exit; `clear` removes one left behind by a
+process killed outright.
 """
 
 from __future__ import annotations
@@ -81,6 +83,9 @@ BURST_S = 0.001  # htb bucket: this much of the rate (at least MIN_BURST_BYTES)
 MIN_BURST_BYTES = 2 * 65536 + 2048  # two of the loopback's largest packets (MTU 65,536)
 QUANTUM_BYTES = 65536 + 1024
 EMULATED_DTYPE_BYTES = 4  # the servers run --dtype float32 (testbed.vllm_cpu)
+# Who holds the link: `lo` is the machine's, so one process shapes it at a time (a
+# benchmark, a test); the file names its pid. A dead holder's file is taken over.
+HOLDER_PATH = Path("/tmp/testbed-link-lo.pid")
 
 
 class LinkError(RuntimeError):
@@ -243,7 +248,8 @@ def change(rate_bps: float, device: str = DEVICE) -> None:
 
 
 def clear(device: str = DEVICE) -> bool:
-    """Remove our qdisc from `device` (nothing else); True if there was one."""
+    """Remove our qdisc from `device` (nothing else); True if there was one. (It does
+    not ask who holds the link: `shaped` does, before it shapes.)"""
     if shutil.which("tc") is None or not installed(device):
         return False
     _run(clear_command(device))
@@ -264,9 +270,42 @@ def show(device: str = DEVICE) -> str:
     return "\n".join(part for part in parts if part)
 
 
+def holder() -> int | None:
+    """The live process that holds the link (HOLDER_PATH), or None."""
+    try:
+        pid = int(HOLDER_PATH.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        return pid
+    return pid
+
+
+def hold() -> None:
+    """Take the link for this process; LinkError naming the holder if another live
+    process has it (its qdisc would be replaced or removed under it)."""
+    current = holder()
+    if current is not None and current != os.getpid():
+        raise LinkError(f"the emulated link on {DEVICE} is in use by process {current} (a "
+                        "benchmark or test); wait for it to end, or run `python -m "
+                        "testbed.link clear` if that process is not using it")
+    HOLDER_PATH.write_text(str(os.getpid()))
+
+
+def release() -> None:
+    if holder() == os.getpid():
+        with contextlib.suppress(OSError):
+            HOLDER_PATH.unlink()
+
+
 class Shaper:
-    """The link as a running benchmark holds it: `set(rate)` shapes or re-rates,
-    `set(None)` removes the shaping; `close()` removes it for good."""
+    """The link as a running benchmark holds it: `set(rate)` shapes or re-rates (and
+    shapes again if the qdisc went missing), `set(None)` removes the shaping; `close()`
+    removes it for good."""
 
     def __init__(self, device: str = DEVICE) -> None:
         self.device = device
@@ -278,11 +317,16 @@ class Shaper:
                 clear(self.device)
             self.rate_bps = None
             return
-        if self.rate_bps is None:
+        if self.rate_bps is None or not installed(self.device):
             apply(rate_bps, self.device)
         else:
             change(rate_bps, self.device)
         self.rate_bps = rate_bps
+
+    def intact(self) -> bool:
+        """Whether the shaping is still as set (None: nothing to check; False: something
+        removed the qdisc meanwhile)."""
+        return self.rate_bps is None or installed(self.device)
 
     def close(self) -> None:
         clear(self.device)
@@ -291,12 +335,19 @@ class Shaper:
 
 @contextlib.contextmanager
 def shaped(rate_bps: float | None = None, device: str = DEVICE) -> Iterator[Shaper]:
-    """A `Shaper` for the block (shaping at `rate_bps` if given); its qdisc is removed
+    """A `Shaper` for the block (shaping at `rate_bps` if given), the link held by this
+    process (`hold`: LinkError if another live process holds it); its qdisc is removed
     when the block ends, on SIGTERM or SIGINT (turned into an exit that unwinds the
     block), and at interpreter exit."""
     require_tc()
+    hold()
     shaper = Shaper(device)
-    atexit.register(shaper.close)
+
+    def close() -> None:
+        shaper.close()
+        release()
+
+    atexit.register(close)
     previous = {}
     for sig in (signal.SIGTERM, signal.SIGHUP):
         if threading.current_thread() is threading.main_thread() and \
@@ -307,8 +358,8 @@ def shaped(rate_bps: float | None = None, device: str = DEVICE) -> Iterator[Shap
             shaper.set(rate_bps)
         yield shaper
     finally:
-        shaper.close()
-        atexit.unregister(shaper.close)
+        close()
+        atexit.unregister(close)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
@@ -497,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
             if rate is None:
                 print("removed" if clear() else "nothing to remove")
                 return 0
+            hold()  # refuse while a benchmark or test holds the link
+            release()
             apply(rate)
             print(f"shaped: TCP ports {DATA_PORTS.start}-{DATA_PORTS.stop - 1} on {DEVICE}; "
                   "servers need the environment of `python -m testbed.link env`; "

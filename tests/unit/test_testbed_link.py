@@ -6,6 +6,7 @@ shaping itself, on a real `lo`, is tests/integration/test_emulated_link.py."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -245,3 +246,19 @@ def test_a_layered_model_directory(tmp_path: Path) -> None:
     assert model_dir.build(tiny, "llama8b-h100") == tmp_path / "gpu-model-llama8b-h100"
     with pytest.raises(ValueError, match="at least one layer"):
         model_dir.build(tiny, "llama8b-h100", layers=0)
+
+
+def test_one_process_holds_the_link_at_a_time(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(link, "HOLDER_PATH", tmp_path / "holder.pid")
+    assert link.holder() is None
+    link.hold()
+    assert link.holder() == os.getpid()
+    link.release()
+    assert link.holder() is None
+    (tmp_path / "holder.pid").write_text("1")  # a live process (init)
+    with pytest.raises(link.LinkError, match="in use by process 1"):
+        link.hold()
+    (tmp_path / "holder.pid").write_text("999999999")  # no such process: a leftover
+    link.hold()
+    assert link.holder() == os.getpid()
