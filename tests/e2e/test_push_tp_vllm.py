@@ -77,11 +77,13 @@ async def test_a_push_between_tp_sizes_gives_one_servers_tokens(
 ) -> None:
     router_url = proxy_for(tp_pair, "push")
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-        for _ in range(2):  # the second push reuses both NIXL handshakes
+        # The second push reuses both NIXL handshakes, and asks to go layer by layer:
+        # with P's tp 1 it is, when D registers in time (one part per D rank and layer).
+        for layers in ("off", "on"):
             body = make_body(COMPLETIONS)
             before = await get_metrics(client, tp_pair.decode_url)
-            resp = await client.post(router_url + COMPLETIONS, json=body,
-                                     headers={"X-KV-Transfer-Mode": "push"})
+            resp = await client.post(router_url + COMPLETIONS, json=body, headers={
+                "X-KV-Transfer-Mode": "push", "X-KV-Push-Layers": layers})
             assert resp.status_code == 200, resp.text
             assert resp.headers["x-kv-transfer-mode"] == "push", "the router fell back"
             answer = resp.json()

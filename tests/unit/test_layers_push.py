@@ -169,3 +169,94 @@ def test_the_recording_agent_records_this_threads_writes_only_while_recording() 
     assert agent.released == []
     assert wrapped.check_xfer_state(2) == "DONE"
     assert wrapped.get_new_notifs() == {"x": [b"n"]}  # everything else is the agent's
+
+
+# --- P's worker: the final parts wait for every other part ------------------------------
+
+
+class StatefulAgent(FakeAgent):
+    """NIXL's agent with a state per handle, set by the test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.states: dict[object, str] = {}
+
+    def make_prepped_xfer(self, op: str, local: object, local_ids: list[int], remote: object,
+                          remote_ids: list[int], notif: bytes = b"") -> int:
+        handle = super().make_prepped_xfer(op, local, local_ids, remote, remote_ids, notif)
+        self.states[handle] = "PROC"
+        return handle
+
+    def check_xfer_state(self, handle: object) -> str:
+        return self.states[handle]
+
+
+def layered_worker() -> tuple[Any, StatefulAgent, LayeredWrite]:
+    """P's worker half over a stand-in of vLLM's worker, with one layered push whose
+    two layers' parts are posted (handles 1 and 2) and whose final part is not."""
+    import threading
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from connector.prefill.layers import HELD, RecordingAgent
+    from connector.prefill.worker_side import PrefillWorker
+
+    agent = StatefulAgent()
+    vllm = SimpleNamespace(
+        _sending_transfers=defaultdict(list), _sending_transfers_lock=threading.Lock(),
+        _send_failures=set(), nixl_wrapper=RecordingAgent(agent),
+        _try_release_xfer_handle=lambda rid, handle: True)
+    worker = PrefillWorker(vllm, pull_fallback_ttl=1.0, early_at=None,  # type: ignore[arg-type]
+                           wake_poller=lambda: None)
+    layers = RegionLayers(["a", "b", "c"], [10, 10, 10])
+    write = PlannedWrite("L", np.asarray([1, 11, 21], np.int32), "R",
+                         np.asarray([2, 12, 22], np.int32), b"d:1")
+    push = LayeredWrite.plan("r", [write], layers, deadline=1e12)
+    for part in push.rest():
+        vllm._sending_transfers["r"].append(
+            agent.make_prepped_xfer("WRITE", part.local_handle, part.local_ids.tolist(),
+                                    part.remote_handle, part.remote_ids.tolist()))
+    vllm._sending_transfers["r"].append(HELD)
+    worker._finishing["r"] = push
+    return worker, agent, push
+
+
+def test_the_last_layer_waits_until_every_other_part_is_done() -> None:
+    from connector.prefill.layers import HELD
+
+    worker, agent, _ = layered_worker()
+    vllm = worker._vllm
+    with vllm._sending_transfers_lock:
+        worker._post_finals()
+    assert len(agent.posted) == 2, "the final part went while a part was in flight"
+    agent.states[1] = agent.states[2] = "DONE"
+    with vllm._sending_transfers_lock:
+        worker._post_finals()
+    assert agent.posted[-1] == ("WRITE", [21], b"d:1"), "the final part carries D's notice"
+    assert HELD not in vllm._sending_transfers["r"], "the push is open still"
+    assert "r" not in worker._finishing
+
+
+def test_a_failed_part_means_no_final_part_and_the_push_fails() -> None:
+    from connector.prefill.layers import HELD
+
+    worker, agent, _ = layered_worker()
+    agent.states[1], agent.states[2] = "DONE", "ERR"
+    vllm = worker._vllm
+    with vllm._sending_transfers_lock:
+        worker._post_finals()
+    assert len(agent.posted) == 2, "no notification may follow a failed layer"
+    assert HELD not in vllm._sending_transfers["r"]  # vLLM's bookkeeping ends it: failed
+    assert "r" not in worker._finishing
+
+
+def test_a_push_past_its_write_lease_is_cancelled_whole_and_never_notified() -> None:
+    from connector.prefill.layers import HELD
+
+    worker, agent, _ = layered_worker()
+    worker._write_deadlines["r"] = 0.0  # long past
+    assert worker.poll_writes() is False  # every handle cancelled: nothing in flight
+    vllm = worker._vllm
+    assert vllm._sending_transfers["r"] == [] and HELD not in vllm._sending_transfers["r"]
+    assert "r" in vllm._send_failures and "r" not in worker._finishing
+    assert len(agent.posted) == 2, "the final part was posted after the lease"
