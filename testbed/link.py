@@ -40,9 +40,11 @@ protocol overheads of RoCE/InfiniBand or Ethernet framing (the rate shapes bytes
 `lo`, TCP/IP headers counted), several NICs or rails per node, and `htb`'s own
 granularity (a burst of up to BURST_S of the rate, at least two loopback packets, goes
 at full speed; a transfer's time is exact to about that). Rates above what TCP on the
-loopback carries on this machine (about 6-20 Gb/s unshaped, less with vLLM on the
-cores) are not reached: `rdma400` against the 8-layer model asks 6.25 Gb/s and is
-limited by the host.
+loopback carries on this machine are not reached: a 16 MiB NIXL WRITE unshaped took
+9.6 ms (1.74 GB/s) on the 2-core machine, so `rdma400` against the 8-layer model (6.25
+Gb/s: 21.5 ms for it, measured 21.7) is within a factor of about 2 of the host's own
+limit, less with vLLM busy on the cores; `prove` says when the unshaped port is not at
+least twice as fast.
 
 Needs: Linux, root (CAP_NET_ADMIN), the `tc` tool (iproute2), and the kernel's `htb`
 qdisc and `u32` classifier; `require_tc` says clearly what is missing. `lo` is the
