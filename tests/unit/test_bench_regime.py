@@ -16,7 +16,7 @@ def test_quick_and_default_options() -> None:
     quick = bench.parse_args(["--quick"])
     assert quick.profiles == ("llama8b-h100",) and quick.links == ("eth25",)
     assert quick.prompts == (1024, 8192) and quick.loads == ("idle",) and quick.no_stock
-    assert quick.modes == ("pull", "push", "local")  # progressive: once the router knows it
+    assert quick.modes == ("pull", "push", "progressive", "local")
     full = bench.parse_args([])
     assert full.profiles == ("llama8b-h100", "llama70b-h100x8")
     assert full.links == ("rdma400", "eth100", "eth25")
@@ -47,10 +47,24 @@ def test_link_rates_and_floors() -> None:
     assert floor["prefill_s"] == pytest.approx(P8.prefill_s(8192))
     assert floor["floor_s"] == pytest.approx(floor["prefill_s"] + floor["d_step_s"])
     assert floor["floor_paid_s"] == pytest.approx(floor["floor_s"] + rate.transfer_s(8192))
+    # Layer by layer on eth25 the link is the bound: the transfer (343.6 ms) outlasts the
+    # prefill (284.1), so at best it hides prefill / transfer of it.
+    transfer, prefill = rate.transfer_s(8192), floor["prefill_s"]
+    assert transfer > prefill
+    assert floor["floor_progressive_s"] == pytest.approx(transfer + floor["d_step_s"])
+    assert floor["best_hidden_share"] == pytest.approx(prefill / transfer)
+    assert 0.82 < floor["best_hidden_share"] < 0.83
+    # On rdma400 the last layer's KV crosses before the step ends: all of it hidden.
+    fast = bench.link_rate("rdma400", P8, 2048)
+    quick = bench.floor_s(P8, bench.Case("idle", 8192, 1, "rdma400"), fast, args)
+    assert prefill * 7 / 8 + fast.transfer_s(8192) / 8 < prefill
+    assert quick["floor_progressive_s"] == pytest.approx(quick["floor_s"])
+    assert quick["best_hidden_share"] == pytest.approx(1.0)
     # Slowed down: the GPU and the link alike, so every part stretches by the factor.
     slow = bench.floor_s(P8, bench.Case("idle", 8192, 1, "eth25"), rate, args, 3.0)
     for name, value in floor.items():
-        assert slow[name] == pytest.approx(3 * value), name
+        assert slow[name] == pytest.approx(value if name == "best_hidden_share"
+                                           else 3 * value), name
     assert rate.shaped_bps(3.0) == pytest.approx(390.625e6 / 3)
 
 
