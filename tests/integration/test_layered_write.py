@@ -1,0 +1,207 @@
+"""Progressive push over real NIXL: each layer's WRITE lands as its layer is computed,
+and D's notification comes only once every layer has landed.
+
+P's half of a worker (`PrefillWorker`, on a bare stand-in of vLLM's worker) drives real
+NIXL agents in this process: P's buffer stands for P's KV cache, D's for D's. The cache
+has two layers, each a K and a V region of 4 blocks (descriptor = region x 4 + block), as
+vLLM registers them. vLLM's push code is played by `plan`: one WRITE of every region's
+descriptors of the push's blocks, with D's notification, which the worker records (not
+posts) and cuts by layer. The test then plays the forward pass: layer 0's hook, layer
+1's hook, the pass's end. Needs NIXL installed: without it these fail."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from connector.prefill.layers import RecordingAgent, RegionLayers
+from connector.prefill.worker_side import PrefillWorker
+from connector.protocol.side_channel import TransferId
+from connector.protocol.step import PushJob, PushStep
+from scripts import bench_nixl
+
+BLOCK_BYTES = 4096
+PARAMS = bench_nixl.Params(device="cpu", block_bytes=BLOCK_BYTES, blocks=16, iterations=1,
+                           warmup=0, noncontiguous=False, one_block_rounds=0,
+                           progress_thread=False, timeout=30.0)
+REGIONS = ["layer.0", "layer.0", "layer.1", "layer.1"]  # K and V of each layer
+BLOCKS_PER_REGION = 4
+P_BLOCKS, D_BLOCKS = [1, 3], [0, 2]  # the push's blocks on each side
+STEP = 7
+RID = "p-req"
+
+
+def descs(blocks: list[int]) -> np.ndarray:
+    """Every region's descriptors of `blocks`, region by region (vLLM's order)."""
+    ids: np.ndarray = np.concatenate([np.asarray(blocks) + r * BLOCKS_PER_REGION
+                                      for r in range(len(REGIONS))]).astype(np.int32)
+    return ids
+
+
+class LayeredPath:
+    """P's and D's agents and buffers, and P's worker half over them."""
+
+    def __init__(self) -> None:
+        self.p_agent = bench_nixl.make_agent("layered-test-p", PARAMS)
+        self.d_agent = bench_nixl.make_agent("layered-test-d", PARAMS)
+        self.p_buffer, self.d_buffer = bench_nixl.allocate(PARAMS), bench_nixl.allocate(PARAMS)
+        kv = np.arange(PARAMS.pool_blocks, dtype=np.uint8)[:, None] + 1  # block n holds n+1
+        self.p_buffer.fill_from(np.broadcast_to(kv, self.p_buffer.array.shape).copy())
+        self._registrations = [bench_nixl.register(self.p_agent, self.p_buffer, PARAMS),
+                               bench_nixl.register(self.d_agent, self.d_buffer, PARAMS)]
+        remote = self.p_agent.add_remote_agent(self.d_agent.get_agent_metadata())
+        self._lists = [
+            self.p_agent.prep_xfer_dlist("NIXL_INIT_AGENT",
+                                         bench_nixl.block_descs(self.p_buffer, PARAMS), "DRAM"),
+            self.p_agent.prep_xfer_dlist(remote,
+                                         bench_nixl.block_descs(self.d_buffer, PARAMS), "DRAM")]
+        self.notifs: list[bytes] = []
+        self.worker = self._worker()
+
+    def _worker(self) -> Any:
+        vllm: Any = SimpleNamespace(
+            _sending_transfers=defaultdict(list), _sending_transfers_lock=threading.Lock(),
+            _send_failures=set(), _engine_last_active={}, world_size=1,
+            _physical_blocks_per_logical_kv_block=1,
+            nixl_wrapper=RecordingAgent(self.p_agent), _handshake_lock=threading.Lock(),
+            _remote_agents={"d-engine": {0: "d"}})
+        vllm._logical_to_kernel_block_ids = lambda ids, _ratio: ids
+
+        def try_release(rid: str, handle: Any) -> bool:
+            vllm.nixl_wrapper.release_xfer_handle(handle)
+            return True
+
+        def plan(rid: str, meta: Any) -> None:  # vLLM's push code: one WRITE, notified
+            local, remote = self._lists
+            handle = vllm.nixl_wrapper.make_prepped_xfer(
+                "WRITE", local, descs(meta.local_block_ids[0]), remote,
+                descs(meta.remote.block_ids[0]), f"{meta.remote.request_id}:1".encode())
+            vllm.nixl_wrapper.transfer(handle)
+            vllm._sending_transfers[rid].append(handle)
+
+        vllm._try_release_xfer_handle = try_release
+        vllm._xfer_blocks_for_req = plan
+        vllm._pop_done_transfers = lambda transfers: pop_done(vllm, transfers)
+        worker: Any = PrefillWorker(vllm, pull_fallback_ttl=30.0, early_at=None,
+                                    wake_poller=lambda: None)
+        worker._layers = RegionLayers(REGIONS, [BLOCKS_PER_REGION] * len(REGIONS))
+        return worker
+
+    def layer_written(self, layer: int) -> bool:
+        """Whether D holds P's KV of the push's blocks in both of `layer`'s regions."""
+        d = np.asarray(self.d_buffer.read_back())
+        for region in (2 * layer, 2 * layer + 1):
+            for p_block, d_block in zip(P_BLOCKS, D_BLOCKS, strict=True):
+                want = region * BLOCKS_PER_REGION + p_block + 1
+                if not (d[region * BLOCKS_PER_REGION + d_block] == want).all():
+                    return False
+        return True
+
+    def progress(self) -> None:
+        """Poll D's agent (as D's worker does while it awaits a push) and P's WRITEs."""
+        for notifs in self.d_agent.get_new_notifs().values():
+            self.notifs += notifs
+        self.worker.poll_writes()
+
+    def close(self) -> None:
+        for handle in self._lists:
+            handle.release()
+        self.p_agent.deregister_memory(self._registrations[0])
+        self.d_agent.deregister_memory(self._registrations[1])
+
+
+def pop_done(vllm: Any, transfers: dict[str, list[Any]]) -> tuple[set[str], set[str]]:
+    """vLLM's `_pop_done_transfers`: release the done handles; a request with none left
+    is done, one with a failed handle failed."""
+    done, failed = set(), set()
+    for rid, handles in list(transfers.items()):
+        left = []
+        for handle in handles:
+            state = vllm.nixl_wrapper.check_xfer_state(handle)
+            if state == "DONE":
+                vllm.nixl_wrapper.release_xfer_handle(handle)
+            elif state == "PROC":
+                left.append(handle)
+            else:
+                failed.add(rid)
+        if left:
+            transfers[rid] = left
+        else:
+            del transfers[rid]
+            done.add(rid)
+    return done, failed
+
+
+@pytest.fixture
+def path() -> Iterator[LayeredPath]:
+    made = LayeredPath()
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def until(condition: Any, what: str, path: LayeredPath, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        path.progress()
+        time.sleep(0.002)
+
+
+def job() -> PushJob:
+    return PushJob(transfer_id=TransferId("t-layers"), request_id=RID, block_ids=[P_BLOCKS],
+                   decode_engine_id="d-engine", decode_request_id="d-req", decode_host="",
+                   decode_port=0, decode_tp_size=1, decode_block_ids=[D_BLOCKS],
+                   write_within=30.0)
+
+
+def test_each_layer_lands_as_computed_and_d_is_notified_after_the_last(
+    path: LayeredPath,
+) -> None:
+    worker = path.worker
+    worker._outgoing.early(job(), STEP, deadline=time.monotonic() + 30.0)  # D registered
+    worker.begin_step(PushStep(layered={RID}, number=STEP))
+
+    worker.layer_saved("layer.0")  # the forward pass computed layer 0: its WRITE goes
+    until(lambda: path.layer_written(0), "layer 0 on D", path)
+    for _ in range(50):
+        path.progress()
+    assert not path.layer_written(1), "layer 1 was written before it was computed"
+    assert path.notifs == [], "D was notified before every layer landed"
+
+    worker.layer_saved("layer.1")  # the last layer: its part waits for the others
+    worker.write_early()  # the forward pass ended
+    until(lambda: path.notifs == [b"d-req:1"], "D's notification", path)
+    assert path.layer_written(0) and path.layer_written(1)
+
+    results = SimpleNamespace(finished_sending=set())
+    until(lambda: (worker.transfer_results(results), RID in results.finished_sending)[1],
+          "P's blocks freed", path)
+    (end,) = worker.take_report().ended.values()
+    assert end.error is None and end.layered
+    assert worker._vllm._sending_transfers == {}, "a handle is still held"
+
+
+def test_a_match_in_mid_pass_writes_the_layers_computed_so_far_at_once(
+    path: LayeredPath,
+) -> None:
+    """D's registration reaches P after layer 0 was computed: layer 0 goes at the match,
+    with no hook to wait for; the rest as before."""
+    worker = path.worker
+    worker.begin_step(PushStep(layered={RID}, number=STEP))
+    worker.layer_saved("layer.0")  # nothing to write yet: no match
+    assert worker._vllm._sending_transfers == {}
+    worker._outgoing.early(job(), STEP, deadline=time.monotonic() + 30.0)  # D registers
+    worker.layer_saved("layer.1")  # the match is seen here: layer 0 goes now
+    until(lambda: path.layer_written(0), "layer 0 on D", path)
+    worker.write_early()
+    until(lambda: path.notifs == [b"d-req:1"], "D's notification", path)
+    assert path.layer_written(1)
