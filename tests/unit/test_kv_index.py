@@ -274,3 +274,59 @@ def test_prompt_blocks_compute_keys_once_per_block_size() -> None:
     assert prompt.keys(BS) is prompt.keys(BS)
     assert prompt.keys(8) == prompt_keys(TOKENS, 8)
     assert len(prompt) == 16
+
+
+def test_a_prompt_held_whole_is_remembered_until_a_key_leaves() -> None:
+    index = KvIndex()
+    source = index.source("http://p", 0)
+    source.accept(0, batch(stored([1, 2, 3, 4], None, TOKENS)))
+    prompt = PromptBlocks(TOKENS)
+
+    def hit_tokens() -> int | None:
+        return index.hit_tokens("http://p", prompt, now=0, fallback_block_size=BS)
+
+    assert hit_tokens() == 16 and prompt.held_by == {source: source.removals}
+    source.accept(1, batch(stored([1], None, TOKENS[:4])))  # a second copy: nothing left
+    assert hit_tokens() == 16 and prompt.held_by == {source: source.removals}
+    source.accept(2, batch(BlockRemoved((1,))))  # one copy of two: the key stays
+    assert hit_tokens() == 16 and prompt.held_by == {source: source.removals}
+    source.accept(3, batch(BlockRemoved((4,))))  # the last block goes
+    assert hit_tokens() == 12 and prompt.held_by[source] != source.removals
+    index.credit("http://p", prompt, until=10.0, fallback_block_size=BS)
+    assert hit_tokens() == 16  # the credited block, not a memo of it
+    assert prompt.held_by[source] != source.removals
+    source.accept(4, batch(AllBlocksCleared()))
+    assert index.hit_tokens("http://p", prompt, now=11.0, fallback_block_size=BS) == 0
+
+
+def test_a_prompt_held_whole_is_walked_again_when_the_block_size_changes() -> None:
+    source = SourceIndex("http://p", 0)
+    source.accept(0, batch(stored([1, 2, 3, 4], None, TOKENS)))
+    prompt = PromptBlocks(TOKENS)
+    assert source.hits(prompt.keys(BS), now=0, held_by=prompt.held_by) == 4
+    source.accept(1, batch(BlockStored(block_hashes=(9,), parent_block_hash=None,
+                                       token_ids=TOKENS[:8], block_size=2 * BS)))
+    assert source.hits(prompt.keys(2 * BS), now=0, held_by=prompt.held_by) == 1
+
+
+def test_a_forgotten_servers_sources_are_emptied() -> None:
+    index = KvIndex()
+    source = index.source("http://p", 0)
+    source.accept(0, batch(stored([1, 2], None, TOKENS[:8])))
+    prompt = PromptBlocks(TOKENS)
+    index.credit("http://p", prompt, until=10.0, fallback_block_size=BS)
+    index.forget("http://p")
+    assert len(source) == 0 and source.hits(prompt.keys(BS), now=0) == 0
+
+
+def test_the_tokenize_caches_key_tells_prompts_apart_even_past_64_bit_integers() -> None:
+    from proxy.pool.kv.tokens import _cache_key
+
+    body = {"model": "m", "prompt": "a b c"}
+    assert _cache_key(body, None, None) == _cache_key(dict(body), None, None)
+    assert _cache_key(body, None, None) != _cache_key(body, "lora", None)
+    assert _cache_key(body, None, None) != _cache_key(body, None, "salt")
+    assert _cache_key([1, 2], None, None) != _cache_key([1, 3], None, None)
+    huge = {**body, "chat_template_kwargs": {"n": 2 ** 70}}  # past msgpack's integers
+    assert _cache_key(huge, None, None) != _cache_key({**huge, "chat_template_kwargs": {
+        "n": 2 ** 71}}, None, None)

@@ -28,6 +28,9 @@ from typing import Any
 
 Key = int  # 64 bits of this process's keyed hash
 ROOT: Key = 0  # the parent key of a prompt's first block
+# A prompt's memo of the index sources (`SourceIndex`) that stored all its keys, each
+# with its `removals` count then (`PromptBlocks.held_by`).
+HeldBy = dict[object, int]
 _TOKEN = "q"  # token ids hashed as 8-byte integers
 
 
@@ -74,23 +77,29 @@ def prompt_keys(
 class PromptBlocks:
     """One prompt's token ids and their block keys, computed once per block size.
 
-    `keys_by_size` may be shared by requests of the same prompt (same tokens, adapter and
-    cache salt: `PromptTokenizer`'s cache), so a prompt sent again is not hashed again."""
+    `keys_by_size` and `held_by` may be shared by requests of the same prompt (same
+    tokens, adapter and cache salt: `PromptTokenizer`'s cache), so a prompt sent again is
+    not hashed again, nor walked again through the index of a server that held all of
+    it: `held_by` maps such a source to its `removals` count then (`KvIndex.hit_tokens`).
+    """
 
-    __slots__ = ("tokens", "lora", "cache_salt", "predicted", "_keys")
+    __slots__ = ("tokens", "length", "lora", "cache_salt", "predicted", "held_by", "_keys")
 
     def __init__(self, tokens: Sequence[int], *, lora: str | None = None,
                  cache_salt: str | None = None,
-                 keys_by_size: dict[int, list[Key]] | None = None) -> None:
+                 keys_by_size: dict[int, list[Key]] | None = None,
+                 held_by: HeldBy | None = None) -> None:
         self.tokens = tokens
+        self.length = len(tokens)  # read per candidate: an attribute, not a __len__ call
         self.lora = lora
         self.cache_salt = cache_salt
         # cluster -> the prompt tokens the chosen server held, by the index (None: unknown)
         self.predicted: dict[str, int | None] = {}
+        self.held_by: HeldBy = {} if held_by is None else held_by
         self._keys: dict[int, list[Key]] = {} if keys_by_size is None else keys_by_size
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return self.length
 
     def keys(self, block_size: int) -> list[Key]:
         found = self._keys.get(block_size)

@@ -106,7 +106,8 @@ class PrefixCacheScorer:
             self._fell_back("not_synced")
             return [0.0] * len(candidates)
         best = max(known)  # an unknown server is scored as the best known: not as empty
-        return [float(len(prompt) - (best if h is None else h)) for h in hits]
+        length = prompt.length
+        return [float(length - (best if h is None else h)) for h in hits]
 
     def picked(self, chosen: Endpoint, request: PickRequest, now: float) -> None:
         scored, self._scored = self._scored, None
@@ -120,9 +121,9 @@ class PrefixCacheScorer:
             hit = self.hit_tokens(chosen.url, prompt, now)
         prompt.predicted[kv.cluster] = hit
         if kv.tracks_work:  # P: the tokens it will compute calibrate a request's weight
-            kv.calibration.observe(len(prompt) - (hit or 0))
-        if kv.metrics is not None and hit is not None and len(prompt):
-            kv.metrics.child(kv.metrics.kv_predicted_hits, kv.cluster).observe(hit / len(prompt))
+            kv.calibration.observe(prompt.length - (hit or 0))
+        if kv.metrics is not None and hit is not None and prompt.length:
+            kv.metrics.child(kv.metrics.kv_predicted_hits, kv.cluster).observe(hit / prompt.length)
         if kv.settings.credit_s > 0:
             kv.index.credit(chosen.url, prompt, now + kv.settings.credit_s,
                             fallback_block_size=kv.settings.block_size)

@@ -28,7 +28,6 @@ fails (the policy then falls back to load; counted by the caller).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from array import array
@@ -40,7 +39,7 @@ import msgspec
 
 from proxy.errors import Overloaded, UpstreamError
 from proxy.metrics import RouterMetrics
-from proxy.pool.kv.blocks import Key, PromptBlocks
+from proxy.pool.kv.blocks import HeldBy, Key, PromptBlocks
 from proxy.protocol import ClientRequest, Route
 from proxy.upstream.client import UpstreamClient
 
@@ -106,13 +105,15 @@ class TokenizeAnswer(msgspec.Struct):
 
 
 class _Tokenized:
-    """A cached prompt: its ids (packed: 8 bytes a token) and its keys per block size."""
+    """A cached prompt: its ids (packed: 8 bytes a token), its keys per block size and
+    the index sources that held all of them (`PromptBlocks.held_by`)."""
 
-    __slots__ = ("tokens", "keys_by_size")
+    __slots__ = ("tokens", "keys_by_size", "held_by")
 
     def __init__(self, tokens: Sequence[int]) -> None:
         self.tokens = array("q", tokens)
         self.keys_by_size: dict[int, list[Key]] = {}
+        self.held_by: HeldBy = {}
 
 
 class TokenizedPrompts:
@@ -122,18 +123,18 @@ class TokenizedPrompts:
     def __init__(self, max_tokens: int) -> None:
         self.max_tokens = max_tokens
         self.tokens = 0
-        self._entries: OrderedDict[bytes, _Tokenized] = OrderedDict()
+        self._entries: OrderedDict[int, _Tokenized] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: bytes) -> _Tokenized | None:
+    def get(self, key: int) -> _Tokenized | None:
         found = self._entries.get(key)
         if found is not None:
             self._entries.move_to_end(key)
         return found
 
-    def put(self, key: bytes, tokens: Sequence[int]) -> _Tokenized:
+    def put(self, key: int, tokens: Sequence[int]) -> _Tokenized:
         entry = _Tokenized(tokens)
         if len(tokens) > self.max_tokens:
             return entry  # larger than the whole cache: used once, not kept
@@ -148,9 +149,21 @@ class TokenizedPrompts:
         return entry
 
 
-def _cache_key(*parts: Any) -> bytes:
-    """128 bits of blake2b over what decides a prompt's ids and keys."""
-    return hashlib.blake2b(msgspec.json.encode(parts), digest_size=16).digest()
+_encode_key = msgspec.msgpack.Encoder().encode
+
+
+def _cache_key(*parts: Any) -> int:
+    """What decides a prompt's ids and keys, hashed: 64 bits of the process's keyed
+    SipHash over their msgpack encoding (as block keys are: a client cannot aim at a
+    collision, and a chance one among the cache's prompts is about 1 in 10^13 a lookup;
+    it would misroute a request by cache, never change an answer). JSON and blake2b
+    took 11.8 us for a 1k-token text prompt and 14.3 us for 1k ids, this 1.5 and 4.6
+    (measured on a 2-core machine); it was 5% of kv_aware's CPU per request (the
+    profile scenario)."""
+    try:
+        return hash(_encode_key(parts))
+    except OverflowError:  # an integer past msgpack's 64 bits (JSON allows it)
+        return hash(b"json:" + msgspec.json.encode(parts))
 
 
 class PromptTokenizer:
@@ -189,7 +202,7 @@ class PromptTokenizer:
             if entry is not None:
                 self._hit.inc()
                 return PromptBlocks(entry.tokens, lora=lora, cache_salt=salt,
-                                    keys_by_size=entry.keys_by_size)
+                                    keys_by_size=entry.keys_by_size, held_by=entry.held_by)
             self._miss.inc()
         if tokens is None:
             assert body is not None
@@ -200,7 +213,7 @@ class PromptTokenizer:
             return PromptBlocks(tokens, lora=lora, cache_salt=salt)
         entry = self.cache.put(key, tokens)
         return PromptBlocks(entry.tokens, lora=lora, cache_salt=salt,
-                            keys_by_size=entry.keys_by_size)
+                            keys_by_size=entry.keys_by_size, held_by=entry.held_by)
 
     async def _tokenize(self, request: ClientRequest, body: dict[str, Any]) -> list[int] | None:
         servers = [e for e in self._servers() if e.healthy and e.serves(request.model)]
