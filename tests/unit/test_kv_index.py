@@ -330,3 +330,12 @@ def test_the_tokenize_caches_key_tells_prompts_apart_even_past_64_bit_integers()
     huge = {**body, "chat_template_kwargs": {"n": 2 ** 70}}  # past msgpack's integers
     assert _cache_key(huge, None, None) != _cache_key({**huge, "chat_template_kwargs": {
         "n": 2 ** 71}}, None, None)
+
+
+def test_the_index_knows_every_sources_adapters_until_their_server_leaves() -> None:
+    index = KvIndex()
+    index.source("http://p", 0).accept(0, batch(stored([1], None, TOKENS[:4], lora_name="a")))
+    index.source("http://q", 0).accept(0, batch(stored([1], None, TOKENS[:4], lora_name="b")))
+    assert index.lora_names() == {"a", "b"}
+    index.forget("http://p")
+    assert index.lora_names() == {"b"}

@@ -41,6 +41,7 @@ import enum
 import itertools
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from proxy.pool.kv.blocks import ROOT, HeldBy, Key, PromptBlocks, chain_key
@@ -103,7 +104,8 @@ class EventCounts:
 class SourceIndex:
     """One publisher's cached blocks, by the router's key and by vLLM's hash."""
 
-    def __init__(self, url: str, rank: int, *, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
+    def __init__(self, url: str, rank: int, *, max_blocks: int = DEFAULT_MAX_BLOCKS,
+                 all_lora_names: set[str] | None = None) -> None:
         self.url = url
         self.rank = rank
         self.max_blocks = max_blocks
@@ -119,6 +121,8 @@ class SourceIndex:
         self.last_event_ts: float | None = None  # the publisher's clock, for event lag
         self.counts = EventCounts()
         self.lora_names: set[str] = set()  # adapters its events named (their blocks' key)
+        # Every source's adapters, its index's (`KvIndex.lora_names`): added to here too.
+        self._all_lora_names = all_lora_names
         self._by_hash: dict[Hashable, tuple[Key, int]] = {}  # vLLM hash -> (key, copies)
         self._keys: dict[Key, int] = {}  # key -> copies held under it
         self._credits: OrderedDict[Key, float] = OrderedDict()  # key -> until (monotonic)
@@ -224,6 +228,8 @@ class SourceIndex:
             self.removals += 1
         if event.lora_name and len(self.lora_names) < MAX_LORA_NAMES:
             self.lora_names.add(event.lora_name)
+            if self._all_lora_names is not None:
+                self._all_lora_names.add(event.lora_name)
         extra = event.extra_keys
         for i, vllm_hash in enumerate(event.block_hashes):
             key = chain_key(parent, tokens[i * size:(i + 1) * size], extra[i] if extra else None)
@@ -329,12 +335,17 @@ class KvIndex:
     def __init__(self, *, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
         self.max_blocks = max_blocks
         self._by_url: dict[str, dict[int, SourceIndex]] = {}
+        # Every source's adapters, kept as their events name them (read per request:
+        # building the union of every source's names each time was 1% of kv_aware's
+        # CPU per request, the profile scenario).
+        self._lora_names: set[str] = set()
 
     def source(self, url: str, rank: int) -> SourceIndex:
         ranks = self._by_url.setdefault(url, {})
         found = ranks.get(rank)
         if found is None:
-            found = ranks[rank] = SourceIndex(url, rank, max_blocks=self.max_blocks)
+            found = ranks[rank] = SourceIndex(url, rank, max_blocks=self.max_blocks,
+                                              all_lora_names=self._lora_names)
         return found
 
     def sources(self, url: str) -> list[SourceIndex]:
@@ -347,9 +358,12 @@ class KvIndex:
         """A server left: its entries go with it."""
         for source in self._by_url.pop(url, {}).values():
             source.release()
+        self._lora_names.clear()
+        self._lora_names.update(name for s in self.all_sources() for name in s.lora_names)
 
-    def lora_names(self) -> set[str]:
-        return {name for s in self.all_sources() for name in s.lora_names}
+    def lora_names(self) -> AbstractSet[str]:
+        """The adapters any source's events named (live: not a copy)."""
+        return self._lora_names
 
     def hit_tokens(self, url: str, prompt: PromptBlocks, now: float, *,
                    fallback_block_size: int) -> int | None:

@@ -84,6 +84,8 @@ class PrefixCacheScorer:
     def __init__(self, kv: KvContext) -> None:
         self.kv = kv
         self._fallback_logged: set[str] = set()
+        self._predicted_hits = (None if kv.metrics is None else
+                                kv.metrics.child(kv.metrics.kv_predicted_hits, kv.cluster))
         # The hits `scores` found for the request being picked, for `picked` (a pick
         # runs both at once, with no await between them: the index is walked once).
         self._scored: tuple[PickRequest, dict[str, int | None]] | None = None
@@ -99,7 +101,8 @@ class PrefixCacheScorer:
         if prompt is None:
             self._fell_back("no_tokens")
             return [0.0] * len(candidates)
-        hits = [self.hit_tokens(e.url, prompt, now) for e in candidates]
+        hit_tokens, size = self.kv.index.hit_tokens, self.kv.settings.block_size
+        hits = [hit_tokens(e.url, prompt, now, fallback_block_size=size) for e in candidates]
         self._scored = (request, {e.url: h for e, h in zip(candidates, hits, strict=True)})
         known = [h for h in hits if h is not None]
         if not known:
@@ -122,8 +125,8 @@ class PrefixCacheScorer:
         prompt.predicted[kv.cluster] = hit
         if kv.tracks_work:  # P: the tokens it will compute calibrate a request's weight
             kv.calibration.observe(prompt.length - (hit or 0))
-        if kv.metrics is not None and hit is not None and prompt.length:
-            kv.metrics.child(kv.metrics.kv_predicted_hits, kv.cluster).observe(hit / prompt.length)
+        if self._predicted_hits is not None and hit is not None and prompt.length:
+            self._predicted_hits.observe(hit / prompt.length)
         if kv.settings.credit_s > 0:
             kv.index.credit(chosen.url, prompt, now + kv.settings.credit_s,
                             fallback_block_size=kv.settings.block_size)
