@@ -8,8 +8,8 @@ link: TTFT through the router, per mode, profile, link and prompt length.
     .venv/bin/python -m scripts.bench regime --quick --modes pull,push,progressive,local
 
 EMULATED: the servers are real vLLM on CPU serving the tiny test model as
-`EmulatedLlamaForCausalLM` (package `testbed`) with `--layers` decoder layers (default
-8), whose every forward pass lasts as long as a GPU profile says (llama8b-h100: Llama 3
+`EmulatedLlamaForCausalLM` (package `testbed`) with `--layers` decoder layers (default:
+the profile's own, 32 for Llama 3 8B and 80 for 70B), whose every forward pass lasts as long as a GPU profile says (llama8b-h100: Llama 3
 8B on one H100; llama70b-h100x8: Llama 3 70B on eight), each layer ending at its share
 of it, so that the connector's per-layer hooks fire when they would on the GPU. The KV
 moves between P and D by NIXL over UCX's TCP transport on the loopback, shaped by `tc`
@@ -113,7 +113,6 @@ DEFAULT_PROFILES = ("llama8b-h100", "llama70b-h100x8")
 DEFAULT_LINKS = ("rdma400", "eth100", "eth25")
 DEFAULT_PROMPTS = (1024, 4096, 8192, 16384)
 DEFAULT_CONCURRENCY = (1,)
-DEFAULT_LAYERS = 8
 QUICK_PROMPTS = (1024, 8192)
 BUSY_PROMPT_TOKENS = 64
 BUSY_MAX_TOKENS = 2048
@@ -269,7 +268,7 @@ def floor_s(profile: Profile, case: Case, rate: LinkRate,
         int(args.busy_streams) if case.load == "busy" else 0)
     local = statistics.median(prefill_finish_s(profile, case.prompt_tokens, case.concurrency,
                                                background=background)) * scale
-    layers = int(args.layers)
+    layers = int(args.layers or profile.model.num_layers)  # the profile's own by default
     progressive = max(prefill, transfer,
                       prefill * (layers - 1) / layers + transfer / layers) + d_step
     best_hidden = (prefill + transfer + d_step - progressive) / transfer if transfer else 0.0
@@ -649,14 +648,13 @@ def _modes_of(rows: Sequence[dict[str, Any]]) -> list[str]:
     return [mode for mode in MODES if any(mode in row["modes"] for row in rows)]
 
 
-def print_table(rows: Sequence[dict[str, Any]], profile: Profile,
-                args: argparse.Namespace) -> None:
+def print_table(rows: Sequence[dict[str, Any]], profile: Profile, layers: int) -> None:
     modes = _modes_of(rows)
     slowed = any(row["slowdown"] != 1 for row in rows)
     slow = ("; slow = the case's SLOWDOWN: its emulated GPU and link that many times "
             "slower, every time and floor with them (the host's own costs not)"
             if slowed else "")
-    print(f"\nEMULATED GPU regime, profile {profile.name}, {args.layers} layers (no GPU: "
+    print(f"\nEMULATED GPU regime, profile {profile.name}, {layers} layers (no GPU: "
           "vLLM on CPU, each layer sleeping to its share of the profile's time; no network: "
           "KV over TCP on lo shaped to the link's scaled rate); floor = prefill + one D step "
           "(transfer hidden), paid = floor + the whole transfer; TTFT in ms, median (p90) "
@@ -903,8 +901,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="concurrent requests per round, comma-separated (default: 1)")
     parser.add_argument("--loads", type=_names(LOADS, "--loads"), default=None,
                         help="D's loads to measure: idle, busy or both (default: both)")
-    parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS,
-                        help="the emulated model's decoder layers (default: %(default)s)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="the emulated model's decoder layers (default: the profile's "
+                             "own, 32 for Llama 3 8B and 80 for 70B: the share of the "
+                             "transfer a layer-by-layer push can hide grows with them; "
+                             "fewer run faster)")
     parser.add_argument("--slowdown", type=_slowdown, default="auto",
                         help="run the emulated GPU and link this many times slower, for "
                              "prompts whose real compute outlasts the profile's time; "
@@ -955,7 +956,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("concurrencies, --requests and --busy-streams must be >= 1")
     if BUSY_PROMPT_TOKENS + args.busy_max_tokens > GPU_MAX_MODEL_LEN:
         parser.error(f"--busy-max-tokens must be at most {GPU_MAX_MODEL_LEN - BUSY_PROMPT_TOKENS}")
-    if args.layers < 1:
+    if args.layers is not None and args.layers < 1:
         parser.error("--layers must be >= 1")
     if args.plot is None:
         args.plot = args.out.with_suffix(".png")
@@ -981,6 +982,9 @@ async def bench_profile(name: str, shaper: links.Shaper | None, args: argparse.N
                         ) -> dict[str, Any]:
     profile = get_profile(name)
     print(profile.describe(), flush=True)
+    # The profile's own layer count unless told otherwise: each profile its own.
+    args = argparse.Namespace(**{**vars(args),
+                                 "layers": args.layers or profile.model.num_layers})
     model_dir = gpu_model_dir(profile.name, layers=args.layers)
     emulated_kv = links.model_kv_bytes_per_token(model_dir)
     rates = {link_name: link_rate(link_name, profile, emulated_kv)
@@ -1006,9 +1010,10 @@ async def bench_profile(name: str, shaper: links.Shaper | None, args: argparse.N
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    say("EMULATED GPU regime: vLLM on CPU with the tiny model in "
-        f"{args.layers} layers, each forward pass as long as the profile says, the KV over "
-        "an emulated link (TCP on lo shaped by tc)")
+    layers = args.layers or "each profile's own number of"
+    say(f"EMULATED GPU regime: vLLM on CPU with the tiny model in {layers} layers, each "
+        "forward pass as long as the profile says, the KV over an emulated link (TCP on lo "
+        "shaped by tc)")
     say("what the emulation leaves out:")
     for item in left_out():
         print(f"  - {item}", flush=True)
@@ -1052,7 +1057,7 @@ def main(argv: list[str] | None = None) -> int:
         profile = get_profile(name)
         for check in outcome["link_checks"].values():
             print(check["line"])
-        print_table(outcome["rows"], profile, args)
+        print_table(outcome["rows"], profile, outcome["layers"])
         print_breakdown(outcome["rows"])
         lines = target_check(outcome["rows"])
         if lines:

@@ -20,7 +20,7 @@ def test_quick_and_default_options() -> None:
     full = bench.parse_args([])
     assert full.profiles == ("llama8b-h100", "llama70b-h100x8")
     assert full.links == ("rdma400", "eth100", "eth25")
-    assert full.prompts == (1024, 4096, 8192, 16384) and full.layers == 8
+    assert full.prompts == (1024, 4096, 8192, 16384) and full.layers is None  # the profile's
     chosen = bench.parse_args(["--quick", "--modes", "pull,progressive", "--links",
                                "rdma400,none", "--prompts", "4096"])
     assert chosen.modes == ("pull", "progressive") and chosen.links == ("rdma400", "none")
