@@ -43,8 +43,10 @@ ProgressMode = Literal["event", "off", "spin"]
 
 # Whether P writes a push layer by layer (`push_layers`).
 PushLayers = Literal["auto", "on", "off"]
-# Below this many prompt tokens, "auto" writes a push whole: a short prompt's forward pass
-# is too short for its layers' WRITEs to hide anything (see docs/benchmarks.md).
+# Below this many prompt tokens, "auto" writes a push whole: there is little transfer to
+# hide, and layered WRITEs lost to whole push at 256 tokens on the fast emulated links
+# while winning or tying from 1,024 on every link measured (docs/benchmarks.md, the
+# emulated regime with 32 layers).
 DEFAULT_PUSH_LAYERS_MIN_TOKENS = 1024
 
 # The keys this module owns inside kv_connector_extra_config.
