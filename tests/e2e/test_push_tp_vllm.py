@@ -28,6 +28,11 @@ from tests.e2e.conftest import (
     PairManager,
     ProxyFactory,
 )
+from tests.e2e.test_dual_connector import (
+    assert_nothing_held,
+    push_registered_first,
+    push_stats,
+)
 from tests.e2e.vllm_client import (
     COMPLETIONS,
     TIMEOUT,
@@ -72,6 +77,29 @@ def transferred(before: dict[Any, float], tokens: int, samples: dict[Any, float]
     return external_kv_tokens(samples) - external_kv_tokens(before) >= tokens
 
 
+async def test_a_push_by_layer_between_tp_sizes_gives_one_servers_tokens(
+    tp_pair: Pair,
+) -> None:
+    """D registers before P computes the prompt, and the push asks for layers. P with
+    one worker (p1-d2) writes it layer by layer, one part per D rank and layer, each D
+    rank notified once every layer landed; P with two (p2-d1) makes no early WRITE and
+    writes it whole. Either way: one server's tokens, the whole prompt by transfer, and
+    nothing held afterwards. The pair's first test: a whole push first makes P's NIXL
+    handshake with D (a push to a D P has no handshake with yet is written whole), so
+    that P's count of pushes by layer, 0 on the fresh pair, is 1 after the second."""
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        await push_registered_first(client, tp_pair, push_layers=False)
+        body, _, d_before, (tokens, prompt_tokens) = await push_registered_first(
+            client, tp_pair, push_layers=True)
+        after = await wait_for_metric(client, tp_pair.decode_url,
+                                      partial(transferred, d_before, prompt_tokens))
+        assert external_kv_tokens(after) - external_kv_tokens(d_before) == prompt_tokens
+        assert tokens == await reference_tokens(client, tp_pair.decode_url, COMPLETIONS, body)
+        await assert_nothing_held(client, tp_pair)
+        if tp_pair.prefill.spec.name.endswith("tp1"):
+            await push_stats(client, tp_pair.prefill, r"by layer 1\b")
+
+
 async def test_a_push_between_tp_sizes_gives_one_servers_tokens(
     tp_pair: Pair, proxy_for: ProxyFactory
 ) -> None:
@@ -97,3 +125,4 @@ async def test_a_push_between_tp_sizes_gives_one_servers_tokens(
         for name, url in (("P", tp_pair.prefill_url), ("D", tp_pair.decode_url)):
             samples = await wait_for_metric(client, url, lambda s: metric(s, KV_USAGE) == 0.0)
             assert metric(samples, KV_USAGE) == 0.0, f"{name} still holds KV blocks"
+
