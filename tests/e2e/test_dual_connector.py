@@ -374,35 +374,20 @@ async def test_a_failed_write_is_read_by_d_instead(dual_pair: Pair) -> None:
                      r"blocks instead", d_log), "D did not log its READ instead"
 
 
+@pytest.mark.parametrize("by_layer", [False, True], ids=["whole", "by-layer"])
 async def test_a_push_d_registered_first_is_written_right_after_the_prompt(
-    dual_pair: Pair,
+    dual_pair: Pair, by_layer: bool,
 ) -> None:
     """D registers before P schedules the prompt, as when P has a queue: P WRITEs right
     after the forward pass that completes the prompt (an early WRITE, which P's stats
-    count), and the rest is as with any push: one server's tokens, the whole prompt by
+    count); or, asked by layer (`push_layers`), each layer's KV from vLLM's per-layer hook
+    while the forward pass runs, and the last layer's, with D's notification, once the
+    others are done (P's stats count it by layer). The rest is as with any push: one
+    server's tokens (a layer missing or misplaced would change them), the whole prompt by
     transfer with no READ by D, and nothing held afterwards."""
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-        body, _, d_before, (tokens, prompt_tokens) = await push_registered_first(client,
-                                                                                 dual_pair)
-        d_after = await wait_for_metric(
-            client, dual_pair.decode_url,
-            lambda s: external_kv_tokens(s) - external_kv_tokens(d_before) >= prompt_tokens)
-        assert external_kv_tokens(d_after) - external_kv_tokens(d_before) == prompt_tokens
-        assert metric(d_after, NIXL_READS) == metric(d_before, NIXL_READS), "D READ instead"
-        assert tokens == await reference_tokens(client, dual_pair.decode_url, COMPLETIONS, body)
-        await assert_nothing_held(client, dual_pair)
-        await push_stats(client, dual_pair.prefill, r"early [1-9]")
-
-
-async def test_a_push_written_layer_by_layer_lands_every_layer(dual_pair: Pair) -> None:
-    """D registers before P computes the prompt and the push asks for layers
-    (`push_layers`): P WRITEs each layer's KV from vLLM's per-layer hook while the forward
-    pass runs, and the last layer's, with D's notification, once the others are done. D
-    decodes one server's tokens from KV it never computed or READ (a layer missing or
-    misplaced would change them), and P's stats count the push as written by layer."""
-    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         body, _, d_before, (tokens, prompt_tokens) = await push_registered_first(
-            client, dual_pair, push_layers=True)
+            client, dual_pair, push_layers=by_layer)
         d_after = await wait_for_metric(
             client, dual_pair.decode_url,
             lambda s: external_kv_tokens(s) - external_kv_tokens(d_before) >= prompt_tokens)
@@ -410,7 +395,8 @@ async def test_a_push_written_layer_by_layer_lands_every_layer(dual_pair: Pair) 
         assert metric(d_after, NIXL_READS) == metric(d_before, NIXL_READS), "D READ instead"
         assert tokens == await reference_tokens(client, dual_pair.decode_url, COMPLETIONS, body)
         await assert_nothing_held(client, dual_pair)
-        await push_stats(client, dual_pair.prefill, r"by layer [1-9]")
+        await push_stats(client, dual_pair.prefill,
+                         r"by layer [1-9]" if by_layer else r"early [1-9]")
 
 
 async def test_a_push_by_layer_on_a_prefix_hit_writes_only_ds_tail(dual_pair: Pair) -> None:

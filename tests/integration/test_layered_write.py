@@ -26,6 +26,7 @@ from connector.prefill.worker_side import PrefillWorker
 from connector.protocol.side_channel import TransferId
 from connector.protocol.step import PushJob, PushStep
 from scripts import bench_nixl
+from tests.integration.nixl_kit import AgentPair
 
 BLOCK_BYTES = 4096
 PARAMS = bench_nixl.Params(device="cpu", block_bytes=BLOCK_BYTES, blocks=16, iterations=1,
@@ -45,23 +46,12 @@ def descs(blocks: list[int]) -> np.ndarray:
     return ids
 
 
-class LayeredPath:
-    """P's and D's agents and buffers, and P's worker half over them."""
+class LayeredPath(AgentPair):
+    """P's and D's agents and buffers (P's block n holds n + 1), and P's worker half."""
 
     def __init__(self) -> None:
-        self.p_agent = bench_nixl.make_agent("layered-test-p", PARAMS)
-        self.d_agent = bench_nixl.make_agent("layered-test-d", PARAMS)
-        self.p_buffer, self.d_buffer = bench_nixl.allocate(PARAMS), bench_nixl.allocate(PARAMS)
-        kv = np.arange(PARAMS.pool_blocks, dtype=np.uint8)[:, None] + 1  # block n holds n+1
-        self.p_buffer.fill_from(np.broadcast_to(kv, self.p_buffer.array.shape).copy())
-        self._registrations = [bench_nixl.register(self.p_agent, self.p_buffer, PARAMS),
-                               bench_nixl.register(self.d_agent, self.d_buffer, PARAMS)]
-        remote = self.p_agent.add_remote_agent(self.d_agent.get_agent_metadata())
-        self._lists = [
-            self.p_agent.prep_xfer_dlist("NIXL_INIT_AGENT",
-                                         bench_nixl.block_descs(self.p_buffer, PARAMS), "DRAM"),
-            self.p_agent.prep_xfer_dlist(remote,
-                                         bench_nixl.block_descs(self.d_buffer, PARAMS), "DRAM")]
+        kv = (np.arange(PARAMS.pool_blocks, dtype=np.uint8) + 1)[:, None]
+        super().__init__("layered-test", PARAMS, kv)
         self.notifs: list[bytes] = []
         self.worker = self._worker()
 
@@ -79,9 +69,8 @@ class LayeredPath:
             return True
 
         def plan(rid: str, meta: Any) -> None:  # vLLM's push code: one WRITE, notified
-            local, remote = self._lists
             handle = vllm.nixl_wrapper.make_prepped_xfer(
-                "WRITE", local, descs(meta.local_block_ids[0]), remote,
+                "WRITE", self.local, descs(meta.local_block_ids[0]), self.remote,
                 descs(meta.remote.block_ids[0]), f"{meta.remote.request_id}:1".encode())
             vllm.nixl_wrapper.transfer(handle)
             vllm._sending_transfers[rid].append(handle)
@@ -110,11 +99,6 @@ class LayeredPath:
             self.notifs += notifs
         self.worker.poll_writes()
 
-    def close(self) -> None:
-        for handle in self._lists:
-            handle.release()
-        self.p_agent.deregister_memory(self._registrations[0])
-        self.d_agent.deregister_memory(self._registrations[1])
 
 
 def pop_done(vllm: Any, transfers: dict[str, list[Any]]) -> tuple[set[str], set[str]]:

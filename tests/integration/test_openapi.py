@@ -48,4 +48,5 @@ async def test_inference_errors_match_the_declared_error_schema() -> None:
         r = await client.post(f"{url}/v1/completions", json={"prompt": "no model"})
         assert r.status_code == 400 and r.status_code in declared
         assert set(error["required"]) <= set(r.json()["error"])
-        assert {p["name"] for p in post["parameters"]} == {"X-KV-Transfer-Mode", "X-Request-Id"}
+        assert {p["name"] for p in post["parameters"]} == {"X-KV-Transfer-Mode", "X-KV-Push-Layers",
+                                                        "X-Request-Id"}

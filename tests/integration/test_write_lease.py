@@ -43,6 +43,7 @@ from connector.protocol.side_channel import (
 )
 from connector.protocol.step import PushJob
 from scripts import bench_nixl
+from tests.integration.nixl_kit import AgentPair
 from tests.integration.test_push_channel import (
     HOST,
     P_REQ,
@@ -111,30 +112,18 @@ class Relay:
                 sock.close()
 
 
-class DataPath:
+class DataPath(AgentPair):
     """P's and D's NIXL agents in this process, and their buffers: P's blocks hold KV,
     D's start empty. `post` is vLLM's push code for the bare worker: one WRITE of the
     job's blocks into D's, with its notification."""
 
     def __init__(self) -> None:
-        self.p_agent = bench_nixl.make_agent("lease-test-p", PARAMS)
-        self.d_agent = bench_nixl.make_agent("lease-test-d", PARAMS)
-        self.p_buffer, self.d_buffer = bench_nixl.allocate(PARAMS), bench_nixl.allocate(PARAMS)
-        self.p_buffer.fill_from(np.full(self.p_buffer.array.shape, KV, dtype=np.uint8))
-        self._registrations = [bench_nixl.register(self.p_agent, self.p_buffer, PARAMS),
-                               bench_nixl.register(self.d_agent, self.d_buffer, PARAMS)]
-        remote = self.p_agent.add_remote_agent(self.d_agent.get_agent_metadata())
-        self._lists = [
-            self.p_agent.prep_xfer_dlist("NIXL_INIT_AGENT",
-                                         bench_nixl.block_descs(self.p_buffer, PARAMS), "DRAM"),
-            self.p_agent.prep_xfer_dlist(remote,
-                                         bench_nixl.block_descs(self.d_buffer, PARAMS), "DRAM")]
+        super().__init__("lease-test", PARAMS, np.full(1, KV, dtype=np.uint8))
         self.posted_at: list[float] = []
 
     def post(self, worker: Any, rid: str, meta: Any) -> None:
-        local, remote = self._lists
         handle = self.p_agent.make_prepped_xfer(
-            "WRITE", local, np.array(meta.local_block_ids[0], dtype=np.int32), remote,
+            "WRITE", self.local, np.array(meta.local_block_ids[0], dtype=np.int32), self.remote,
             np.array(meta.remote.block_ids[0], dtype=np.int32), f"{rid}:1".encode())
         assert self.p_agent.transfer(handle) in ("PROC", "DONE")
         self.posted_at.append(time.monotonic())
@@ -149,12 +138,6 @@ class DataPath:
 
     def reuse_d_blocks(self) -> None:
         self.d_buffer.array[D_SLOTS] = REUSED
-
-    def close(self) -> None:
-        for handle in self._lists:
-            handle.release()
-        self.p_agent.deregister_memory(self._registrations[0])
-        self.d_agent.deregister_memory(self._registrations[1])
 
 
 @pytest.fixture
