@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from testbed import link, model_dir
 from testbed.clock import (
@@ -23,6 +23,7 @@ from testbed.clock import (
     write_time_scale,
 )
 from testbed.profiles import StepShape, get_profile
+from tests.unit.tiny_dirs import fake_tiny_model
 
 P8 = get_profile("llama8b-h100")
 P70 = get_profile("llama70b-h100x8")
@@ -187,36 +188,8 @@ def test_the_time_scale_file_is_read_again_when_it_changes(
 # The layered model directory ----------------------------------------------------------
 
 
-def _fake_tiny(tmp_path: Path) -> Path:
-    rng = np.random.default_rng(0)
-    shapes = {"lm_head.weight": (16, 128), "model.embed_tokens.weight": (16, 128),
-              "model.norm.weight": (128,)}
-    for layer in range(2):
-        prefix = f"model.layers.{layer}."
-        shapes.update({
-            prefix + "input_layernorm.weight": (128,),
-            prefix + "post_attention_layernorm.weight": (128,),
-            prefix + "self_attn.q_proj.weight": (128, 128),
-            prefix + "self_attn.k_proj.weight": (64, 128),
-            prefix + "self_attn.v_proj.weight": (64, 128),
-            prefix + "self_attn.o_proj.weight": (128, 128),
-            prefix + "mlp.gate_proj.weight": (256, 128),
-            prefix + "mlp.up_proj.weight": (256, 128),
-            prefix + "mlp.down_proj.weight": (128, 256),
-        })
-    tiny = tmp_path / "tiny-model"
-    tiny.mkdir()
-    (tiny / "config.json").write_text(json.dumps(
-        {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 1024,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 32, "hidden_size": 128, "intermediate_size": 256}))
-    save_file({name: rng.standard_normal(shape).astype(np.float32)
-               for name, shape in shapes.items()}, str(tiny / "model.safetensors"))
-    return tiny
-
-
 def test_a_layered_model_directory(tmp_path: Path) -> None:
-    tiny = _fake_tiny(tmp_path)
+    tiny = fake_tiny_model(tmp_path)
     built = model_dir.build(tiny, "llama8b-h100", layers=8)
     assert built == tmp_path / "gpu-model-llama8b-h100-8layers"
     config = json.loads((built / "config.json").read_text())

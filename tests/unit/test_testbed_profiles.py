@@ -16,6 +16,7 @@ from testbed import model_dir
 from testbed.clock import STEP_LOG_ENV, StepClock, StepLog, StepRecord, read_step_log
 from testbed.plugin import ARCHITECTURE, MODEL_CLASS
 from testbed.profiles import PROFILES, StepShape, get_profile
+from tests.unit.tiny_dirs import fake_tiny_model, random_tiny_weights
 
 ROOT = Path(__file__).resolve().parents[2]
 P8 = get_profile("llama8b-h100")
@@ -157,44 +158,8 @@ def test_step_records_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert read_step_log(path) == [record]
 
 
-def _tiny_weights(seed: int) -> dict[str, np.ndarray]:
-    """The tiny model's tensor names and shapes (2 layers, 4 heads of 32, 2 KV heads,
-    hidden 128, MLP 256, vocabulary 4,096 cut to 16 rows), random values."""
-    rng = np.random.default_rng(seed)
-    shapes = {"lm_head.weight": (16, 128), "model.embed_tokens.weight": (16, 128),
-              "model.norm.weight": (128,)}
-    for layer in range(2):
-        prefix = f"model.layers.{layer}."
-        shapes.update({
-            prefix + "input_layernorm.weight": (128,),
-            prefix + "post_attention_layernorm.weight": (128,),
-            prefix + "self_attn.q_proj.weight": (128, 128),
-            prefix + "self_attn.k_proj.weight": (64, 128),
-            prefix + "self_attn.v_proj.weight": (64, 128),
-            prefix + "self_attn.o_proj.weight": (128, 128),
-            prefix + "mlp.gate_proj.weight": (256, 128),
-            prefix + "mlp.up_proj.weight": (256, 128),
-            prefix + "mlp.down_proj.weight": (128, 256),
-        })
-    return {name: rng.standard_normal(shape).astype(np.float32)
-            for name, shape in shapes.items()}
-
-
-def _fake_tiny(tmp_path: Path) -> Path:
-    tiny = tmp_path / "tiny-model"
-    tiny.mkdir()
-    (tiny / "config.json").write_text(json.dumps(
-        {"architectures": ["LlamaForCausalLM"], "max_position_embeddings": 1024,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 32, "hidden_size": 128, "intermediate_size": 256}))
-    save_file(_tiny_weights(0), str(tiny / "model.safetensors"))
-    (tiny / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 1024}))
-    (tiny / ".tiny-model-complete").write_text("{}")
-    return tiny
-
-
 def test_the_model_directory_names_the_architecture_and_profile(tmp_path: Path) -> None:
-    tiny = _fake_tiny(tmp_path)
+    tiny = fake_tiny_model(tmp_path)
     built = model_dir.build(tiny, "llama8b-h100")
     assert built == tmp_path / "gpu-model-llama8b-h100"
     config = json.loads((built / "config.json").read_text())
@@ -228,10 +193,10 @@ def test_the_model_directory_names_the_architecture_and_profile(tmp_path: Path) 
     stamp = (built / "config.json").stat().st_mtime_ns
     assert model_dir.build(tiny, "llama8b-h100") == built
     assert (built / "config.json").stat().st_mtime_ns == stamp
-    save_file(_tiny_weights(1), str(tiny / "model.safetensors"))
+    save_file(random_tiny_weights(1), str(tiny / "model.safetensors"))
     model_dir.build(tiny, "llama8b-h100")
     np.testing.assert_array_equal(load_file(str(built / "model.safetensors"))["lm_head.weight"],
-                                  _tiny_weights(1)["lm_head.weight"])
+                                  random_tiny_weights(1)["lm_head.weight"])
     with pytest.raises(ValueError, match="unknown GPU profile"):
         model_dir.build(tiny, "nope")
 
