@@ -181,22 +181,19 @@ class Part(enum.Enum):
 
 @dataclass(slots=True)
 class LayeredWrite:
-    """One push written layer by layer: its parts by layer, which are posted, their
-    handles, and the final parts (the last layer's, with D's notification), posted once
-    every other part is done (module docstring)."""
+    """One push written layer by layer: its parts by layer, which are posted, and the
+    final parts (the last layer's, with D's notification), posted once every other part
+    is done (module docstring). Its handles and deadline are the worker's, in vLLM's
+    bookkeeping."""
 
     request_id: str
     parts: list[list[PlannedWrite]]  # by layer index, one per D rank written
     final: list[PlannedWrite]  # the last layer's parts, with the notifications
-    deadline: float  # monotonic: nothing is posted later, in-flight parts are cancelled
     state: list[Part] = field(default_factory=list)
-    handles: list[object] = field(default_factory=list)
-    final_posted: bool = False
-    layers_in_forward: int = 0  # parts posted while the forward pass still ran
 
     @classmethod
     def plan(cls, request_id: str, writes: Iterable[PlannedWrite], layers: RegionLayers,
-             deadline: float) -> LayeredWrite:
+             ) -> LayeredWrite:
         """Cut a push's planned WRITEs (one per D rank) into layers. The last layer that
         has descriptors carries each WRITE's notification."""
         by_layer: list[list[PlannedWrite]] = [[] for _ in range(len(layers))]
@@ -217,8 +214,7 @@ class LayeredWrite:
                                       tail.remote_ids, write.notif))
         if not final:
             raise ValueError(f"push {request_id}: nothing to write")
-        return cls(request_id, by_layer, final, deadline,
-                   state=[Part.WAITING] * len(by_layer))
+        return cls(request_id, by_layer, final, state=[Part.WAITING] * len(by_layer))
 
     def due(self, computed: Iterable[int]) -> list[PlannedWrite]:
         """The parts of the `computed` layers not posted yet; marks them posted."""

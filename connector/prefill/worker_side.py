@@ -163,7 +163,7 @@ class PrefillWorker:
         self._ending = []
         if self._layering:
             for push in self._layering.values():
-                self._post(push, push.rest(), in_forward=False)
+                self._post(push, push.rest())
             with self._vllm._sending_transfers_lock:
                 self._finishing.update(self._layering)
                 self._post_finals()
@@ -185,7 +185,7 @@ class PrefillWorker:
         self._start_early(forward_done=False)  # new matches from P's channel thread
         self._start_layered()
         for push in self._layering.values():
-            self._post(push, push.due((layer,)), in_forward=True)
+            self._post(push, push.due((layer,)))
 
     def _start_early(self, *, forward_done: bool) -> None:
         """Start the early WRITEs whose prompt is computed: their step is an earlier one,
@@ -254,8 +254,7 @@ class PrefillWorker:
             self._layered_wanted.discard(job.request_id)
             return
         try:
-            push = LayeredWrite.plan(job.request_id, self._plan(job), self._layers,
-                                     record.deadline)
+            push = LayeredWrite.plan(job.request_id, self._plan(job), self._layers)
         except Exception as exc:  # a layout vLLM's push code refuses, or NIXL itself
             logger.exception("push %s: WRITE could not start", job.transfer_id)
             self._ending.append((record, f"WRITE could not start: {exc}"))
@@ -265,7 +264,7 @@ class PrefillWorker:
             vllm._sending_transfers[job.request_id].append(HELD)
             self._write_deadlines[job.request_id] = record.deadline
         self._layering[job.request_id] = push
-        self._post(push, push.due(self._computed), in_forward=True)
+        self._post(push, push.due(self._computed))
         self._wake_poller()
 
     def _plan(self, job: PushJob) -> list[PlannedWrite]:
@@ -283,7 +282,7 @@ class PrefillWorker:
                     vllm._sending_transfers.pop(key, None)
         return planned
 
-    def _post(self, push: LayeredWrite, parts: list[PlannedWrite], *, in_forward: bool) -> None:
+    def _post(self, push: LayeredWrite, parts: list[PlannedWrite]) -> None:
         """Post `parts` of `push` (none with a notification); a part that cannot be
         posted fails the push (its final parts are never posted)."""
         vllm = self._vllm
@@ -303,7 +302,6 @@ class PrefillWorker:
                     vllm._send_failures.add(push.request_id)
                 self._layering.pop(push.request_id, None)
                 return
-            push.layers_in_forward += in_forward
 
     def _post_finals(self) -> None:
         """(Under vLLM's lock; engine or poller thread.) Post the final parts, with D's

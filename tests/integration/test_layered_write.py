@@ -26,6 +26,7 @@ from connector.prefill.worker_side import PrefillWorker
 from connector.protocol.side_channel import TransferId
 from connector.protocol.step import PushJob, PushStep
 from scripts import bench_nixl
+from tests.conftest import until_sync
 from tests.integration.nixl_kit import AgentPair
 
 BLOCK_BYTES = 4096
@@ -133,11 +134,13 @@ def path() -> Iterator[LayeredPath]:
 
 
 def until(condition: Any, what: str, path: LayeredPath, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+    """`condition()` within `timeout` seconds, polling both agents meanwhile (NIXL moves
+    a WRITE, and delivers its notification, only while they are polled)."""
+    def polled() -> bool:
         path.progress()
-        time.sleep(0.002)
+        return bool(condition())
+
+    until_sync(polled, what, timeout)
 
 
 def job() -> PushJob:

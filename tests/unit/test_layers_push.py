@@ -61,7 +61,7 @@ def test_a_layer_with_nothing_to_write_has_no_part() -> None:
 def test_the_last_layer_carries_the_notification_and_waits_for_the_others() -> None:
     layers = RegionLayers(NAMES, BLOCKS)
     push = LayeredWrite.plan("r", [whole([1], [2], b"d0:1"), whole([1], [3], b"d1:1")],
-                             layers, deadline=10.0)
+                             layers)
     # One part per D rank for layer 0; the last layer's parts are the final ones.
     assert [p.notif for p in push.parts[0]] == [b"", b""]
     assert push.parts[1] == []
@@ -78,7 +78,7 @@ def test_a_late_start_posts_every_layer_computed_so_far_at_once() -> None:
     layers = RegionLayers(["a", "b", "c"], [10, 10, 10])
     write = PlannedWrite("L", np.asarray([1, 11, 21], np.int32), "R",
                          np.asarray([1, 11, 21], np.int32), b"n")
-    push = LayeredWrite.plan("r", [write], layers, deadline=1.0)
+    push = LayeredWrite.plan("r", [write], layers)
     assert [p.local_ids.tolist() for p in push.due({0, 1})] == [[1], [11]]
     assert push.all_parts_posted
     assert [p.local_ids.tolist() for p in push.final] == [[21]]
@@ -88,7 +88,7 @@ def test_a_plan_with_nothing_to_write_is_refused() -> None:
     layers = RegionLayers(NAMES, BLOCKS)
     empty = PlannedWrite("L", np.asarray([], np.int32), "R", np.asarray([], np.int32), b"n")
     with pytest.raises(ValueError, match="nothing to write"):
-        LayeredWrite.plan("r", [empty], layers, deadline=1.0)
+        LayeredWrite.plan("r", [empty], layers)
 
 
 def test_mismatched_descriptor_lists_are_refused() -> None:
@@ -211,7 +211,7 @@ def layered_worker() -> tuple[Any, StatefulAgent, LayeredWrite]:
     layers = RegionLayers(["a", "b", "c"], [10, 10, 10])
     write = PlannedWrite("L", np.asarray([1, 11, 21], np.int32), "R",
                          np.asarray([2, 12, 22], np.int32), b"d:1")
-    push = LayeredWrite.plan("r", [write], layers, deadline=1e12)
+    push = LayeredWrite.plan("r", [write], layers)
     for part in push.rest():
         vllm._sending_transfers["r"].append(
             agent.make_prepped_xfer("WRITE", part.local_handle, part.local_ids.tolist(),
