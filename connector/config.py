@@ -136,17 +136,20 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     push_wait_pause: float | None = None
     # P: WRITE a push right after the forward pass that completes its prompt, when D has
     # registered by the end of that pass, instead of at the start of the next step, after
-    # sampling, the output's processing and the next schedule. CPU servers with one
-    # worker only: on a GPU the forward's kernels may still be running when that step
-    # ends, and with several workers every one must be told (connector/prefill/early.py); those
-    # servers always WRITE at the next step.
+    # sampling, the output's processing and the next schedule. Servers with one worker
+    # whose KV NIXL reads where the forward writes it: on CPU at once, on a GPU once a
+    # CUDA event says the forward's kernels have written it (connector/prefill/fence.py;
+    # not tested on a GPU here). With several workers every one would have to be told
+    # (connector/prefill/early.py), and a KV cache copied to a host buffer is copied only
+    # after the pass: those servers always WRITE at the next step.
     early_write: bool = True
     # P: write a push's KV layer by layer while the forward pass computes the prompt
     # (progressive push, connector/prefill/layers.py), when D registered before that pass
     # reached the layer: "auto" for prompts of at least push_layers_min_tokens tokens,
     # "on" for every push, "off" never. A request's kv_transfer_params `push_layers`
-    # (the router's X-KV-Push-Layers header) overrides it. Needs early WRITEs (CPU
-    # servers with one worker, `early_write`) and a model whose KV every layer writes
+    # (the router's X-KV-Push-Layers header) overrides it. "on" asks vLLM for piecewise
+    # CUDA graphs on a GPU (a full graph replays the pass without the per-layer hook).
+    # Needs early WRITEs (`early_write`) and a model whose KV every layer writes
     # through vLLM's per-layer hook (not Mamba state, one KV cache group); elsewhere,
     # and when D registers late, the push is written whole.
     push_layers: PushLayers = "auto"
@@ -229,9 +232,10 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
             return prompt_tokens >= self.push_layers_min_tokens
         return self.push_layers == "on"
 
-    def writes_early(self, on_cpu: bool, world_size: int) -> bool:
-        """Whether P WRITEs right after the forward that completes a prompt."""
-        return self.early_write and on_cpu and world_size == 1
+    def writes_early(self, fenced: bool, world_size: int) -> bool:
+        """Whether P WRITEs right after the forward that completes a prompt: `fenced`,
+        its WRITEs can wait for the pass's KV (`vllm_compat.fence_device`)."""
+        return self.early_write and fenced and world_size == 1
 
     @property
     def authenticated(self) -> bool:

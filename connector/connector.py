@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from connector.config import ConfigError, DualConfig
 from connector.protocol.step import PushReport
 from connector.scheduler import DualScheduler
 from connector.vllm_compat import (
@@ -46,6 +47,21 @@ class NixlDualConnector(NixlBaseConnector):
             self.connector_worker = DualWorker(vllm_config, self.engine_id, kv_cache_config)
         else:
             raise ValueError(f"unsupported KV connector role: {role}")
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Asked by vLLM at start on a GPU: with `push_layers: on` (every push written
+        layer by layer) the per-layer hook must run during the forward pass, which a full
+        CUDA graph's replay skips; vLLM then captures piecewise graphs. `auto` does not
+        ask: its pushes (1,024 tokens and up by default) are prefills larger than vLLM's
+        largest captured batch by default (512 tokens) and run outside full graphs; one
+        that a full graph runs is written whole after the pass, never too early
+        (`connector.prefill.fence`)."""
+        try:
+            config = DualConfig.from_extra_config(extra_config)
+        except ConfigError:
+            return False  # the connector's start says what is wrong
+        return config.push_layers == "on"
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         """Called before each step's forward pass: the push orders are taken here, so P's

@@ -32,7 +32,7 @@ from connector.prefill.scheduler_side import PrefillScheduler
 from connector.protocol import http_params
 from connector.protocol.step import PushStep
 from connector.shared.stats import PushStats
-from connector.vllm_compat import FEATURES, NixlPullConnectorScheduler, on_cpu
+from connector.vllm_compat import FEATURES, NixlPullConnectorScheduler, fence_device, on_cpu
 
 if TYPE_CHECKING:
     from connector.vllm_compat import (
@@ -76,7 +76,7 @@ class DualScheduler(NixlPullConnectorScheduler):
         self.stats_interval = config.stats_interval
         push_wait_pause = config.wait_pause(on_cpu=on_cpu())
         early_write = config.writes_early(
-            on_cpu=on_cpu(),
+            fenced=fence_device(vllm_config) is not None,
             world_size=vllm_config.parallel_config.world_size)
         keys = config.curve_keys()  # read at start: a bad key file fails the start
         # What this P tells the router it can do: push only if vLLM's push code writes a

@@ -353,6 +353,19 @@ def on_cpu() -> bool:
     return bool(current_platform.is_cpu())
 
 
+def fence_device(vllm_config: VllmConfig) -> str | None:
+    """Where P's early and layered WRITEs can wait for the KV the forward pass writes
+    (`connector.prefill.fence`): "cpu" (the pass is synchronous), "cuda" (CUDA events on
+    the KV cache NIXL reads), or None: neither (a KV cache copied to a host buffer after
+    the pass, or another device), and P WRITEs at the next step, as vLLM does."""
+    if current_platform.is_cpu():
+        return "cpu"
+    kv = vllm_config.kv_transfer_config
+    if current_platform.is_cuda_alike() and kv is not None and kv.kv_buffer_device == "cuda":
+        return "cuda"
+    return None
+
+
 __all__ = [
     "ALLOW_UNSUPPORTED_ENV",
     "BORROWED",
@@ -377,6 +390,7 @@ __all__ = [
     "adopt_registration_generation",
     "check_draft_tp",
     "check_vllm_version",
+    "fence_device",
     "nixl_base_worker",
     "on_cpu",
     "push_trims_to_decode_tail",

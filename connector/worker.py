@@ -42,13 +42,14 @@ from typing import TYPE_CHECKING, Any
 from connector.config import DualConfig
 from connector.decode.wake import WakeSender
 from connector.decode.worker_side import DecodeWorker
+from connector.prefill.fence import fence_for
 from connector.prefill.worker_side import PrefillWorker
 from connector.protocol.step import PushReport, PushStep
 from connector.shared.channel_thread import Guard
 from connector.shared.pages import small_pages
 from connector.shared.progress import agent_progress
 from connector.shared.tp_plan import keeps_state
-from connector.vllm_compat import NixlConnectorMetadata, PullPushWorker, on_cpu
+from connector.vllm_compat import NixlConnectorMetadata, PullPushWorker, fence_device, on_cpu
 
 if TYPE_CHECKING:
     import torch
@@ -111,11 +112,13 @@ class DualWorker(PullPushWorker):
         self._poller: threading.Thread | None = None
         self._poller_guard = Guard("pd-nixl-poller")
         dp_index = vllm_config.parallel_config.data_parallel_index
-        early = config.writes_early(on_cpu(), vllm_config.parallel_config.world_size)
+        device = fence_device(vllm_config)
+        early = config.writes_early(device is not None, vllm_config.parallel_config.world_size)
         self.prefill = PrefillWorker(
             self, pull_fallback_ttl=config.pull_fallback_ttl,
             early_at=(engine_id, dp_index, config.push_port + dp_index) if early else None,
-            wake_poller=self._wake_poller)
+            wake_poller=self._wake_poller,
+            fence=fence_for(device) if early and device is not None else None)
         self.decode = DecodeWorker(self, wake_at=(engine_id, dp_index),
                                    wake_poller=self._wake_poller)
         self._kv_cache_groups = len(kv_cache_config.kv_cache_groups)
@@ -253,6 +256,7 @@ class DualWorker(PullPushWorker):
 
     def shutdown(self) -> None:
         self.prefill.close_inbox()
+        self.prefill.close_fence()  # WRITEs it still held are posted first
         self._stopping.set()
         self._poll_wanted.set()
         if self._poller is not None:

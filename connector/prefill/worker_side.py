@@ -28,12 +28,19 @@ requests are reported finished at once. Each push is one record with its state
   which may have given up on the push, can reuse its blocks once that deadline, known to
   it, has passed (docs/ARCHITECTURE.md, section 5).
 
+- On a GPU, a WRITE posted during or right after the forward pass first waits for the
+  KV it reads to be written (`connector.prefill.fence`): a layer's parts behind a CUDA
+  event recorded at its hook, on the fence's thread; a whole early WRITE behind a wait
+  for the pass on the engine thread. On CPU the pass is synchronous: nothing waits.
+
 Threads: the engine thread runs all of it but `poll_writes`, `_cancel` and
-`_post_finals`, which the worker's poller thread runs. vLLM's push code keeps its WRITE handles in the worker's
-`_sending_transfers` (with `_send_failures`), under `_sending_transfers_lock`; this half
-keeps each posted WRITE's deadline and the WRITEs the poller cancelled under that lock
-too, and the layered pushes waiting for their final parts (`_finishing`). Its other
-state is the engine thread's.
+`_post_finals`, which the worker's poller thread runs, and, on a GPU, `_post` and
+`_finish_layered`, which the fence's thread runs. vLLM's push code keeps its WRITE
+handles in the worker's `_sending_transfers` (with `_send_failures`), under
+`_sending_transfers_lock`; this half keeps each posted WRITE's deadline and the WRITEs
+the poller cancelled under that lock too, and the layered pushes waiting for their final
+parts (`_finishing`); a layered push's parts are posted under it. Its other state is the
+engine thread's (a `LayeredWrite`'s parts are marked posted there, before the fence).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from connector.prefill.channel import StartWrite
 from connector.prefill.early import EarlyInbox
+from connector.prefill.fence import Fence, HostFence
 from connector.prefill.layers import (
     HELD,
     LayeredWrite,
@@ -72,10 +80,12 @@ class PrefillWorker:
 
     def __init__(self, vllm: PullPushWorker, *, pull_fallback_ttl: float,
                  early_at: tuple[str, int, int] | None,
-                 wake_poller: Callable[[], None]) -> None:
+                 wake_poller: Callable[[], None], fence: Fence | None = None) -> None:
         """`early_at`: this server's engine id, data-parallel index and push port, where
-        P's channel thread sends early WRITEs (None: this server makes none)."""
+        P's channel thread sends early WRITEs (None: this server makes none); `fence`:
+        where those, and layers' WRITEs, wait for the forward's KV (None: a CPU's)."""
         self._vllm = vllm
+        self._fence: Fence = fence or HostFence()
         self._pull_fallback_ttl = pull_fallback_ttl
         self._wake_poller = wake_poller  # the worker's poller polls the WRITEs in flight
         # Under vLLM's `_sending_transfers_lock`: each posted WRITE's deadline (the write
@@ -118,8 +128,8 @@ class PrefillWorker:
             region_names=names, has_state=bool(getattr(vllm, "_has_mamba", False)),
             groups=groups, routed_by_layer=bool(getattr(vllm, "_transfer_layer_group_ids", None)))
         if self._early_inbox is None:
-            self._layers_refusal = "no early WRITEs on this server (GPU, several workers, " \
-                                   "or early_write off)"
+            self._layers_refusal = "no early WRITEs on this server (several workers, a KV " \
+                                   "cache copied to a host buffer, or early_write off)"
         if self._layers_refusal is None:
             self._layers = RegionLayers(names, vllm.dst_region_num_blocks[vllm.engine_id])
             vllm.nixl_wrapper = RecordingAgent(vllm.nixl_wrapper)
@@ -157,16 +167,13 @@ class PrefillWorker:
     def write_early(self) -> None:
         """Right after the step's forward pass (vLLM's `wait_for_save`): the layered
         pushes' parts not posted yet, then the early WRITEs of the prompts it completed,
-        whole. CPU servers only, where the forward is done when this is called."""
+        whole; each once the pass's KV is written (`fence`: at once on CPU)."""
         for record, error in self._ending:
             self._end(record, error)
         self._ending = []
         if self._layering:
-            for push in self._layering.values():
-                self._post(push, push.rest())
-            with self._vllm._sending_transfers_lock:
-                self._finishing.update(self._layering)
-                self._post_finals()
+            pushes = list(self._layering.values())
+            self._fence.after_queued_work(lambda: self._finish_layered(pushes))
             self._layering = {}
         self._layered_wanted = set()
         self._start_early(forward_done=True)
@@ -185,7 +192,7 @@ class PrefillWorker:
         self._start_early(forward_done=False)  # new matches from P's channel thread
         self._start_layered()
         for push in self._layering.values():
-            self._post(push, push.due((layer,)))
+            self._post_after_layer(push, push.due((layer,)))
 
     def _start_early(self, *, forward_done: bool) -> None:
         """Start the early WRITEs whose prompt is computed: their step is an earlier one,
@@ -197,8 +204,12 @@ class PrefillWorker:
             job = PushJob.of(write, now)
             self._outgoing.early(job, write.early_step, deadline=now + job.write_within)
         due = self._step_number if forward_done else self._step_number - 1
+        waited = False
         for record in self._outgoing.early_due(due):
             assert record.job is not None
+            if record.early_step == self._step_number and not waited:
+                self._fence.wait_for_forward()  # this pass computed its prompt (GPU)
+                waited = True
             self._start_job(record.job)
 
     def lease_for_pull(self) -> None:
@@ -264,7 +275,7 @@ class PrefillWorker:
             vllm._sending_transfers[job.request_id].append(HELD)
             self._write_deadlines[job.request_id] = record.deadline
         self._layering[job.request_id] = push
-        self._post(push, push.due(self._computed))
+        self._post_after_layer(push, push.due(self._computed))
         self._wake_poller()
 
     def _plan(self, job: PushJob) -> list[PlannedWrite]:
@@ -282,26 +293,45 @@ class PrefillWorker:
                     vllm._sending_transfers.pop(key, None)
         return planned
 
+    def _post_after_layer(self, push: LayeredWrite, parts: list[PlannedWrite]) -> None:
+        """Post `parts` once the layers they read are computed (`fence`)."""
+        if parts:
+            self._fence.after_queued_work(lambda: self._post(push, parts))
+
+    def _finish_layered(self, pushes: list[LayeredWrite]) -> None:
+        """After the forward pass (behind its fence): post each layered push's parts not
+        posted yet, then hand it to `_post_finals` for its final parts."""
+        for push in pushes:
+            self._post(push, push.rest())
+        with self._vllm._sending_transfers_lock:
+            self._finishing.update((push.request_id, push) for push in pushes)
+            self._post_finals()
+
     def _post(self, push: LayeredWrite, parts: list[PlannedWrite]) -> None:
-        """Post `parts` of `push` (none with a notification); a part that cannot be
-        posted fails the push (its final parts are never posted)."""
+        """Post `parts` of `push` (none with a notification), while the push is open (its
+        placeholder handle in vLLM's bookkeeping: not failed, nor cancelled at the end of
+        its write lease, which may have passed while a fence waited). A part that cannot
+        be posted fails the push: its final parts are never posted. The engine thread on
+        CPU; the fence's thread on a GPU."""
         vllm = self._vllm
         agent = vllm.nixl_wrapper
-        for part in parts:
-            try:
-                handle = agent.make_prepped_xfer("WRITE", part.local_handle, part.local_ids,
-                                                 part.remote_handle, part.remote_ids, b"")
-                with vllm._sending_transfers_lock:
-                    vllm._sending_transfers[push.request_id].append(handle)
-                agent.transfer(handle)
-            except Exception:
-                logger.exception("push of request %s: a layer's WRITE could not be posted",
-                                 push.request_id)
-                with vllm._sending_transfers_lock:
+        with vllm._sending_transfers_lock:
+            for part in parts:
+                handles = vllm._sending_transfers.get(push.request_id)
+                if not handles or HELD not in handles:
+                    return
+                try:
+                    handle = agent.make_prepped_xfer("WRITE", part.local_handle,
+                                                     part.local_ids, part.remote_handle,
+                                                     part.remote_ids, b"")
+                    handles.append(handle)
+                    agent.transfer(handle)
+                except Exception:
+                    logger.exception("push of request %s: a layer's WRITE could not be "
+                                     "posted", push.request_id)
                     self._drop_held(push.request_id)
                     vllm._send_failures.add(push.request_id)
-                self._layering.pop(push.request_id, None)
-                return
+                    return
 
     def _post_finals(self) -> None:
         """(Under vLLM's lock; engine or poller thread.) Post the final parts, with D's
@@ -494,6 +524,10 @@ class PrefillWorker:
     def close_inbox(self) -> None:
         if self._early_inbox is not None:
             self._early_inbox.close()
+
+    def close_fence(self) -> None:
+        """At shutdown, before the poller stops: post what the fence holds (bounded)."""
+        self._fence.close()
 
     def release_writes(self) -> None:
         """At shutdown: release every WRITE handle still held (the poller has stopped)."""

@@ -51,13 +51,13 @@ def test_the_push_wait_pause_defaults_to_a_pause_on_cpu_only() -> None:
     assert set_.wait_pause(on_cpu=False) == 0.01
 
 
-def test_early_writes_are_on_by_default_for_a_cpu_server_with_one_worker_only() -> None:
+def test_early_writes_are_on_by_default_for_a_fenced_server_with_one_worker_only() -> None:
     default = DualConfig.from_extra_config({"push_port": 5700})
-    assert default.writes_early(on_cpu=True, world_size=1)
-    assert not default.writes_early(on_cpu=False, world_size=1)
-    assert not default.writes_early(on_cpu=True, world_size=2)
+    assert default.writes_early(fenced=True, world_size=1)
+    assert not default.writes_early(fenced=False, world_size=1)  # e.g. a host buffer
+    assert not default.writes_early(fenced=True, world_size=2)
     off = DualConfig.from_extra_config({"push_port": 5700, "early_write": False})
-    assert not off.writes_early(on_cpu=True, world_size=1)
+    assert not off.writes_early(fenced=True, world_size=1)
 
 
 def test_numbers_given_as_strings_are_accepted() -> None:
@@ -188,3 +188,23 @@ def test_a_bad_key_file_fails_the_start_naming_it(
 def test_key_files_are_made_by_zmq_certificates(tmp_path: Path) -> None:
     public, secret = zmq.auth.create_certificates(str(tmp_path), "x")
     assert load_key_pair(secret).public == load_public_key(public)
+
+
+def test_only_push_layers_on_asks_vllm_for_piecewise_cuda_graphs() -> None:
+    from connector.connector import NixlDualConnector
+
+    asks = NixlDualConnector.requires_piecewise_for_cudagraph
+    assert asks({"push_port": 5700, "push_layers": "on"})
+    assert not asks({"push_port": 5700})  # auto: its prompts run outside full graphs
+    assert not asks({"push_port": 5700, "push_layers": "off"})
+    assert not asks({"push_layers": "on"})  # no push_port: the connector's start says so
+
+
+def test_a_cpu_servers_writes_wait_on_nothing_but_the_synchronous_pass() -> None:
+    from types import SimpleNamespace
+
+    from connector.prefill.fence import HostFence, fence_for
+    from connector.vllm_compat import fence_device
+
+    assert fence_device(SimpleNamespace(kv_transfer_config=None)) == "cpu"  # type: ignore[arg-type]
+    assert isinstance(fence_for("cpu"), HostFence)

@@ -142,11 +142,14 @@ def start_write(rid: str, tid: str, early_step: int) -> StartWrite:
 
 def test_the_worker_starts_early_writes_only_after_their_forward_pass() -> None:
     """Two early WRITEs, for this step and the next: the first starts once this step's
-    forward pass is done (`write_early`), the other a step later."""
+    forward pass is done (`write_early`; on a GPU after waiting for the pass's kernels),
+    the other a step later."""
     inbox = [start_write(RID, TID, 4), start_write("p-2", "t-2", 5)]
     started: list[str] = []
+    waits: list[int] = []
     worker: Any = SimpleNamespace(_outgoing=OutgoingPushes(), _step_number=4)
     worker._early_inbox = SimpleNamespace(take=lambda: [inbox.pop(0)] if inbox else [])
+    worker._fence = SimpleNamespace(wait_for_forward=lambda: waits.append(worker._step_number))
 
     def start_job(j: PushJob) -> None:
         started.append(j.request_id)
@@ -164,3 +167,4 @@ def test_the_worker_starts_early_writes_only_after_their_forward_pass() -> None:
     assert started == [RID]
     PrefillWorker._start_early(worker, forward_done=True)
     assert started == [RID, "p-2"] and state(worker._outgoing, "p-2") is S.HANDSHAKING
+    assert waits == [4, 5], "an early WRITE of this pass's prompt went before the pass's end"

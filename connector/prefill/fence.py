@@ -1,0 +1,138 @@
+"""P posts a WRITE only once its server has computed the KV the WRITE reads.
+
+A WRITE posted early (right after the forward pass that completes a prompt,
+`connector.prefill.early`) or by layer (from vLLM's per-layer hook,
+`connector.prefill.layers`) reads KV that this very forward pass writes. NIXL reads the
+KV cache outside any CUDA stream's order, so the WRITE must wait until the KV is
+written:
+
+- On a CPU server the forward pass is synchronous: when the hook (or vLLM's
+  `wait_for_save`, after the pass) runs, the KV is in memory. `HostFence` posts at once.
+- On a GPU the Python code runs ahead of the kernels it launches. `CudaFence` records a
+  CUDA event on the forward's stream where the hook runs (after the layer's attention
+  wrote its KV); one thread of its own waits for each event in turn and only then posts
+  the WRITEs queued behind it, in the order they were queued, so that a push's last
+  part (with D's notification) still follows its layers' parts. The engine thread
+  never waits on the GPU for a layer; it waits once, after the pass
+  (`wait_for_forward`), only when a whole WRITE of a prompt that pass completed is due.
+
+Where this has been tested: the CPU path runs in every real-vLLM e2e test; the GPU
+path's logic (order, waits, the thread's end) runs in the unit tests with stand-in
+events, not on a GPU (none here).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+logger = logging.getLogger("vllm.pd_connector.fence")
+
+Action = Callable[[], None]
+
+# How long `close` waits for the thread to post what is queued (seconds).
+CLOSE_WAIT = 5.0
+
+
+class Fence(Protocol):
+    """Where P's WRITEs wait for the KV they read to be computed."""
+
+    def after_queued_work(self, action: Action) -> None:
+        """Run `action` once the device has done the work queued so far (the forward
+        pass up to here), after every action given before it."""
+
+    def wait_for_forward(self) -> None:
+        """Block until the device has done the work queued so far."""
+
+    def close(self) -> None:
+        """Run what is queued (bounded wait), then stop."""
+
+
+class HostFence:
+    """A CPU server's: its forward pass is synchronous, so there is nothing to wait for."""
+
+    def after_queued_work(self, action: Action) -> None:
+        action()
+
+    def wait_for_forward(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+
+class Event(Protocol):
+    """What `CudaFence` needs of `torch.cuda.Event` (tests give stand-ins)."""
+
+    def record(self) -> Any: ...
+
+    def synchronize(self) -> Any: ...
+
+
+class CudaFence:
+    """A GPU server's: actions run on a thread of their own, each once the CUDA event
+    recorded when it was given has been reached (module docstring)."""
+
+    def __init__(self, new_event: Callable[[], Event] | None = None,
+                 sync_stream: Callable[[], None] | None = None) -> None:
+        if new_event is None or sync_stream is None:
+            import torch
+
+            # A blocking-sync event: the waiting thread sleeps instead of spinning a core.
+            new_event = new_event or (lambda: torch.cuda.Event(blocking=True))  # type: ignore[no-untyped-call]
+            sync_stream = sync_stream or (lambda: torch.cuda.current_stream().synchronize())
+        self._new_event = new_event
+        self._sync_stream = sync_stream
+        self._queue: queue.SimpleQueue[tuple[Event, Action] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # starts the thread once
+        self._closed = False
+
+    def after_queued_work(self, action: Action) -> None:
+        if self._closed:
+            logger.warning("a WRITE asked for after the fence closed is dropped")
+            return
+        event = self._new_event()
+        event.record()  # on the current stream: the forward's, where vLLM's hooks run
+        self._start()
+        self._queue.put((event, action))
+
+    def wait_for_forward(self) -> None:
+        self._sync_stream()
+
+    def close(self) -> None:
+        self._closed = True
+        thread = self._thread
+        if thread is None:
+            return
+        self._queue.put(None)
+        thread.join(CLOSE_WAIT)
+        if thread.is_alive():
+            logger.warning("the WRITE fence's thread did not end within %.0f s", CLOSE_WAIT)
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="pd-write-fence",
+                                                daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            event, action = item
+            try:
+                event.synchronize()  # releases the GIL while the GPU catches up
+                action()
+            except Exception:  # one WRITE's trouble must not stop the others'
+                logger.exception("a fenced WRITE failed")
+
+
+def fence_for(device: str) -> Fence:
+    """The fence for a server whose KV cache is on `device` ("cpu", "cuda", ...)."""
+    return CudaFence() if device == "cuda" else HostFence()
