@@ -95,6 +95,12 @@ from testbed.vllm_cpu import (
     pair,
 )
 
+# Our connector's settings on the regime's pair. The write lease's timeouts are seconds
+# of the host's clock, and every emulated transfer runs K times slower (`--slowdown`): a
+# 16,384-token push over eth25 at K 20 takes 14 s, past the default write_timeout (10 s),
+# and would be cancelled and read by D instead. Room for any K the bench picks.
+REGIME_CONNECTOR_CONFIG: dict[str, object] = {"write_timeout": 600.0}
+
 MODES = ("pull", "push", "progressive", "local")
 # Each mode's request headers, and the mode the router's answer must name.
 MODE_HEADERS: dict[str, dict[str, str]] = {
@@ -1041,7 +1047,9 @@ async def run_pair(connector: str, modes: Sequence[str], model_dir: Path,
     env = {**links.ucx_env(), TIME_SCALE_FILE_ENV: str(scale_path)}
     with pair(connector, model_dir=model_dir, extra_args=GPU_REGIME_ARGS,
               max_model_len=GPU_MAX_MODEL_LEN, start_timeout_s=args.start_timeout,
-              extra_env=env) as p, \
+              extra_env=env,
+              kv_extra_config=REGIME_CONNECTOR_CONFIG if connector == DUAL_CONNECTOR
+              else None) as p, \
             quiet_router(p.prefill_url, p.decode_url,
                          DEFAULT_LOG_DIR / f"router-{p.decode.spec.port}.log") as url:
         say(f"pair healthy after {time.monotonic() - started:.0f} s; step logs "
