@@ -136,12 +136,12 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     push_wait_pause: float | None = None
     # P: WRITE a push right after the forward pass that completes its prompt, when D has
     # registered by the end of that pass, instead of at the start of the next step, after
-    # sampling, the output's processing and the next schedule. Servers with one worker
-    # whose KV NIXL reads where the forward writes it: on CPU at once, on a GPU once a
-    # CUDA event says the forward's kernels have written it (connector/prefill/fence.py;
-    # not tested on a GPU here). With several workers every one would have to be told
-    # (connector/prefill/early.py), and a KV cache copied to a host buffer is copied only
-    # after the pass: those servers always WRITE at the next step.
+    # sampling, the output's processing and the next schedule. Servers whose KV NIXL
+    # reads where the forward writes it: on CPU at once, on a GPU once a CUDA event says
+    # the forward's kernels have written it (connector/prefill/fence.py; not tested on a
+    # GPU here); every tensor-parallel worker is told (connector/prefill/early.py). A KV
+    # cache copied to a host buffer is copied only after the pass, and pipeline stages
+    # end their passes apart: those servers always WRITE at the next step.
     early_write: bool = True
     # P: write a push's KV layer by layer while the forward pass computes the prompt
     # (progressive push, connector/prefill/layers.py), when D registered before that pass
@@ -232,10 +232,10 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
             return prompt_tokens >= self.push_layers_min_tokens
         return self.push_layers == "on"
 
-    def writes_early(self, fenced: bool, world_size: int) -> bool:
+    def writes_early(self, fenced: bool, pipeline_stages: int) -> bool:
         """Whether P WRITEs right after the forward that completes a prompt: `fenced`,
         its WRITEs can wait for the pass's KV (`vllm_compat.fence_device`)."""
-        return self.early_write and fenced and world_size == 1
+        return self.early_write and fenced and pipeline_stages == 1
 
     @property
     def authenticated(self) -> bool:

@@ -113,10 +113,12 @@ class DualWorker(PullPushWorker):
         self._poller_guard = Guard("pd-nixl-poller")
         dp_index = vllm_config.parallel_config.data_parallel_index
         device = fence_device(vllm_config)
-        early = config.writes_early(device is not None, vllm_config.parallel_config.world_size)
+        early = config.writes_early(device is not None,
+                                    vllm_config.parallel_config.pipeline_parallel_size)
         self.prefill = PrefillWorker(
             self, pull_fallback_ttl=config.pull_fallback_ttl,
-            early_at=(engine_id, dp_index, config.push_port + dp_index) if early else None,
+            early_at=(engine_id, dp_index, config.push_port + dp_index, self.tp_rank)
+            if early else None, rank=self.tp_rank,
             wake_poller=self._wake_poller,
             fence=fence_for(device) if early and device is not None else None)
         self.decode = DecodeWorker(self, wake_at=(engine_id, dp_index),

@@ -37,6 +37,7 @@ counted and logged, and the thread goes on.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import queue
@@ -163,6 +164,9 @@ class StartWrite:
     # prompt, was built or ran: WRITE right after that forward pass, not before it.
     # None: matched after the prefill.
     early_step: int | None = None
+    # The ranks (P's workers) that start this WRITE; None: all. An early WRITE that
+    # reached some ranks at once comes to the others with the next step.
+    ranks: tuple[int, ...] | None = None
     fail_on_purpose: bool = False  # fault injection (`fail_write`): fail, do not WRITE
     # P's monotonic clock (this host's): no part of the WRITE is posted after it, and
     # what is still in flight then is cancelled (the write lease; `Ready.write_by`).
@@ -242,10 +246,10 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
     name = "pd-push-prefill"
 
     def __init__(self, registry: PushRegistry, bind_host: str, port: int, *,
-                 early_to: tuple[str, int] | None = None,
+                 early_to: tuple[str, int, int] | None = None,
                  curve: ServerKeys | None = None) -> None:
-        """`early_to`: the engine id and data-parallel index of P's one worker, to send
-        early WRITEs to (None: no early WRITEs). `curve`: admit only peers with these
+        """`early_to`: the engine id, data-parallel index and number of ranks (workers)
+        of P's workers, to send early WRITEs to (None: no early WRITEs). `curve`: admit only peers with these
         keys (None: anyone, with a warning)."""
         super().__init__()
         self.registry = registry
@@ -293,7 +297,8 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
                 "and curve_server_key_file in kv_connector_extra_config", self.address)
         if early_to is not None:
             try:
-                self._early = EarlyOutbox(self._context, *early_to, port)
+                engine_id, dp_index, ranks = early_to
+                self._early = EarlyOutbox(self._context, engine_id, dp_index, port, ranks)
             except (OSError, zmq.ZMQError) as exc:
                 logger.warning("no socket for early WRITEs (%s): pushes are written at the "
                                "step after their prompt's", exc)
@@ -673,13 +678,20 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         return self._early is not None and self._early.connected(timeout)
 
     def _start_early(self, write: StartWrite) -> None:
-        """Send P's worker a WRITE to start right after the forward pass of the step that
-        completes the prompt. Should that fail, the engine starts it with a later step,
+        """Send P's workers a WRITE to start right after the forward pass of the step that
+        completes the prompt. The ranks it could not reach start it with a later step,
         once that forward pass is done (`early_step` says which)."""
-        if self._early is None or not self._early.send(write):
+        early = self._early
+        missed = None if early is None else early.send(write)
+        if early is None or missed is None or len(missed) == early.ranks:  # none took it
             logger.warning("push %s: could not hand the WRITE to P's worker at once; it "
                            "starts with the next step", write.transfer_id)
             self._actions.put(write)
+        elif missed:
+            logger.warning("push %s: could not hand the WRITE to P's workers of ranks %s at "
+                           "once; they start it with the next step", write.transfer_id,
+                           missed)
+            self._actions.put(dataclasses.replace(write, ranks=tuple(missed)))
 
     def _released(self, release: Release, *, freed_by_engine: bool = False,
                   message: str = "", pull: PullOffer | None = None) -> None:

@@ -7,11 +7,14 @@ metadata. The channel thread, which makes the match, sends it to the worker dire
 a ZMQ PUSH socket (`EarlyOutbox`, bound by the channel thread) to the worker's PULL
 socket (`EarlyInbox`, read by the worker's engine thread, without waiting, once the
 forward pass is done and at the start of each step). Both ends live on this host: an IPC
-socket named after the engine and its push port (see `connector.decode.wake.ipc_address`), which
-no other server on the host can share, in a directory only this user can enter.
+socket named after the engine, its push port and the worker's rank (see
+`connector.shared.ipc.ipc_address`), which no other server on the host can share, in a
+directory only this user can enter.
 
-Only a P server with one worker makes early WRITEs: every rank must WRITE its share of a
-push, and one socket to one worker says it to exactly one.
+Every rank (tensor-parallel worker) must WRITE its share of a push, so the outbox has one
+socket per rank and sends each early WRITE to all of them; a rank it could not reach
+gets the WRITE with the next step instead (`send` says which ranks). Servers with
+pipeline stages make no early WRITEs (`DualConfig.writes_early`).
 
 The payload is the channel's `StartWrite`, msgpack-encoded.
 """
@@ -29,16 +32,54 @@ from connector.shared.ipc import ipc_address, prepare_ipc_dir, remove_at_exit
 logger = logging.getLogger("vllm.pd_connector.early")
 
 
-def early_address(engine_id: str, dp_index: int, push_port: int) -> str:
-    return ipc_address("pd-early", f"{engine_id}@{push_port}", dp_index)
+def early_address(engine_id: str, dp_index: int, push_port: int, rank: int = 0) -> str:
+    return ipc_address("pd-early", f"{engine_id}@{push_port}.{rank}", dp_index)
 
 
 class EarlyOutbox:
-    """P's channel thread: send early WRITEs to the worker. Used by that thread only."""
+    """P's channel thread: send early WRITEs to every rank's worker. Used by that thread
+    only (but `connected`, see there)."""
 
     def __init__(self, context: zmq.Context[Any], engine_id: str, dp_index: int,
-                 push_port: int) -> None:
-        self.address = early_address(engine_id, dp_index, push_port)
+                 push_port: int, ranks: int = 1) -> None:
+        self._ranks: list[_RankOutbox] = []
+        try:
+            for rank in range(ranks):
+                self._ranks.append(_RankOutbox(context, early_address(
+                    engine_id, dp_index, push_port, rank)))
+        except (OSError, zmq.ZMQError):
+            self.close()
+            raise
+
+    @property
+    def ranks(self) -> int:
+        return len(self._ranks)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [outbox.address for outbox in self._ranks]
+
+    def connected(self, timeout: float = 0.0) -> bool:
+        """Whether every rank's inbox is connected, waiting up to `timeout` seconds for
+        each (`_RankOutbox.connected`)."""
+        return all([outbox.connected(timeout) for outbox in self._ranks])
+
+    def send(self, message: Any) -> list[int]:
+        """Send `message` to every rank: the ranks it could not go to (none connected, or
+        a full queue)."""
+        payload = msgspec.msgpack.encode(message)
+        return [rank for rank, outbox in enumerate(self._ranks) if not outbox.send(payload)]
+
+    def close(self) -> None:
+        for outbox in self._ranks:
+            outbox.close()
+
+
+class _RankOutbox:
+    """One rank's socket of the outbox."""
+
+    def __init__(self, context: zmq.Context[Any], address: str) -> None:
+        self.address = address
         self._socket = context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, 0)
         # What `connected` reads: attached before the bind, so it cannot miss a worker.
@@ -74,9 +115,8 @@ class EarlyOutbox:
             self._monitor.close()
             self._monitor = None
 
-    def send(self, message: Any) -> bool:
+    def send(self, payload: bytes) -> bool:
         """False when it could not go (no worker connected, or its queue is full)."""
-        payload = msgspec.msgpack.encode(message)
         for _ in range(2):
             try:
                 self._socket.send(payload, zmq.NOBLOCK)
@@ -104,12 +144,13 @@ class EarlyInbox:
     socket (the address refused), it takes nothing: P's channel then cannot hand the
     WRITE over, and the engine starts it with the next step instead."""
 
-    def __init__(self, kind: type[Any], engine_id: str, dp_index: int, push_port: int) -> None:
+    def __init__(self, kind: type[Any], engine_id: str, dp_index: int, push_port: int,
+                 rank: int = 0) -> None:
         self._decoder = msgspec.msgpack.Decoder(kind)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
-        address = early_address(engine_id, dp_index, push_port)
+        address = early_address(engine_id, dp_index, push_port, rank)
         try:
             self._socket.connect(address)
         except zmq.ZMQError as exc:

@@ -86,7 +86,8 @@ class PrefillScheduler:
             push_supported=push_supported))
         self.channel = PrefillChannel(
             registry, push_host, push_port,
-            early_to=(vllm.engine_id, dp_rank) if early_write else None, curve=curve)
+            early_to=(vllm.engine_id, dp_rank, vllm_config.parallel_config.world_size)
+            if early_write else None, curve=curve)
         # WRITEs some of P's workers (TP x PP ranks) finished, waiting for the rest.
         self._write_tally = WriteTally(vllm_config.parallel_config.world_size)
         # The push requests computing their prompt, until they end; the number of the

@@ -79,12 +79,15 @@ class PrefillWorker:
     their blocks back to vLLM."""
 
     def __init__(self, vllm: PullPushWorker, *, pull_fallback_ttl: float,
-                 early_at: tuple[str, int, int] | None,
+                 early_at: tuple[str, int, int, int] | None, rank: int = 0,
                  wake_poller: Callable[[], None], fence: Fence | None = None) -> None:
-        """`early_at`: this server's engine id, data-parallel index and push port, where
-        P's channel thread sends early WRITEs (None: this server makes none); `fence`:
+        """`early_at`: this server's engine id, data-parallel index and push port, and
+        this worker's rank, where P's channel thread sends early WRITEs (None: this
+        server makes none); `rank`: this worker's (a job names the ranks it is for);
+        `fence`:
         where those, and layers' WRITEs, wait for the forward's KV (None: a CPU's)."""
         self._vllm = vllm
+        self._rank = rank
         self._fence: Fence = fence or HostFence()
         self._pull_fallback_ttl = pull_fallback_ttl
         self._wake_poller = wake_poller  # the worker's poller polls the WRITEs in flight
@@ -128,7 +131,7 @@ class PrefillWorker:
             region_names=names, has_state=bool(getattr(vllm, "_has_mamba", False)),
             groups=groups, routed_by_layer=bool(getattr(vllm, "_transfer_layer_group_ids", None)))
         if self._early_inbox is None:
-            self._layers_refusal = "no early WRITEs on this server (several workers, a KV " \
+            self._layers_refusal = "no early WRITEs on this server (pipeline stages, a KV " \
                                    "cache copied to a host buffer, or early_write off)"
         if self._layers_refusal is None:
             self._layers = RegionLayers(names, vllm.dst_region_num_blocks[vllm.engine_id])
@@ -150,7 +153,8 @@ class PrefillWorker:
     def take_step(self, step: PushStep) -> None:
         """The step's WRITEs to start, and the blocks to release."""
         for job in step.jobs:
-            self._start_job(job)
+            if job.ranks is None or self._rank in job.ranks:  # else it came early here
+                self._start_job(job)
         self.write_handshaken()
         vllm = self._vllm
         for rid in step.release:

@@ -33,6 +33,8 @@ class WriteOrder(Protocol):
     def fail_on_purpose(self) -> bool: ...
     @property
     def write_by(self) -> float: ...
+    @property
+    def ranks(self) -> tuple[int, ...] | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,8 @@ class PushJob:
     # in flight then is cancelled (the write lease). A lifetime, not a clock reading: the
     # worker may run on another host than the scheduler.
     write_within: float = math.inf
+    # The ranks (P's workers) that start it; None: all (the others had it early).
+    ranks: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, write: WriteOrder, now: float) -> PushJob:
@@ -63,7 +67,8 @@ class PushJob:
             block_ids=write.block_ids, decode_engine_id=reg.engine_id,
             decode_request_id=reg.request_id, decode_host=reg.host, decode_port=reg.port,
             decode_tp_size=reg.tp_size, decode_block_ids=reg.block_ids,
-            fail_on_purpose=write.fail_on_purpose, write_within=write.write_by - now)
+            fail_on_purpose=write.fail_on_purpose, write_within=write.write_by - now,
+            ranks=write.ranks)
 
 
 @dataclass(slots=True)

@@ -80,13 +80,14 @@ def transferred(before: dict[Any, float], tokens: int, samples: dict[Any, float]
 async def test_a_push_by_layer_between_tp_sizes_gives_one_servers_tokens(
     tp_pair: Pair,
 ) -> None:
-    """D registers before P computes the prompt, and the push asks for layers. P with
-    one worker (p1-d2) writes it layer by layer, one part per D rank and layer, each D
-    rank notified once every layer landed; P with two (p2-d1) makes no early WRITE and
-    writes it whole. Either way: one server's tokens, the whole prompt by transfer, and
-    nothing held afterwards. The pair's first test: a whole push first makes P's NIXL
-    handshake with D (a push to a D P has no handshake with yet is written whole), so
-    that P's count of pushes by layer, 0 on the fresh pair, is 1 after the second."""
+    """D registers before P computes the prompt, and the push asks for layers: P writes
+    it layer by layer, each D rank notified once every layer landed. P with one worker
+    (p1-d2) writes one part per D rank and layer; P with two (p2-d1), whose workers each
+    get the early WRITE, writes its two ranks' shares by layer. Either way: one server's
+    tokens, the whole prompt by transfer, and nothing held afterwards. The pair's first
+    test: a whole push first makes P's NIXL handshakes with D (a push to a D P has no
+    handshake with yet is written whole), so that P's count of pushes by layer, 0 on the
+    fresh pair, is 1 after the second."""
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         await push_registered_first(client, tp_pair, push_layers=False)
         body, _, d_before, (tokens, prompt_tokens) = await push_registered_first(
@@ -96,8 +97,7 @@ async def test_a_push_by_layer_between_tp_sizes_gives_one_servers_tokens(
         assert external_kv_tokens(after) - external_kv_tokens(d_before) == prompt_tokens
         assert tokens == await reference_tokens(client, tp_pair.decode_url, COMPLETIONS, body)
         await assert_nothing_held(client, tp_pair)
-        if tp_pair.prefill.spec.name.endswith("tp1"):
-            await push_stats(client, tp_pair.prefill, r"by layer 1\b")
+        await push_stats(client, tp_pair.prefill, r"by layer 1\b")
 
 
 async def test_a_push_between_tp_sizes_gives_one_servers_tokens(
@@ -105,8 +105,8 @@ async def test_a_push_between_tp_sizes_gives_one_servers_tokens(
 ) -> None:
     router_url = proxy_for(tp_pair, "push")
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
-        # The second push reuses both NIXL handshakes, and asks to go layer by layer:
-        # with P's tp 1 it is, when D registers in time (one part per D rank and layer).
+        # The second push reuses both NIXL handshakes, and asks to go layer by layer: it
+        # is, when D registers in time (one part per P rank, D rank and layer).
         for layers in ("off", "on"):
             body = make_body(COMPLETIONS)
             before = await get_metrics(client, tp_pair.decode_url)

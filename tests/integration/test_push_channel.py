@@ -56,7 +56,8 @@ BLOCK_SIZE = 16
 P_REQ = "p-req-1"  # P's request, holding P_BLOCKS
 P_BLOCKS = [[10, 11, 12]]
 D_BLOCKS = [[0, 1, 2]]
-EARLY_TO = ("engine-p0-early-test", 0)  # where a P's channel sends early WRITEs
+# Where a P's channel sends early WRITEs: engine id, data-parallel index, ranks (workers).
+EARLY_TO = ("engine-p0-early-test", 0, 1)
 SOON = 1.0  # "at once": far below every TTL these tests leave at its default (120 s)
 T = TypeVar("T")
 
@@ -271,11 +272,11 @@ def test_the_early_outbox_says_when_a_worker_is_connected() -> None:
     inbox = None
     try:
         assert not outbox.connected(timeout=0.2)
-        assert not outbox.send(_Note("no one to take it"))
+        assert outbox.send(_Note("no one to take it")) == [0], "no rank took it"
         inbox = EarlyInbox(_Note, *where)
         assert outbox.connected(timeout=5.0)
         assert outbox.connected()  # stays true, without a wait
-        assert outbox.send(_Note("write this"))
+        assert outbox.send(_Note("write this")) == []
         wait_for(lambda: inbox.take() == [_Note("write this")], 5.0, "the message arrives")
     finally:
         if inbox is not None:
@@ -291,7 +292,7 @@ def early_inbox() -> Iterator[Callable[[PrefillChannel], EarlyInbox]]:
     made: list[EarlyInbox] = []
 
     def connect(p: PrefillChannel) -> EarlyInbox:
-        made.append(EarlyInbox(StartWrite, *EARLY_TO, port_of(p)))
+        made.append(EarlyInbox(StartWrite, *EARLY_TO[:2], port_of(p)))
         # ZMQ connects the inbox in the background; until P's end sees it, the early
         # WRITE would go to P's engine instead, and the test would fail.
         assert p.early_connected(timeout=5.0), "P's channel never saw the inbox connect"
@@ -376,6 +377,46 @@ def test_a_write_to_fail_on_purpose_says_so_when_it_starts_after_the_prefill(
     (action,) = wait_actions(p)
     assert plain(action) == StartWrite(reg.transfer_id, P_REQ, P_BLOCKS, reg,
                                        fail_on_purpose=True)
+
+
+def test_an_early_write_goes_to_every_rank_and_a_rank_not_reached_has_it_next_step(
+    channels: Channels,
+) -> None:
+    """A P with two workers (tensor parallel): each rank's worker gets the early WRITE;
+    with rank 1's inbox not connected, rank 0 takes it early and the engine's next step
+    carries it for rank 1 alone."""
+    engine, dp_index = "engine-p0-early-ranks", 0
+    p = channels.prefill(early_to=(engine, dp_index, 2))
+    d = channels.decode()
+    rank0 = EarlyInbox(StartWrite, engine, dp_index, port_of(p), rank=0)
+    rank1: EarlyInbox | None = None
+    try:
+        assert p.early_connected(timeout=0.5) is False, "rank 1 is not connected yet"
+        reg = registration(d, "t-rank0")
+        d.register(p.address, reg)
+        wait_for(lambda: len(p.registry) == 1, 2.0, "P holds the registration")
+        p.prefill_completing(reg.transfer_id, P_REQ, P_BLOCKS, 7)
+        (write,) = take_early(rank0)
+        assert plain(write) == StartWrite(reg.transfer_id, P_REQ, P_BLOCKS, reg, early_step=7)
+        (action,) = wait_actions(p)
+        assert plain(action) == StartWrite(reg.transfer_id, P_REQ, P_BLOCKS, reg,
+                                           early_step=7, ranks=(1,)), action
+
+        rank1 = EarlyInbox(StartWrite, engine, dp_index, port_of(p), rank=1)
+        assert p.early_connected(timeout=5.0), "P never saw both ranks connect"
+        reg2 = registration(d, "t-both")
+        d.register(p.address, reg2)
+        wait_for(lambda: len(p.registry) == 2, 2.0, "P holds the second registration")
+        p.prefill_completing(reg2.transfer_id, "p-req-2", P_BLOCKS, 8)
+        for inbox in (rank0, rank1):
+            (got,) = take_early(inbox)
+            assert got.transfer_id == reg2.transfer_id and got.ranks is None
+        p.wait_caught_up(SOON)
+        assert p.take_actions() == [], "every rank had it early: nothing for the engine"
+    finally:
+        rank0.close()
+        if rank1 is not None:
+            rank1.close()
 
 
 def test_an_early_write_no_worker_takes_goes_to_the_engine_for_the_next_step(

@@ -92,12 +92,15 @@ def test_the_wake_socket_is_in_a_private_directory_removed_on_close() -> None:
 def test_the_early_write_socket_is_in_a_private_directory_removed_on_close() -> None:
     context = zmq.Context()
     try:
-        outbox = EarlyOutbox(context, f"test-{uuid.uuid4()}", 0, 5700)
+        outbox = EarlyOutbox(context, f"test-{uuid.uuid4()}", 0, 5700, ranks=2)
         try:
-            assert_private(outbox.address)
+            assert len(set(outbox.addresses)) == 2, "one socket per rank"
+            for address in outbox.addresses:
+                assert_private(address)
         finally:
             outbox.close()
-        assert not os.path.exists(ipc_dir(outbox.address))
+        for address in outbox.addresses:
+            assert not os.path.exists(ipc_dir(address))
     finally:
         context.term()
 
@@ -160,7 +163,7 @@ from connector.decode.wake import WakeListener
 import zmq
 listener = WakeListener(sys.argv[1], 0)
 outbox = EarlyOutbox(zmq.Context(), sys.argv[1], 0, 5700)
-print(listener.address, outbox.address, flush=True)
+print(listener.address, *outbox.addresses, flush=True)
 sys.exit(0)  # no close(): as a server whose engine is not shut down
 """
 

@@ -168,3 +168,20 @@ def test_the_worker_starts_early_writes_only_after_their_forward_pass() -> None:
     PrefillWorker._start_early(worker, forward_done=True)
     assert started == [RID, "p-2"] and state(worker._outgoing, "p-2") is S.HANDSHAKING
     assert waits == [4, 5], "an early WRITE of this pass's prompt went before the pass's end"
+
+
+def test_a_rank_starts_only_the_jobs_for_it_the_rest_it_had_early() -> None:
+    """A job names the ranks that start it when the others had its early WRITE already
+    (P with several workers); a job for every rank names none."""
+    import dataclasses
+
+    from connector.protocol.step import PushStep
+
+    started: list[str] = []
+    worker: Any = SimpleNamespace(_rank=0, _start_job=lambda j: started.append(j.request_id),
+                                  write_handshaken=lambda: None, _vllm=None)
+    step = PushStep(jobs=[dataclasses.replace(job("for-rank-1"), ranks=(1,)),
+                          dataclasses.replace(job("for-ranks-0-1"), ranks=(0, 1)),
+                          job("for-all")])
+    PrefillWorker.take_step(worker, step)
+    assert started == ["for-ranks-0-1", "for-all"]
