@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from connector.config import DualConfig
 from connector.decode.wake import WakeSender
 from connector.decode.worker_side import DecodeWorker
-from connector.prefill.fence import fence_for
+from connector.prefill.fence import fence_for, full_graph_note
 from connector.prefill.worker_side import PrefillWorker
 from connector.protocol.step import PushReport, PushStep
 from connector.shared.channel_thread import Guard
@@ -121,6 +121,9 @@ class DualWorker(PullPushWorker):
             if early else None, rank=self.tp_rank,
             wake_poller=self._wake_poller,
             fence=fence_for(device) if early and device is not None else None)
+        note = full_graph_note(vllm_config.compilation_config) if device == "cuda" else None
+        if note is not None and early and config.push_layers != "off":
+            logger.info("pushes by layer: %s", note)
         self.decode = DecodeWorker(self, wake_at=(engine_id, dp_index),
                                    wake_poller=self._wake_poller)
         self._kv_cache_groups = len(kv_cache_config.kv_cache_groups)

@@ -133,6 +133,22 @@ class CudaFence:
                 logger.exception("a fenced WRITE failed")
 
 
+def full_graph_note(compilation_config: Any) -> str | None:
+    """On a GPU: which pushes vLLM's CUDA graphs make P write whole, or None. A full
+    graph's replay skips vLLM's per-layer hook, so a push whose prefill a full graph runs
+    is written whole after the pass (never before its KV is written: the fence). Only
+    graphs for mixed (prefill) batches matter: `FULL`, not `FULL_AND_PIECEWISE` (full for
+    decode batches only)."""
+    mode: Any = getattr(compilation_config, "cudagraph_mode", None)
+    mixed = getattr(mode, "mixed_mode", None)
+    if mixed is None or mixed().name != "FULL":
+        return None
+    size = getattr(compilation_config, "max_cudagraph_capture_size", None)
+    return (f"cudagraph_mode {mode.name} runs prefill batches of up to {size} tokens as "
+            "full CUDA graphs, whose replay skips the per-layer hook: such a push is "
+            "written whole after the pass (push_layers: on asks vLLM for piecewise graphs)")
+
+
 def fence_for(device: str) -> Fence:
     """The fence for a server whose KV cache is on `device` ("cpu", "cuda", ...)."""
     return CudaFence() if device == "cuda" else HostFence()

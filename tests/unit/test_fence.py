@@ -161,3 +161,19 @@ def test_on_a_gpu_a_push_ended_while_its_layer_waited_posts_nothing_more() -> No
         assert agent.posted == [], "a part was written after the push ended"
     finally:
         worker.close_fence()
+
+
+def test_only_full_graphs_for_prefill_batches_are_said_to_make_pushes_whole() -> None:
+    from vllm.config.compilation import CUDAGraphMode
+
+    from connector.prefill.fence import full_graph_note
+
+    def note(mode: CUDAGraphMode) -> str | None:
+        return full_graph_note(SimpleNamespace(cudagraph_mode=mode,
+                                               max_cudagraph_capture_size=512))
+
+    assert note(CUDAGraphMode.FULL) is not None and "512 tokens" in str(note(CUDAGraphMode.FULL))
+    for mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY,
+                 CUDAGraphMode.PIECEWISE, CUDAGraphMode.NONE):
+        assert note(mode) is None, mode
+    assert full_graph_note(SimpleNamespace()) is None  # an older vLLM: nothing to say
