@@ -140,8 +140,9 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # reads where the forward writes it: on CPU at once, on a GPU once a CUDA event says
     # the forward's kernels have written it (connector/prefill/fence.py; not tested on a
     # GPU here); every tensor-parallel worker is told (connector/prefill/early.py). A KV
-    # cache copied to a host buffer is copied only after the pass, and pipeline stages
-    # end their passes apart: those servers always WRITE at the next step.
+    # cache copied to a host buffer is copied only after the pass, pipeline stages end
+    # their passes apart, and context-parallel ranks are not told: those servers always
+    # WRITE at the next step.
     early_write: bool = True
     # P: write a push's KV layer by layer while the forward pass computes the prompt
     # (progressive push, connector/prefill/layers.py), when D registered before that pass
@@ -232,10 +233,12 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
             return prompt_tokens >= self.push_layers_min_tokens
         return self.push_layers == "on"
 
-    def writes_early(self, fenced: bool, pipeline_stages: int) -> bool:
+    def writes_early(self, fenced: bool, world_size: int, tensor_parallel_size: int) -> bool:
         """Whether P WRITEs right after the forward that completes a prompt: `fenced`,
-        its WRITEs can wait for the pass's KV (`vllm_compat.fence_device`)."""
-        return self.early_write and fenced and pipeline_stages == 1
+        its WRITEs can wait for the pass's KV (`vllm_compat.fence_device`), and its
+        workers are its tensor-parallel ranks only (no pipeline stages, whose passes end
+        apart, nor context-parallel ranks: the early sockets are per TP rank)."""
+        return self.early_write and fenced and world_size == tensor_parallel_size
 
     @property
     def authenticated(self) -> bool:

@@ -77,7 +77,8 @@ class DualScheduler(NixlPullConnectorScheduler):
         push_wait_pause = config.wait_pause(on_cpu=on_cpu())
         early_write = config.writes_early(
             fenced=fence_device(vllm_config) is not None,
-            pipeline_stages=vllm_config.parallel_config.pipeline_parallel_size)
+            world_size=vllm_config.parallel_config.world_size,
+            tensor_parallel_size=vllm_config.parallel_config.tensor_parallel_size)
         keys = config.curve_keys()  # read at start: a bad key file fails the start
         # What this P tells the router it can do: push only if vLLM's push code writes a
         # prefix hit's tail right (checked at start, `vllm_compat`).

@@ -113,8 +113,9 @@ class DualWorker(PullPushWorker):
         self._poller_guard = Guard("pd-nixl-poller")
         dp_index = vllm_config.parallel_config.data_parallel_index
         device = fence_device(vllm_config)
-        early = config.writes_early(device is not None,
-                                    vllm_config.parallel_config.pipeline_parallel_size)
+        parallel = vllm_config.parallel_config
+        early = config.writes_early(device is not None, parallel.world_size,
+                                    parallel.tensor_parallel_size)
         self.prefill = PrefillWorker(
             self, pull_fallback_ttl=config.pull_fallback_ttl,
             early_at=(engine_id, dp_index, config.push_port + dp_index, self.tp_rank)

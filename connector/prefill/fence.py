@@ -77,15 +77,23 @@ class CudaFence:
     recorded when it was given has been reached (module docstring)."""
 
     def __init__(self, new_event: Callable[[], Event] | None = None,
-                 sync_stream: Callable[[], None] | None = None) -> None:
+                 sync_stream: Callable[[], None] | None = None,
+                 on_thread_start: Callable[[], None] | None = None) -> None:
+        """Stand-ins for tests; by default CUDA's, on the device current now (the
+        worker's): `on_thread_start` makes it the fence thread's too, which would
+        otherwise be device 0 (and a CUDA context there, for a worker of another GPU)."""
         if new_event is None or sync_stream is None:
             import torch
 
             # A blocking-sync event: the waiting thread sleeps instead of spinning a core.
             new_event = new_event or (lambda: torch.cuda.Event(blocking=True))  # type: ignore[no-untyped-call]
             sync_stream = sync_stream or (lambda: torch.cuda.current_stream().synchronize())
+            if on_thread_start is None:
+                device = torch.cuda.current_device()
+                on_thread_start = lambda: torch.cuda.set_device(device)  # noqa: E731
         self._new_event = new_event
         self._sync_stream = sync_stream
+        self._on_thread_start = on_thread_start or (lambda: None)
         self._queue: queue.SimpleQueue[tuple[Event, Action] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # starts the thread once
@@ -121,6 +129,10 @@ class CudaFence:
                 self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._on_thread_start()
+        except Exception:  # the default device then: events still work, maybe slower
+            logger.exception("the WRITE fence's thread could not take the worker's device")
         while True:
             item = self._queue.get()
             if item is None:

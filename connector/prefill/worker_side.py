@@ -35,12 +35,15 @@ requests are reported finished at once. Each push is one record with its state
 
 Threads: the engine thread runs all of it but `poll_writes`, `_cancel` and
 `_post_finals`, which the worker's poller thread runs, and, on a GPU, `_post` and
-`_finish_layered`, which the fence's thread runs. vLLM's push code keeps its WRITE
-handles in the worker's `_sending_transfers` (with `_send_failures`), under
-`_sending_transfers_lock`; this half keeps each posted WRITE's deadline and the WRITEs
-the poller cancelled under that lock too, and the layered pushes waiting for their final
-parts (`_finishing`); a layered push's parts are posted under it. Its other state is the
-engine thread's (a `LayeredWrite`'s parts are marked posted there, before the fence).
+`_finish_layered` (with its `_post_finals`), which the fence's thread runs. vLLM's push
+code keeps its WRITE handles in the worker's `_sending_transfers` (with
+`_send_failures`), under `_sending_transfers_lock`; this half keeps each posted WRITE's
+deadline and the WRITEs the poller cancelled under that lock too, and the layered
+pushes waiting for their final parts (`_finishing`); a layered push's parts are posted
+under it. Its other state is the engine thread's. A `LayeredWrite` marks its parts
+posted on the engine thread during the pass (`due`), and on the fence's thread after it
+(`rest`, in `_finish_layered`), once the engine thread has let it go (`_layering`
+emptied at the pass's end).
 """
 
 from __future__ import annotations
@@ -152,9 +155,16 @@ class PrefillWorker:
 
     def take_step(self, step: PushStep) -> None:
         """The step's WRITEs to start, and the blocks to release."""
+        waited = False
         for job in step.jobs:
-            if job.ranks is None or self._rank in job.ranks:  # else it came early here
-                self._start_job(job)
+            if job.ranks is not None and self._rank not in job.ranks:
+                continue  # it came here early
+            if job.early_step is not None and not waited:
+                # An early WRITE that reached the engine instead: with vLLM's async
+                # scheduling, the pass that computed its prompt may still run on a GPU.
+                self._fence.wait_for_forward()
+                waited = True
+            self._start_job(job)
         self.write_handshaken()
         vllm = self._vllm
         for rid in step.release:
@@ -211,8 +221,10 @@ class PrefillWorker:
         waited = False
         for record in self._outgoing.early_due(due):
             assert record.job is not None
-            if record.early_step == self._step_number and not waited:
-                self._fence.wait_for_forward()  # this pass computed its prompt (GPU)
+            if not waited:
+                # On a GPU the pass that computed its prompt may still run: this step's,
+                # or, with vLLM's async scheduling, the step before.
+                self._fence.wait_for_forward()
                 waited = True
             self._start_job(record.job)
 

@@ -35,6 +35,8 @@ class WriteOrder(Protocol):
     def write_by(self) -> float: ...
     @property
     def ranks(self) -> tuple[int, ...] | None: ...
+    @property
+    def early_step(self) -> int | None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,8 @@ class PushJob:
     write_within: float = math.inf
     # The ranks (P's workers) that start it; None: all (the others had it early).
     ranks: tuple[int, ...] | None = None
+    # An early WRITE's step (it reached the engine, not the worker); None: not early.
+    early_step: int | None = None
 
     @classmethod
     def of(cls, write: WriteOrder, now: float) -> PushJob:
@@ -68,7 +72,7 @@ class PushJob:
             decode_request_id=reg.request_id, decode_host=reg.host, decode_port=reg.port,
             decode_tp_size=reg.tp_size, decode_block_ids=reg.block_ids,
             fail_on_purpose=write.fail_on_purpose, write_within=write.write_by - now,
-            ranks=write.ranks)
+            ranks=write.ranks, early_step=write.early_step)
 
 
 @dataclass(slots=True)

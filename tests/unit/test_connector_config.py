@@ -51,13 +51,15 @@ def test_the_push_wait_pause_defaults_to_a_pause_on_cpu_only() -> None:
     assert set_.wait_pause(on_cpu=False) == 0.01
 
 
-def test_early_writes_are_on_by_default_for_a_fenced_server_without_pipeline_stages() -> None:
+def test_early_writes_are_on_by_default_for_a_fenced_server_of_tensor_parallel_ranks() -> None:
     default = DualConfig.from_extra_config({"push_port": 5700})
-    assert default.writes_early(fenced=True, pipeline_stages=1)
-    assert not default.writes_early(fenced=False, pipeline_stages=1)  # e.g. a host buffer
-    assert not default.writes_early(fenced=True, pipeline_stages=2)
+    assert default.writes_early(fenced=True, world_size=1, tensor_parallel_size=1)
+    assert default.writes_early(fenced=True, world_size=2, tensor_parallel_size=2)
+    assert not default.writes_early(fenced=False, world_size=1, tensor_parallel_size=1)
+    # pipeline stages or context-parallel ranks beside TP: not every worker is told
+    assert not default.writes_early(fenced=True, world_size=4, tensor_parallel_size=2)
     off = DualConfig.from_extra_config({"push_port": 5700, "early_write": False})
-    assert not off.writes_early(fenced=True, pipeline_stages=1)
+    assert not off.writes_early(fenced=True, world_size=1, tensor_parallel_size=1)
 
 
 def test_numbers_given_as_strings_are_accepted() -> None:

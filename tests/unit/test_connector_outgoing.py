@@ -178,10 +178,35 @@ def test_a_rank_starts_only_the_jobs_for_it_the_rest_it_had_early() -> None:
     from connector.protocol.step import PushStep
 
     started: list[str] = []
+    waits: list[str] = []
     worker: Any = SimpleNamespace(_rank=0, _start_job=lambda j: started.append(j.request_id),
                                   write_handshaken=lambda: None, _vllm=None)
-    step = PushStep(jobs=[dataclasses.replace(job("for-rank-1"), ranks=(1,)),
-                          dataclasses.replace(job("for-ranks-0-1"), ranks=(0, 1)),
+    worker._fence = SimpleNamespace(wait_for_forward=lambda: waits.append(started[-1:]))
+    step = PushStep(jobs=[dataclasses.replace(job("for-rank-1"), ranks=(1,), early_step=3),
+                          dataclasses.replace(job("for-ranks-0-1"), ranks=(0, 1), early_step=3),
                           job("for-all")])
     PrefillWorker.take_step(worker, step)
     assert started == ["for-ranks-0-1", "for-all"]
+    # An early WRITE that came through the engine waits for its pass on a GPU (with
+    # vLLM's async scheduling it may still run), once, before it starts.
+    assert waits == [[]]
+
+
+def test_an_early_write_that_came_late_waits_for_its_pass_on_a_gpu() -> None:
+    """An early WRITE of step 4 that reaches the worker after step 4's end starts at step
+    5's start; with vLLM's async scheduling step 4's kernels may still run on a GPU, so
+    the worker waits for them first (the fence; nothing on CPU)."""
+    inbox = [start_write(RID, TID, 4)]
+    started: list[str] = []
+    waits: list[int] = []
+    worker: Any = SimpleNamespace(_outgoing=OutgoingPushes(), _step_number=5)
+    worker._early_inbox = SimpleNamespace(take=lambda: [inbox.pop(0)] if inbox else [])
+    worker._fence = SimpleNamespace(wait_for_forward=lambda: waits.append(len(started)))
+
+    def start_job(j: PushJob) -> None:
+        started.append(j.request_id)
+        worker._outgoing.start(j, handshaking=True, now=0.0)
+
+    worker._start_job = start_job
+    PrefillWorker._start_early(worker, forward_done=False)
+    assert started == [RID] and waits == [0], "started before waiting for its pass"
