@@ -124,7 +124,7 @@ class Channels:
         self._running: list[PrefillChannel | DecodeChannel] = []
         self._count = 0
 
-    def prefill(self, port: int | None = None, *, early_to: tuple[str, int] | None = None,
+    def prefill(self, port: int | None = None, *, early_to: tuple[str, int, int] | None = None,
                 **config: Any) -> PrefillChannel:
         values: dict[str, Any] = {"engine_id": P_ENGINE, "block_size": BLOCK_SIZE, **config}
         channel = PrefillChannel(PushRegistry(RegistryConfig(**values)), HOST,

@@ -178,7 +178,7 @@ def test_a_rank_starts_only_the_jobs_for_it_the_rest_it_had_early() -> None:
     from connector.protocol.step import PushStep
 
     started: list[str] = []
-    waits: list[str] = []
+    waits: list[list[str]] = []
     worker: Any = SimpleNamespace(_rank=0, _start_job=lambda j: started.append(j.request_id),
                                   write_handshaken=lambda: None, _vllm=None)
     worker._fence = SimpleNamespace(wait_for_forward=lambda: waits.append(started[-1:]))
