@@ -169,7 +169,9 @@ class DualScheduler(NixlPullConnectorScheduler):
         mean_ms = s.write_seconds / s.writes_done * 1000 if s.writes_done else 0.0
         logger.info(
             "push stats: P prefills pull %d push %d probes %d; writes done %d failed %d "
-            "(%d blocks, mean %.1f ms, early %d, by layer %d), offered for pull %d; registry matched %d "
+            "(%d blocks, mean %.1f ms, early %d, by layer %d, by chunk %d of %d chunks asked), "
+            "offered for pull "
+            "%d; registry matched %d "
             "expired %d+%d aborted %d refused %d, write leases lapsed %d; D registered %d "
             "received %d pulled instead "
             "%d fell back %d aborted %d; abandoned %d (ignored %d); dropped: over the "
@@ -180,7 +182,9 @@ class DualScheduler(NixlPullConnectorScheduler):
             "threads: P %d, D %d; "
             "D's sockets to P closed %d, registrations with no socket %d",
             s.pull_prefills, s.push_prefills, s.probes, s.writes_done, s.writes_failed,
-            s.blocks_written, mean_ms, r.early, s.writes_by_layer, s.pull_offers, r.matched,
+            s.blocks_written, mean_ms, r.early, s.writes_by_layer, s.writes_by_chunk, r.chunks,
+            s.pull_offers,
+            r.matched,
             r.expired_registrations, r.expired_unclaimed, r.aborted, r.rejected + r.duplicates,
             r.lease_expired, s.registrations, s.received, s.pulled_instead, s.fell_back, s.aborted,
             r.abandoned, r.abandons_ignored, r.over_limit, r.too_many_blocks,

@@ -167,6 +167,9 @@ class StartWrite:
     # The ranks (P's workers) that start this WRITE; None: all. An early WRITE that
     # reached some ranks at once comes to the others with the next step.
     ranks: tuple[int, ...] | None = None
+    # A chunk of the prompt (`PrefillProgress`), written during or right after step
+    # `early_step` without a notification; the push's final WRITE skips it.
+    chunk: bool = False
     fail_on_purpose: bool = False  # fault injection (`fail_write`): fail, do not WRITE
     # P's monotonic clock (this host's): no part of the WRITE is posted after it, and
     # what is still in flight then is cancelled (the write lease; `Ready.write_by`).
@@ -210,6 +213,18 @@ class PrefillCompleting:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillProgress:
+    """Engine step `step`, being built, computes a chunk of this push's prompt (not its
+    last): after it, P's first `block_ids` hold the prompt's KV."""
+
+    transfer_id: TransferId
+    request_id: RequestId
+    block_ids: BlockIds
+    prompt_blocks: int
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillAborted:
     """P's push request ended before its prefill finished."""
 
@@ -226,7 +241,8 @@ class WriteEnded:
     pull_ttl: float | None
 
 
-PrefillEvent = PrefillFinished | PrefillCompleting | PrefillAborted | WriteEnded
+PrefillEvent = (PrefillFinished | PrefillCompleting | PrefillProgress | PrefillAborted
+                | WriteEnded)
 
 
 class _AllowedKeys:
@@ -337,6 +353,14 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         forward pass."""
         self._post(PrefillCompleting(transfer_id, request_id, block_ids, step,
                                      fail_on_purpose))
+
+    def prefill_progress(self, transfer_id: TransferId, request_id: RequestId,
+                         block_ids: BlockIds, prompt_blocks: int, step: int) -> None:
+        """Engine step `step`, being built, computes a chunk of this push's prompt (not
+        its last), after which P's first `block_ids` hold its KV. If D has registered,
+        those blocks' WRITE (`StartWrite.chunk`) goes straight to P's workers, which write
+        them layer by layer during that step's forward pass."""
+        self._post(PrefillProgress(transfer_id, request_id, block_ids, prompt_blocks, step))
 
     def prefill_aborted(self, transfer_id: TransferId) -> None:
         self._post(PrefillAborted(transfer_id))
@@ -607,6 +631,12 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
                     fail_on_purpose=fail_on_purpose)
                 if ready is not None:
                     self._on_outcome(ready, registration=None)
+            case PrefillProgress(tid, request_id, block_ids, prompt_blocks, step):
+                chunk = self.registry.prefill_progress(
+                    tid, block_ids, request_id=request_id, prompt_blocks=prompt_blocks,
+                    step=step, now=now)
+                if chunk is not None:
+                    self._start_chunk(chunk)
             case PrefillAborted(tid):
                 release = self.registry.prefill_aborted(tid, now=now)
                 if release is not None:
@@ -676,6 +706,19 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         """Whether P's worker's early-WRITE inbox is connected (`EarlyOutbox.connected`),
         waiting up to `timeout` seconds; False when this P makes no early WRITEs."""
         return self._early is not None and self._early.connected(timeout)
+
+    def _start_chunk(self, chunk: Ready) -> None:
+        """Send P's workers a chunk's WRITE (best effort: a rank it cannot reach writes
+        those blocks with the push's final WRITE instead)."""
+        early = self._early
+        write = StartWrite(chunk.transfer_id, chunk.request_id, chunk.block_ids,
+                           chunk.registration, early_step=chunk.early_step,
+                           write_by=chunk.write_by, chunk=True)
+        missed = None if early is None else early.send(write)
+        if missed is None or missed:
+            logger.debug("push %s: a chunk's WRITE did not reach P's worker%s; the final "
+                         "WRITE carries its blocks", chunk.transfer_id,
+                         "" if missed is None else f" ranks {missed}")
 
     def _start_early(self, write: StartWrite) -> None:
         """Send P's workers a WRITE to start right after the forward pass of the step that

@@ -174,6 +174,41 @@ def layout_refusal(*, region_names: Sequence[str], has_state: bool, groups: int,
     return None
 
 
+class ChunkCover:
+    """The descriptors that a push's chunk WRITEs posted (P's blocks of a prompt's
+    earlier chunks, written while later chunks computed), which its final WRITE skips:
+    each a pair (P's local descriptor id, D's remote descriptor id) within a pair of
+    prepared descriptor lists. The final WRITE is planned by vLLM's push code for the
+    whole prompt, so a block a chunk wrote is the same pair there."""
+
+    def __init__(self) -> None:
+        self._pairs: dict[tuple[object, object], list[np.ndarray]] = {}
+
+    def add(self, write: PlannedWrite) -> None:
+        self._pairs.setdefault((write.local_handle, write.remote_handle), []).append(
+            _pair_codes(write))
+
+    def skip(self, write: PlannedWrite) -> PlannedWrite | None:
+        """`write` without the pairs covered (None: nothing left). A write with D's
+        notification keeps at least its last pair: the notification must go."""
+        covered = self._pairs.get((write.local_handle, write.remote_handle))
+        if not covered:
+            return write
+        keep = ~np.isin(_pair_codes(write), np.concatenate(covered))
+        if not keep.any():
+            if not write.notif:
+                return None
+            keep[-1] = True
+        return PlannedWrite(write.local_handle, write.local_ids[keep], write.remote_handle,
+                            write.remote_ids[keep], write.notif)
+
+
+def _pair_codes(write: PlannedWrite) -> np.ndarray:
+    """Each (local id, remote id) pair of `write` as one int64."""
+    return (np.asarray(write.local_ids, dtype=np.int64) << 32) | \
+        np.asarray(write.remote_ids, dtype=np.int64)
+
+
 class Part(enum.Enum):
     WAITING = "waiting"  # its layer is not computed yet
     POSTED = "posted"
@@ -193,9 +228,10 @@ class LayeredWrite:
 
     @classmethod
     def plan(cls, request_id: str, writes: Iterable[PlannedWrite], layers: RegionLayers,
-             ) -> LayeredWrite:
+             *, notify: bool = True) -> LayeredWrite:
         """Cut a push's planned WRITEs (one per D rank) into layers. The last layer that
-        has descriptors carries each WRITE's notification."""
+        has descriptors carries each WRITE's notification; with `notify` False (a chunk's
+        WRITE) there are no final parts, and every layer's part goes as it is computed."""
         by_layer: list[list[PlannedWrite]] = [[] for _ in range(len(layers))]
         final: list[PlannedWrite] = []
         for write in writes:
@@ -203,17 +239,19 @@ class LayeredWrite:
             present = [i for i, part in enumerate(parts) if part is not None]
             if not present:
                 continue
-            last = present[-1]
-            for i in present[:-1]:
+            last = present[-1] if notify else len(parts)
+            for i in present:
                 part = parts[i]
                 assert part is not None
-                by_layer[i].append(part)
-            tail = parts[last]
-            assert tail is not None
-            final.append(PlannedWrite(tail.local_handle, tail.local_ids, tail.remote_handle,
-                                      tail.remote_ids, write.notif))
-        if not final:
+                if i < last:
+                    by_layer[i].append(part)
+                else:
+                    final.append(PlannedWrite(part.local_handle, part.local_ids,
+                                              part.remote_handle, part.remote_ids, write.notif))
+        if not final and not any(by_layer):
             raise ValueError(f"push {request_id}: nothing to write")
+        if notify and not final:
+            raise ValueError(f"push {request_id}: no part carries D's notification")
         return cls(request_id, by_layer, final, state=[Part.WAITING] * len(by_layer))
 
     def due(self, computed: Iterable[int]) -> list[PlannedWrite]:

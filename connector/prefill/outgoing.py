@@ -75,6 +75,7 @@ class OutgoingPush:
     lease_until: float = 0.0  # HELD: when vLLM's pull lease ends (perf_counter)
     deadline: float = math.inf  # no WRITE posted after it (time.monotonic; write lease)
     layered: bool = False  # WRITING: written layer by layer (connector/prefill/layers.py)
+    chunked: bool = False  # WRITING: its earlier chunks' blocks written while later computed
 
 
 class OutgoingPushes:
@@ -141,7 +142,7 @@ class OutgoingPushes:
         blocks = sum(len(group) for group in job.block_ids)
         self._report[job.transfer_id] = PushEnd(
             error, now - record.started, blocks, holding_ranks=int(held),
-            layered=record.layered)
+            layered=record.layered, chunked=record.chunked)
 
     def release(self, request_id: str) -> OutgoingState | None:
         """No READ will come for these blocks: RELEASED. Returns the state it was in

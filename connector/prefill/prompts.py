@@ -47,6 +47,9 @@ class PrefillPush:
     # FOLLOWED: all its blocks so far (None before its first step); COMPLETING: the
     # blocks (clipped for the exchange) its last step was given.
     block_ids: BlockIds | None = None
+    # A layered one computed in chunks: its first blocks that the steps so far asked
+    # P's registry to WRITE as chunks (`PrefillScheduler`, connector/prefill/registry.py).
+    chunk_blocks: int = 0
 
 
 class PrefillPushes:

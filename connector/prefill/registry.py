@@ -55,6 +55,13 @@ back. The caller aborts a grant's `withheld` transfers before it applies it.
   a registration matches it early or its prefill_finished comes. A record carries P's
   fault injection (`fail_on_purpose`) to its Ready.
 
+  prefill_progress (engine step `step`, being built, computes a chunk of the prompt, not
+  its last) answers, for a granted AWAITING_PREFILL registration, a Ready with `chunk`:
+  WRITE P's blocks that the chunks so far made whole, and no earlier chunk covered, into
+  D's matching blocks, without a notification. The transfer stays AWAITING_PREFILL; its
+  final Ready (prefill_completing or prefill_finished) is for the whole prompt, and P's
+  worker skips what chunks wrote (connector/prefill/layers.py, `ChunkCover`).
+
 Who may end a transfer: a registered one is aborted only by the peer that registered it
 (`peer`: its CURVE public key, else its ZMQ routing identity); an abort from anyone else
 is ignored and counted. A transfer no D registered yet may be aborted, or abandoned (the
@@ -226,6 +233,9 @@ class Ready:
     # The caller's clock: no WRITE into D's blocks is posted after this, and one still in
     # flight then is cancelled (the lease's end plus write_s).
     write_by: float = math.inf
+    # A chunk's WRITE (`prefill_progress`): some of the prompt's blocks, no notification
+    # to D, and the transfer stays as it was.
+    chunk: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +288,7 @@ class RegistryCounters:
     prefills: int = 0  # finished prefills accepted
     matched: int = 0  # pairs that became READY
     early: int = 0  # of those, matched before the prefill's last forward pass (early WRITE)
+    chunks: int = 0  # WRITEs of a prompt's chunk while its later chunks compute
     done: int = 0
     failed: int = 0
     aborted: int = 0
@@ -324,6 +335,7 @@ class _Transfer:
     fail_on_purpose: bool = False  # P's fault injection, for its Ready
     granted: bool = False  # a grant of its registrant named it
     grant_by: float | None = None  # registered, not granted: the grant must come by then
+    chunk_blocks: int = 0  # P's first blocks its chunk WRITEs covered (`prefill_progress`)
 
     def due(self) -> float | None:
         """When it ends unless something happens first (None: no deadline here)."""
@@ -588,6 +600,39 @@ class PushRegistry:
         match = self._match(record, now)
         assert isinstance(match, Ready)
         return match
+
+    def prefill_progress(
+        self, transfer_id: TransferId, block_ids: BlockIds, *, request_id: RequestId,
+        prompt_blocks: int, step: int, now: float,
+    ) -> Ready | None:
+        """P computes its prompt in chunks: after engine step `step`, being built, P's
+        first blocks `block_ids` (one KV-cache group) hold the prompt's KV, of a prompt of
+        `prompt_blocks` blocks. Ready (`chunk`): D registered and granted; WRITE, right
+        after that step's forward pass (or layer by layer during it), those of them no
+        chunk covered yet, into D's matching blocks, without a notification; the transfer
+        stays AWAITING_PREFILL, its final WRITE (which skips what chunks wrote) to come.
+        None: nothing to write now. D holds blocks for the prompt's last blocks only (a
+        prefix hit on D: `prompt_blocks` - its count), so P's block i goes to D's block
+        i - that hit, as vLLM's push code pairs them for the whole prompt."""
+        record = self._transfers.get(transfer_id)
+        if record is None or record.state is not TransferState.AWAITING_PREFILL \
+                or not self._writable(record, now):
+            return None
+        registration = record.registration
+        assert registration is not None and record.owner is not None
+        if len(block_ids) != 1 or len(registration.block_ids) != 1:
+            return None  # several KV-cache groups: written whole at the end
+        decode = registration.block_ids[0]
+        hit = prompt_blocks - len(decode)
+        start, end = max(hit, record.chunk_blocks), len(block_ids[0])
+        if hit < 0 or end > prompt_blocks or end <= start:
+            return None
+        record.chunk_blocks = end
+        self._counters.chunks += 1
+        chunk = msgspec.structs.replace(registration,
+                                        block_ids=[list(decode[start - hit:end - hit])])
+        return Ready(transfer_id, chunk, [list(block_ids[0][start:end])], request_id, step,
+                     write_by=self._leases[record.owner] + self.config.write_s, chunk=True)
 
     def prefill_aborted(self, transfer_id: TransferId, *, now: float) -> Release | None:
         """P's request ended without its KV (cancelled, or failed). A waiting D is told at

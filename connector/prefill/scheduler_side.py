@@ -94,6 +94,13 @@ class PrefillScheduler:
         # step being built; and early WRITEs that reached the engine instead of the
         # worker, for the next step.
         self._prefill_pushes = PrefillPushes()
+        # Chunks of a layered push's prompt written while later chunks compute (the
+        # registry pairs P's blocks with D's as vLLM's push code would for the whole
+        # prompt, which speculative decoding's extra slots would shift); requests that
+        # ended with chunks written and no final WRITE, for the next step (P's workers
+        # let go of them).
+        self._chunk_writes = early_write and vllm_config.speculative_config is None
+        self._chunks_dropped: set[str] = set()
         self._step_number = 0
         self._next_step_jobs: list[StartWrite] = []
 
@@ -159,6 +166,8 @@ class PrefillScheduler:
         elif not delay_free or not tid or answer is None:
             if tid:
                 self.channel.prefill_aborted(tid)
+            if record is not None and record.chunk_blocks:
+                self._chunks_dropped.add(rid)
             return delay_free, False
         else:
             completed = answer[http_params.REMOTE_BLOCK_IDS]
@@ -182,7 +191,9 @@ class PrefillScheduler:
         now = time.monotonic()  # each job's write lease, as a lifetime from here
         step.jobs = [PushJob.of(write, now) for write in self._next_step_jobs]
         self._next_step_jobs = []
-        for record in self._prompts_completing(scheduler_output):
+        step.chunks_dropped, self._chunks_dropped = self._chunks_dropped, set()
+        chunks: list[tuple[PrefillPush, list[int]]] = []
+        for record in self._prompts_completing(scheduler_output, chunks):
             # If D has registered, or does before this step ends, P's worker WRITEs right
             # after this step's forward pass; a layered one, while that pass computes it,
             # if D registered in time.
@@ -192,6 +203,14 @@ class PrefillScheduler:
             self.channel.prefill_completing(
                 record.transfer_id, record.request.request_id, record.block_ids,
                 self._step_number, fail_on_purpose=record.fail_on_purpose)
+        for record, blocks in chunks:
+            # A chunk of a layered push's prompt, not its last: if D has registered, P's
+            # worker WRITEs its blocks layer by layer while this step computes them.
+            assert record.transfer_id is not None
+            step.layered.add(record.request.request_id)
+            self.channel.prefill_progress(
+                record.transfer_id, record.request.request_id, [blocks],
+                self._prompt_blocks(record.request), self._step_number)
 
     def take_actions(self, step: PushStep) -> None:
         """What P's channel asks of the engine, into the step being built: WRITEs to start
@@ -207,11 +226,19 @@ class PrefillScheduler:
             elif isinstance(action, FreeBlocks):
                 step.release.add(action.request_id)
 
-    def _prompts_completing(self, scheduler_output: SchedulerOutput) -> Iterator[PrefillPush]:
+    def _prompt_blocks(self, request: Request) -> int:
+        return -(-request.num_prompt_tokens // self._vllm.block_size)
+
+    def _prompts_completing(self, scheduler_output: SchedulerOutput,
+                            chunks: list[tuple[PrefillPush, list[int]]],
+                            ) -> Iterator[PrefillPush]:
         """The followed push prefills this step completes, each now COMPLETING with all
         of its blocks (clipped as for the exchange: what `request_finished` will hand
         over). Updates the blocks of the others (a prompt in chunks gets more blocks each
-        step)."""
+        step), and adds to `chunks` the layered ones this step computes a chunk of (not
+        the last) with their first blocks whose KV is whole after it, when those are more
+        than earlier chunks covered: one KV-cache group and no speculative decoding only,
+        so that P's blocks pair with D's as vLLM's push code pairs them."""
         for rid, new_blocks, full_table in scheduled_blocks(scheduler_output):
             record = self._prefill_pushes.get(rid)
             if record is None or record.state is not PrefillState.FOLLOWED:
@@ -224,11 +251,18 @@ class PrefillScheduler:
                         group.extend(new)
             request = record.request
             scheduled = scheduler_output.num_scheduled_tokens.get(rid, 0)
-            if record.block_ids is not None \
-                    and request.num_computed_tokens + scheduled >= request.num_prompt_tokens:
+            if record.block_ids is None:
+                continue
+            computed = request.num_computed_tokens + scheduled
+            if computed >= request.num_prompt_tokens:
                 clipped = self._vllm.get_exchange_clipped_blocks(record.block_ids)
                 self._prefill_pushes.completing(record, [list(group) for group in clipped])
                 yield record
+            elif record.layered and self._chunk_writes and len(record.block_ids) == 1:
+                whole = min(computed // self._vllm.block_size, len(record.block_ids[0]))
+                if whole > record.chunk_blocks and record.transfer_id is not None:
+                    record.chunk_blocks = whole
+                    chunks.append((record, list(record.block_ids[0][:whole])))
 
     def writes_ended(self, report: KVConnectorWorkerMetadata | None) -> None:
         """The workers' report: tell the registry of each WRITE every rank has ended."""
@@ -244,6 +278,7 @@ class PrefillScheduler:
             if end.error is None:
                 self.stats.writes_done += 1
                 self.stats.writes_by_layer += end.layered
+                self.stats.writes_by_chunk += end.chunked
                 self.stats.blocks_written += end.blocks
                 self.stats.write_seconds += end.seconds
                 logger.debug("push %s: %d blocks written in %.1f ms", tid, end.blocks,

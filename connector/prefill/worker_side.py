@@ -61,6 +61,7 @@ from connector.prefill.early import EarlyInbox
 from connector.prefill.fence import Fence, HostFence
 from connector.prefill.layers import (
     HELD,
+    ChunkCover,
     LayeredWrite,
     PlannedWrite,
     RecordingAgent,
@@ -125,6 +126,16 @@ class PrefillWorker:
         # go under vLLM's pull lease (`lease_for_pull`) while vLLM may still list the
         # request as not processed (its check that no such request has a lease fails).
         self._ending: list[tuple[OutgoingPush, str]] = []
+        # Chunk WRITEs (a layered push whose prompt is computed in chunks: its blocks so
+        # far, written while later chunks compute; `PushJob.chunk`): those taken from the
+        # inbox and not started yet, with their steps; those this step writes by layer;
+        # by request, the descriptors they posted, which its final WRITE skips; and, under
+        # vLLM's lock, the requests one of whose chunk WRITEs failed or was cancelled (its
+        # final WRITE then writes every block).
+        self._chunk_jobs: list[tuple[PushJob, int]] = []
+        self._chunking: dict[str, LayeredWrite] = {}
+        self._chunked: dict[str, ChunkCover] = {}
+        self._chunks_failed: set[str] = set()
 
     def kv_caches_registered(self, *, groups: int) -> None:
         """After vLLM registered the KV caches with NIXL: can pushes be cut by layer?"""
@@ -166,11 +177,15 @@ class PrefillWorker:
                 waited = True
             self._start_job(job)
         self.write_handshaken()
+        for rid in step.chunks_dropped:
+            self._drop_chunks(rid)  # its request ended before its prompt was computed
         vllm = self._vllm
         for rid in step.release:
             # A failed push's blocks, kept for a READ that will not come: drop the lease
             # (vLLM's, unless they were not put under it yet).
             was = self._outgoing.release(rid)
+            if was is None and rid in self._chunked:
+                self._drop_chunks(rid)  # no final WRITE: D gave up on the push
             if was is None or was is OutgoingState.RELEASED:
                 if vllm._reqs_to_send.pop(rid, None) is not None:
                     vllm._reqs_to_process.discard(rid)
@@ -189,6 +204,9 @@ class PrefillWorker:
             pushes = list(self._layering.values())
             self._fence.after_queued_work(lambda: self._finish_layered(pushes))
             self._layering = {}
+        for chunk in self._chunking.values():
+            self._post_after_layer(chunk, chunk.rest())
+        self._chunking = {}
         self._layered_wanted = set()
         self._start_early(forward_done=True)
 
@@ -205,28 +223,37 @@ class PrefillWorker:
         self._computed.add(layer)
         self._start_early(forward_done=False)  # new matches from P's channel thread
         self._start_layered()
-        for push in self._layering.values():
+        for push in (*self._layering.values(), *self._chunking.values()):
             self._post_after_layer(push, push.due((layer,)))
 
     def _start_early(self, *, forward_done: bool) -> None:
-        """Start the early WRITEs whose prompt is computed: their step is an earlier one,
-        or this one once its forward pass is done."""
+        """Start the early WRITEs (and chunk WRITEs) whose blocks are computed: their step
+        is an earlier one, or this one once its forward pass is done."""
         if self._early_inbox is None:
             return
         for write in self._early_inbox.take():  # from P's channel thread, on this host
             now = time.monotonic()
             job = PushJob.of(write, now)
-            self._outgoing.early(job, write.early_step, deadline=now + job.write_within)
+            if job.chunk:
+                self._chunk_jobs.append((job, write.early_step or self._step_number))
+            else:
+                self._outgoing.early(job, write.early_step, deadline=now + job.write_within)
         due = self._step_number if forward_done else self._step_number - 1
-        waited = False
+        jobs = [job for job, step in self._chunk_jobs if step <= due]
+        if jobs:
+            self._chunk_jobs = [(job, step) for job, step in self._chunk_jobs if step > due]
         for record in self._outgoing.early_due(due):
             assert record.job is not None
-            if not waited:
-                # On a GPU the pass that computed its prompt may still run: this step's,
-                # or, with vLLM's async scheduling, the step before.
-                self._fence.wait_for_forward()
-                waited = True
-            self._start_job(record.job)
+            jobs.append(record.job)
+        if jobs:
+            # On a GPU the pass that computed their blocks may still run: this step's,
+            # or, with vLLM's async scheduling, the step before.
+            self._fence.wait_for_forward()
+        for job in jobs:
+            if job.chunk:
+                self._write_chunk(job)
+            else:
+                self._start_job(job)
 
     def lease_for_pull(self) -> None:
         """Put failed WRITEs' blocks under vLLM's pull lease. Only after vLLM's pull code
@@ -255,9 +282,18 @@ class PrefillWorker:
     # --- the WRITE, layer by layer ---------------------------------------------------------
 
     def _start_layered(self) -> None:
-        """Start, by layer, the early WRITEs of this step that it asks to write so."""
+        """Start, by layer, the early WRITEs and chunk WRITEs of this step that it asks to
+        write so."""
         if not self._layered_wanted:
             return
+        if self._chunk_jobs:
+            now = [job for job, step in self._chunk_jobs if step == self._step_number
+                   and job.request_id in self._layered_wanted]
+            self._chunk_jobs = [(job, step) for job, step in self._chunk_jobs
+                                if not (step == self._step_number
+                                        and job.request_id in self._layered_wanted)]
+            for job in now:
+                self._write_chunk(job)
         for record in self._outgoing.early_due(self._step_number):
             if record.early_step == self._step_number \
                     and record.request_id in self._layered_wanted:
@@ -281,18 +317,94 @@ class PrefillWorker:
             self._layered_wanted.discard(job.request_id)
             return
         try:
-            push = LayeredWrite.plan(job.request_id, self._plan(job), self._layers)
+            push = LayeredWrite.plan(job.request_id, self._skip_chunks(job, self._plan(job)),
+                                     self._layers)
         except Exception as exc:  # a layout vLLM's push code refuses, or NIXL itself
             logger.exception("push %s: WRITE could not start", job.transfer_id)
             self._ending.append((record, f"WRITE could not start: {exc}"))
             self._layered_wanted.discard(job.request_id)
             return
-        with vllm._sending_transfers_lock:
-            vllm._sending_transfers[job.request_id].append(HELD)
-            self._write_deadlines[job.request_id] = record.deadline
+        self._hold(job.request_id, record.deadline)
         self._layering[job.request_id] = push
         self._post_after_layer(push, push.due(self._computed))
         self._wake_poller()
+
+    def _hold(self, rid: str, deadline: float) -> None:
+        """Keep `rid`'s push open in vLLM's bookkeeping (`HELD`, once) until its final
+        parts are posted; its WRITEs are posted by `deadline` (the latest of its leases)."""
+        vllm = self._vllm
+        with vllm._sending_transfers_lock:
+            handles = vllm._sending_transfers[rid]
+            if HELD not in handles:
+                handles.append(HELD)
+            self._write_deadlines[rid] = max(self._write_deadlines.get(rid, deadline), deadline)
+
+    # --- the WRITE of a chunk, and of what chunks left -------------------------------------
+
+    def _write_chunk(self, job: PushJob) -> None:
+        """Start a chunk's WRITE, by layer: the layers computed so far at once, the others
+        as the pass computes them, none with a notification. One that cannot start now
+        is dropped: the push's final WRITE writes its blocks."""
+        vllm = self._vllm
+        rid = job.request_id
+        deadline = time.monotonic() + job.write_within
+        with vllm._handshake_lock:
+            ready = job.decode_engine_id in vllm._remote_agents
+        if self._layers is None or not ready or time.monotonic() >= deadline \
+                or self._outgoing.get(rid) is not None:
+            return  # written whole at the end (no handshake yet; or its final began)
+        try:
+            planned = self._plan(job)
+            chunk = LayeredWrite.plan(rid, planned, self._layers, notify=False)
+        except Exception:  # a layout vLLM's push code refuses, or NIXL itself
+            logger.exception("push %s: a chunk's WRITE could not start; the final WRITE "
+                             "carries its blocks", job.transfer_id)
+            return
+        cover = self._chunked.setdefault(rid, ChunkCover())
+        for write in planned:
+            cover.add(write)
+        self._hold(rid, deadline)
+        self._chunking[rid] = chunk
+        self._post_after_layer(chunk, chunk.due(self._computed))
+        self._wake_poller()
+
+    def _skip_chunks(self, job: PushJob, planned: list[PlannedWrite]) -> list[PlannedWrite]:
+        """A push's planned WRITEs without what its chunk WRITEs posted."""
+        cover = self._chunked.get(job.request_id)
+        if cover is None:
+            return planned
+        record = self._outgoing.get(job.request_id)
+        if record is not None:
+            record.chunked = True
+        return [write for write in map(cover.skip, planned) if write is not None]
+
+    def _write_after_chunks(self, record: OutgoingPush) -> None:
+        """The final WRITE of a push that chunk WRITEs began, started after the forward
+        pass: what the chunks left, its final parts (D's notification) once every part,
+        the chunks' too, is done (`_post_finals`)."""
+        job = record.job
+        assert job is not None and self._layers is not None
+        try:
+            push = LayeredWrite.plan(job.request_id, self._skip_chunks(job, self._plan(job)),
+                                     self._layers)
+        except Exception as exc:  # a layout vLLM's push code refuses, or NIXL itself
+            logger.exception("push %s: WRITE could not start", job.transfer_id)
+            self._end(record, f"WRITE could not start: {exc}")
+            return
+        self._hold(job.request_id, record.deadline)
+        self._finish_layered([push])
+        self._wake_poller()
+
+    def _drop_chunks(self, rid: str) -> None:
+        """`rid`'s push is over (or will have no final WRITE): forget its chunks, and let
+        vLLM's bookkeeping end it once their WRITEs are done."""
+        self._chunked.pop(rid, None)
+        self._chunking.pop(rid, None)
+        self._chunk_jobs = [(job, step) for job, step in self._chunk_jobs
+                            if job.request_id != rid]
+        with self._vllm._sending_transfers_lock:
+            self._chunks_failed.discard(rid)
+            self._drop_held(rid)
 
     def _plan(self, job: PushJob) -> list[PlannedWrite]:
         """The WRITEs vLLM's push code would post for `job`, recorded, not posted."""
@@ -360,6 +472,10 @@ class PrefillWorker:
             if not handles or HELD not in handles:  # cancelled at its deadline, or failed
                 del self._finishing[rid]
                 continue
+            if rid in self._chunks_failed:  # some blocks may be missing: D reads instead
+                self._drop_held(rid)
+                vllm._send_failures.add(rid)
+                continue
             states = [agent.check_xfer_state(h) for h in handles if h is not HELD]
             if any(state not in ("DONE", "PROC") for state in states):
                 self._drop_held(rid)  # vLLM's bookkeeping reports the failed part
@@ -413,6 +529,9 @@ class PrefillWorker:
         if time.monotonic() >= record.deadline:
             self._end(record, "not posted: its write lease ended first (D may have given up "
                               "on the push, and may reuse its blocks)")
+            return
+        if job.request_id in self._chunked:
+            self._write_after_chunks(record)
             return
         vllm = self._vllm
         vllm._engine_last_active[job.decode_engine_id] = time.perf_counter()
@@ -490,6 +609,8 @@ class PrefillWorker:
         when the WRITE failed, keep them under vLLM's pull lease for D to READ."""
         self._outgoing.ended(record, error, now=time.perf_counter(),
                              lease_ttl=self._pull_fallback_ttl)
+        if record.request_id in self._chunked:
+            self._drop_chunks(record.request_id)
 
     # --- each step: what finished ---------------------------------------------------------
 
@@ -503,6 +624,7 @@ class PrefillWorker:
             vllm._send_failures.clear()
             for rid in failed & self._finishing.keys():
                 self._drop_held(rid)  # a part failed: no final part, the push fails
+            self._chunks_failed |= failed & self._chunked.keys()
             cancelled = self._cancelled & done
             self._cancelled -= done
             for rid in done:

@@ -37,6 +37,8 @@ class WriteOrder(Protocol):
     def ranks(self) -> tuple[int, ...] | None: ...
     @property
     def early_step(self) -> int | None: ...
+    @property
+    def chunk(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +63,9 @@ class PushJob:
     ranks: tuple[int, ...] | None = None
     # An early WRITE's step (it reached the engine, not the worker); None: not early.
     early_step: int | None = None
+    # Only some of the prompt's blocks, computed in an earlier chunk, without D's
+    # notification: the push's final WRITE skips them (connector/prefill/layers.py).
+    chunk: bool = False
 
     @classmethod
     def of(cls, write: WriteOrder, now: float) -> PushJob:
@@ -72,7 +77,7 @@ class PushJob:
             decode_request_id=reg.request_id, decode_host=reg.host, decode_port=reg.port,
             decode_tp_size=reg.tp_size, decode_block_ids=reg.block_ids,
             fail_on_purpose=write.fail_on_purpose, write_within=write.write_by - now,
-            ranks=write.ranks, early_step=write.early_step)
+            ranks=write.ranks, early_step=write.early_step, chunk=write.chunk)
 
 
 @dataclass(slots=True)
@@ -90,8 +95,12 @@ class PushStep:
     release: set[str] = field(default_factory=set)
     # P: push requests whose prompt this step completes, to be written layer by layer
     # while its forward pass runs, if D has registered by then (progressive push,
-    # connector/prefill/layers.py); otherwise they are written whole after it.
+    # connector/prefill/layers.py); otherwise they are written whole after it. Also
+    # those it computes a chunk of (not the last), whose chunk WRITE goes so.
     layered: set[str] = field(default_factory=set)
+    # P: push requests that ended before their prompt was computed (vLLM freed their
+    # blocks) after chunk WRITEs: P's workers let go of them, reporting nothing.
+    chunks_dropped: set[str] = field(default_factory=set)
     # D: pushes that failed while P kept the prompt's KV: READ P's blocks instead.
     pull: dict[str, PullOffer] = field(default_factory=dict)
     # The scheduler's count of the steps it built, this one included: P's worker starts
@@ -115,6 +124,7 @@ class PushEnd:
     ranks: int = 1
     holding_ranks: int = 0
     layered: bool = False  # written layer by layer (on every rank, when merged)
+    chunked: bool = False  # its earlier chunks written while later ones computed (any rank)
 
     def merge(self, other: PushEnd) -> PushEnd:
         """Both ranks' shares (of the same blocks): failed if either failed; as long as
@@ -122,7 +132,7 @@ class PushEnd:
         return PushEnd(self.error if self.error is not None else other.error,
                        max(self.seconds, other.seconds), max(self.blocks, other.blocks),
                        self.ranks + other.ranks, self.holding_ranks + other.holding_ranks,
-                       self.layered and other.layered)
+                       self.layered and other.layered, self.chunked or other.chunked)
 
 
 class PushReport(KVConnectorWorkerMetadata):

@@ -17,6 +17,7 @@ class PushStats:
     writes_done: int = 0  # P: pushes written
     writes_failed: int = 0
     writes_by_layer: int = 0  # P: of the pushes written, those written layer by layer
+    writes_by_chunk: int = 0  # P: ... those whose earlier chunks went while later computed
     blocks_written: int = 0
     write_seconds: float = 0.0  # P: summed WRITE time, registration match to completion
     registrations: int = 0  # D: pushes registered with a P

@@ -192,3 +192,132 @@ def test_a_match_in_mid_pass_writes_the_layers_computed_so_far_at_once(
     worker.write_early()
     until(lambda: path.notifs == [b"d-req:1"], "D's notification", path)
     assert path.layer_written(1)
+
+
+def chunk_job() -> PushJob:
+    """The WRITE of the prompt's first chunk: P's block 1 into D's block 0, no notice."""
+    return PushJob(transfer_id=TransferId("t-layers"), request_id=RID, block_ids=[[1]],
+                   decode_engine_id="d-engine", decode_request_id="d-req", decode_host="",
+                   decode_port=0, decode_tp_size=1, decode_block_ids=[[0]],
+                   write_within=30.0, chunk=True)
+
+
+def test_a_chunk_lands_while_the_next_computes_and_the_final_write_skips_it(
+    path: LayeredPath,
+) -> None:
+    """The prompt in two chunks: the first chunk's block is written layer by layer during
+    its own step, without a notification; the last step's WRITE writes only the block
+    the chunk left, and D's notification comes once both have landed."""
+    worker = path.worker
+    worker._early_inbox = SimpleNamespace(take=lambda: [])
+    worker._chunk_jobs.append((chunk_job(), STEP - 1))  # from P's channel, early
+    worker.begin_step(PushStep(layered={RID}, number=STEP - 1))
+    worker.layer_saved("layer.0")
+    worker.layer_saved("layer.1")
+    worker.write_early()
+
+    def chunk_landed() -> bool:
+        d = np.asarray(path.d_buffer.read_back())
+        return all((d[region * BLOCKS_PER_REGION] == region * BLOCKS_PER_REGION + 2).all()
+                   for region in range(len(REGIONS)))
+
+    until(chunk_landed, "the first chunk's block on D, every layer", path)
+    assert path.notifs == [], "a chunk's WRITE notified D"
+    assert RID in worker._vllm._sending_transfers, "the push is not held open"
+
+    posted = count_posts(worker)
+    worker._outgoing.early(job(), STEP, deadline=time.monotonic() + 30.0)  # the last step
+    worker.begin_step(PushStep(layered={RID}, number=STEP))
+    worker.layer_saved("layer.0")
+    worker.layer_saved("layer.1")
+    worker.write_early()
+    until(lambda: path.notifs == [b"d-req:1"], "D's notification", path)
+    assert path.layer_written(0) and path.layer_written(1)
+
+    results = SimpleNamespace(finished_sending=set())
+    until(lambda: (worker.transfer_results(results), RID in results.finished_sending)[1],
+          "P's blocks freed", path)
+    (end,) = worker.take_report().ended.values()
+    assert end.error is None and end.layered and end.chunked
+    assert sorted(i for ids in posted for i in ids) == sorted(descs([3]).tolist()), (
+        "the final WRITE did not write exactly the block the chunk left")
+    assert worker._vllm._sending_transfers == {} and worker._chunked == {}
+
+
+def count_posts(worker: Any) -> list[list[int]]:
+    """The local descriptor ids of each WRITE the worker posts from now on."""
+    posted: list[list[int]] = []
+    recording = worker._vllm.nixl_wrapper
+    agent = recording._agent
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(agent, name)
+
+        def make_prepped_xfer(self, op: str, local: Any, local_ids: Any, *args: Any,
+                              **kwargs: Any) -> Any:
+            posted.append([int(i) for i in local_ids])
+            return agent.make_prepped_xfer(op, local, local_ids, *args, **kwargs)
+
+    recording._agent = Counting()
+    return posted
+
+
+def test_a_failed_chunk_fails_the_push_so_that_d_reads_it_instead(path: LayeredPath) -> None:
+    """One of a chunk's WRITE handles failed (vLLM's bookkeeping says so): the final
+    WRITE must not notify D of a prompt with a hole in it; the push fails, and P keeps
+    its blocks for D to read."""
+    worker = path.worker
+    worker._early_inbox = SimpleNamespace(take=lambda: [])
+    worker._chunk_jobs.append((chunk_job(), STEP - 1))
+    worker.begin_step(PushStep(layered={RID}, number=STEP - 1))
+    worker.layer_saved("layer.0")
+    worker.layer_saved("layer.1")
+    worker.write_early()
+    with worker._vllm._sending_transfers_lock:
+        worker._vllm._send_failures.add(RID)  # as vLLM's code does for a failed handle
+    worker.transfer_results(SimpleNamespace(finished_sending=set()))
+
+    worker._outgoing.early(job(), STEP, deadline=time.monotonic() + 30.0)
+    worker.begin_step(PushStep(layered={RID}, number=STEP))
+    worker.layer_saved("layer.0")
+    worker.layer_saved("layer.1")
+    worker.write_early()
+    results = SimpleNamespace(finished_sending=set())
+
+    def ended() -> bool:
+        worker.transfer_results(results)
+        report = worker.take_report()
+        if report is None or not report.ended:
+            return False
+        (end,) = report.ended.values()
+        assert end.error is not None and end.holding_ranks == 1, end
+        return True
+
+    until(ended, "the push's end", path)
+    for _ in range(50):
+        path.progress()
+    assert path.notifs == [], "D was notified of a push a chunk of which failed"
+    assert worker._chunked == {}
+
+
+def test_a_request_that_ends_after_its_chunks_holds_nothing(path: LayeredPath) -> None:
+    """P's request ended with chunks written and no final WRITE (aborted; vLLM freed its
+    blocks): P's scheduler says so with a step, and the worker lets the push go from
+    vLLM's bookkeeping once the chunks' WRITEs are done, reporting nothing finished."""
+    worker = path.worker
+    worker._early_inbox = SimpleNamespace(take=lambda: [])
+    worker._chunk_jobs.append((chunk_job(), STEP - 1))
+    worker.begin_step(PushStep(layered={RID}, number=STEP - 1))
+    worker.layer_saved("layer.0")
+    worker.layer_saved("layer.1")
+    worker.write_early()
+    assert RID in worker._vllm._sending_transfers
+    dropped = PushStep(number=STEP, chunks_dropped={RID})
+    worker.begin_step(dropped)
+    worker.take_step(dropped)
+    results = SimpleNamespace(finished_sending=set())
+    until(lambda: (worker.transfer_results(results), not worker._vllm._sending_transfers)[1],
+          "the chunk's handles done and released", path)
+    assert worker._chunked == {} and results.finished_sending == set()
+    assert path.notifs == []

@@ -147,7 +147,7 @@ def test_the_worker_starts_early_writes_only_after_their_forward_pass() -> None:
     inbox = [start_write(RID, TID, 4), start_write("p-2", "t-2", 5)]
     started: list[str] = []
     waits: list[int] = []
-    worker: Any = SimpleNamespace(_outgoing=OutgoingPushes(), _step_number=4)
+    worker: Any = SimpleNamespace(_outgoing=OutgoingPushes(), _step_number=4, _chunk_jobs=[])
     worker._early_inbox = SimpleNamespace(take=lambda: [inbox.pop(0)] if inbox else [])
     worker._fence = SimpleNamespace(wait_for_forward=lambda: waits.append(worker._step_number))
 
@@ -199,7 +199,7 @@ def test_an_early_write_that_came_late_waits_for_its_pass_on_a_gpu() -> None:
     inbox = [start_write(RID, TID, 4)]
     started: list[str] = []
     waits: list[int] = []
-    worker: Any = SimpleNamespace(_outgoing=OutgoingPushes(), _step_number=5)
+    worker: Any = SimpleNamespace(_outgoing=OutgoingPushes(), _step_number=5, _chunk_jobs=[])
     worker._early_inbox = SimpleNamespace(take=lambda: [inbox.pop(0)] if inbox else [])
     worker._fence = SimpleNamespace(wait_for_forward=lambda: waits.append(len(started)))
 

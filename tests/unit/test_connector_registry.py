@@ -720,3 +720,57 @@ def test_config_is_a_frozen_value() -> None:
     with pytest.raises(AttributeError):
         config.block_size = 8  # type: ignore[misc]
     assert msgspec.structs.asdict(config)["unclaimed_ttl"] > 0
+
+
+# --- chunks: a prompt computed in several steps, written while later chunks compute -------
+
+
+def progress(r: PushRegistry, blocks: list[int], *, prompt_blocks: int = 6,
+             step: int = 3) -> Ready | None:
+    from tests.unit.registry_kit import plain
+
+    return plain(r.prefill_progress(T1, [blocks], request_id=P_REQ,
+                                    prompt_blocks=prompt_blocks, step=step, now=0.0))
+
+
+def test_a_chunk_d_registered_for_is_written_and_the_transfer_waits_on() -> None:
+    """D registered for its 4 uncached blocks of a 6-block prompt (a 2-block prefix hit
+    on D): P's blocks from the third pair with D's from the first, as vLLM's push code
+    pairs them for the whole prompt; each chunk writes only what no chunk did."""
+    r = registry()
+    d_tail = reg(block_ids=[[30, 31, 32, 33]])
+    r.register(d_tail, now=0.0)
+    assert progress(r, [10, 11]) is None, "all of it cached on D: nothing to write"
+    first = progress(r, [10, 11, 12, 13])
+    assert first == Ready(T1, reg(block_ids=[[30, 31]]), [[12, 13]], P_REQ, early_step=3,
+                          chunk=True)
+    second = progress(r, [10, 11, 12, 13, 14], step=4)
+    assert second == Ready(T1, reg(block_ids=[[32]]), [[14]], P_REQ, early_step=4,
+                           chunk=True)
+    assert progress(r, [10, 11, 12, 13, 14], step=5) is None, "nothing new"
+    snapshot = r.snapshot()
+    assert snapshot.by_state[S.AWAITING_PREFILL] == 1 and snapshot.counters.chunks == 2
+    assert snapshot.counters.matched == 0, "a chunk is no match: the final WRITE is to come"
+    final = r.prefill_completing(T1, [[10, 11, 12, 13, 14, 15]], request_id=P_REQ, step=6,
+                                 now=0.0)
+    assert final is not None and not final.chunk and final.block_ids == [[10, 11, 12, 13, 14, 15]]
+
+
+@pytest.mark.parametrize("blocks, prompt_blocks", [
+    ([10, 11, 12], 2),  # more blocks than the prompt has: not this prompt's pairing
+    ([10], 2),          # D's registration names more blocks than the prompt has
+], ids=["past-the-prompt", "d-holds-more"])
+def test_a_chunk_that_cannot_be_paired_with_d_is_not_written(
+    blocks: list[int], prompt_blocks: int,
+) -> None:
+    r = registry()
+    r.register(reg(block_ids=[[30, 31, 32]]), now=0.0)
+    assert progress(r, blocks, prompt_blocks=prompt_blocks) is None
+
+
+def test_no_chunk_without_a_registration_or_with_several_kv_groups() -> None:
+    r = registry()
+    assert progress(r, [10, 11]) is None  # nobody registered yet
+    r.register(reg(), now=0.0)  # two KV-cache groups
+    assert r.prefill_progress(T1, [[10], [20]], request_id=P_REQ, prompt_blocks=3, step=1,
+                              now=0.0) is None

@@ -260,3 +260,35 @@ def test_a_push_past_its_write_lease_is_cancelled_whole_and_never_notified() -> 
     assert vllm._sending_transfers["r"] == [] and HELD not in vllm._sending_transfers["r"]
     assert "r" in vllm._send_failures and "r" not in worker._finishing
     assert len(agent.posted) == 2, "the final part was posted after the lease"
+
+
+# --- chunks: written without a notification, skipped by the final WRITE ------------------
+
+
+def test_a_chunks_write_has_every_layer_as_a_part_and_no_notification() -> None:
+    layers = RegionLayers(NAMES, BLOCKS)
+    chunk = LayeredWrite.plan("r", [whole([1, 2], [5, 6])], layers, notify=False)
+    assert chunk.final == []
+    assert [sorted(p.local_ids.tolist()) for p in chunk.rest()] == [[1, 2, 11, 12],
+                                                                     [21, 22, 31, 32]]
+    assert all(part.notif == b"" for layer in chunk.parts for part in layer)
+
+
+def test_the_final_write_skips_what_chunks_wrote_but_keeps_its_notification() -> None:
+    from connector.prefill.layers import ChunkCover
+
+    layers = RegionLayers(NAMES, BLOCKS)
+    cover = ChunkCover()
+    cover.add(whole([1, 2], [5, 6], notif=b"d:1"))  # a chunk's plan: blocks 1, 2
+    final = cover.skip(whole([1, 2, 3], [5, 6, 7], notif=b"d:1"))
+    assert final is not None
+    assert sorted(final.local_ids.tolist()) == [3, 13, 23, 33], "only block 3 is left"
+    push = LayeredWrite.plan("r", [final], layers)
+    assert push.final[0].notif == b"d:1" and push.final[0].local_ids.tolist() == [23, 33]
+    # the same P block into another D block is no chunk's: kept
+    other = cover.skip(whole([1], [9], notif=b""))
+    assert other is not None and other.local_ids.size == 4
+    # all of it written by chunks: a WRITE with D's notification keeps one pair for it
+    kept = cover.skip(whole([1, 2], [5, 6], notif=b"d:1"))
+    assert kept is not None and kept.local_ids.size == 1 and kept.notif == b"d:1"
+    assert cover.skip(whole([1, 2], [5, 6], notif=b"")) is None

@@ -122,7 +122,7 @@ def test_p_follows_a_push_prompt_through_a_preemption_in_either_version(
     completing = scheduler_side.PrefillScheduler._prompts_completing
 
     def step(output: Any) -> list[str]:
-        return [r.request.request_id for r in completing(cast(Any, fake), output)]
+        return [r.request.request_id for r in completing(cast(Any, fake), output, [])]
 
     assert step(_output(new={"r": [1, 2]}, cached={}, scheduled={"r": 16})) == []
     assert step(_output(new={}, cached={"r": [3]}, scheduled={"r": 16})) == []

@@ -1,0 +1,79 @@
+"""A push whose prompt P computes in several chunks, on real vLLM CPU servers with our
+`NixlDualConnector`: P's token budget (`--max-num-batched-tokens`) is 64 tokens and its
+blocks 32, so a prompt of 130-260 tokens takes 3-5 steps. D registers before P starts;
+with the push written by layer, each chunk's whole blocks are written while the next
+chunk computes, and the last step's WRITE writes only the rest. The greedy tokens equal
+one server's, D got the whole prompt by transfer, and neither server holds a block
+afterwards. The test stops the session's shared pair first, since only one pair may run
+at a time (see conftest)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+
+import httpx
+import pytest
+
+from testbed.vllm_cpu import Pair, ServerStartError, run_servers, server_spec
+from tests.e2e.conftest import (
+    DUAL,
+    DUAL_EXTRA_CONFIG,
+    LOG_DIR,
+    PAIR_START_TIMEOUT_S,
+    PairManager,
+)
+from tests.e2e.test_dual_connector import (
+    assert_nothing_held,
+    push_registered_first,
+    push_stats,
+)
+from tests.e2e.test_push_tp_vllm import transferred
+from tests.e2e.vllm_client import (
+    COMPLETIONS,
+    TIMEOUT,
+    external_kv_tokens,
+    reference_tokens,
+    wait_for_metric,
+)
+
+pytestmark = pytest.mark.e2e
+
+CHUNKED = ("--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--block-size", "32")
+
+
+@pytest.fixture(scope="module")
+def chunked_pair(pair_manager: PairManager, tiny_model: Path) -> Iterator[Pair]:
+    """A P and a D with our connector whose steps compute at most 64 tokens."""
+    pair_manager.close()  # one pair at a time: stop the session's own first
+    specs = [server_spec(role, connector=DUAL, model_dir=tiny_model, log_dir=LOG_DIR,
+                         name=f"{role}-chunked", kv_extra_config=DUAL_EXTRA_CONFIG,
+                         extra_args=CHUNKED)
+             for role in ("prefill", "decode")]
+    try:
+        with run_servers(specs, start_timeout_s=PAIR_START_TIMEOUT_S) as (prefill, decode):
+            yield Pair(connector=DUAL, prefill=prefill, decode=decode)
+    except ServerStartError as exc:
+        pytest.fail(f"starting the chunked pair failed: {exc}", pytrace=False)
+
+
+async def test_a_prompt_in_chunks_is_written_chunk_by_chunk_and_gives_one_servers_tokens(
+    chunked_pair: Pair,
+) -> None:
+    """The first push makes P's NIXL handshake with D (a push to a D P has no handshake
+    with yet is written whole, its chunks too); the second goes by layer and by chunk."""
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        await push_registered_first(client, chunked_pair, push_layers=False)
+        body, _, d_before, (tokens, prompt_tokens) = await push_registered_first(
+            client, chunked_pair, push_layers=True)
+        assert prompt_tokens > 64 * 2, "the prompt fits in two steps: no chunk to write"
+        after = await wait_for_metric(client, chunked_pair.decode_url,
+                                      partial(transferred, d_before, prompt_tokens))
+        assert external_kv_tokens(after) - external_kv_tokens(d_before) == prompt_tokens, (
+            "D did not get the whole prompt's KV by transfer (it recomputed)")
+        assert tokens == await reference_tokens(client, chunked_pair.decode_url,
+                                                COMPLETIONS, body)
+        await assert_nothing_held(client, chunked_pair)
+        await push_stats(client, chunked_pair.prefill,
+                         r"writes done 2 failed 0 .*by layer 1, by chunk 1 of [1-9]")
