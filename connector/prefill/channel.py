@@ -38,6 +38,8 @@ counted and logged, and the thread goes on.
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import logging
 import math
 import queue
@@ -278,6 +280,11 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         self.authenticated = curve is not None
         self.address = f"tcp://{bind_host}:{port}"
         self._actions: queue.SimpleQueue[PrefillAction] = queue.SimpleQueue()
+        # Ends D hears of later (`Release.notify_after`): (when, order, release, message,
+        # pull offer), the channel thread's.
+        self._deferred: list[tuple[float, int, Release, str, PullOffer | None]] = []
+        self._deferred_order = itertools.count()
+        self._deferred_ids: set[TransferId] = set()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         # A reply to a D whose connection is gone fails instead of vanishing: P then
@@ -404,7 +411,11 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
             self._poller.register(self._monitor, zmq.POLLIN)
 
     def _pass(self) -> None:
-        self._wake(self._poll(self._poller, self.registry.next_deadline()))
+        deadline = self.registry.next_deadline()
+        if self._deferred:
+            first = self._deferred[0][0]
+            deadline = first if deadline is None else min(deadline, first)
+        self._wake(self._poll(self._poller, deadline))
 
     def _teardown(self) -> None:
         self._close_owned()
@@ -425,6 +436,12 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
             for release in self.registry.expire(time.monotonic()):
                 self._guarded(f"the end of transfer {release.transfer_id}", self._released,
                               release)
+            now = time.monotonic()
+            while self._deferred and self._deferred[0][0] <= now:
+                _, _, release, message, pull = heapq.heappop(self._deferred)
+                self._deferred_ids.discard(release.transfer_id)
+                self._guarded(f"telling D of the end of transfer {release.transfer_id}",
+                              self._notify, release, message, pull)
         finally:
             self.live_transfers = len(self.registry)
             self.counters = self.registry.counters()  # a copy, for the stats log
@@ -582,9 +599,10 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         known = True
         if outcome is not None:
             self._released(outcome)
-        elif self.registry.state_of(tid) is None:
+        elif self.registry.state_of(tid) is None and tid not in self._deferred_ids:
             # Nothing here (yet) for this transfer: nothing will be written into D's
-            # blocks, so D may free them now.
+            # blocks, so D may free them now. (One whose end D hears of later, after its
+            # chunk WRITEs, is answered then.)
             self._send(identity, PushFailed(transfer_id=tid, reason=FailReason.ABORTED))
             known = False  # at most a tombstone: not worth a line each (a flood's are not)
         logger.log(logging.INFO if known and not again else logging.DEBUG,
@@ -744,20 +762,32 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
                 and not freed_by_engine:
             self._actions.put(FreeBlocks(release.transfer_id, release.request_id,
                                          release.state.value))
-        if release.notify is not None:
-            to = release.notify.engine_id.encode()
-            if release.state is TransferState.DONE:
-                self._send(to, PushDone(transfer_id=release.transfer_id))
-            else:
-                reason = release.reason or FailReason.WRITE_ERROR
-                delivered = self._send(to, PushFailed(
-                    transfer_id=release.transfer_id, reason=reason, message=message, pull=pull))
-                if pull is not None and not delivered:  # D is gone: nobody will READ
-                    self._actions.put(FreeBlocks(release.transfer_id, pull.request_id,
-                                                 "decode_gone"))
+        if release.notify is not None and release.notify_after is not None \
+                and release.notify_after > time.monotonic():
+            # Chunk WRITEs into D's blocks may still be in flight: D frees them on P's
+            # word, so that word waits until none can be.
+            heapq.heappush(self._deferred, (release.notify_after, next(self._deferred_order),
+                                            release, message, pull))
+            self._deferred_ids.add(release.transfer_id)
+        elif release.notify is not None:
+            self._notify(release, message, pull)
         level = logging.DEBUG if release.state is TransferState.DONE else logging.INFO
         logger.log(level, "push %s ended: %s%s", release.transfer_id, release.state.value,
                    f" ({release.reason.value})" if release.reason else "")
+
+    def _notify(self, release: Release, message: str = "", pull: PullOffer | None = None,
+                ) -> None:
+        """Tell the D that registered `release`'s transfer how it ended."""
+        assert release.notify is not None
+        to = release.notify.engine_id.encode()
+        if release.state is TransferState.DONE:
+            self._send(to, PushDone(transfer_id=release.transfer_id))
+            return
+        reason = release.reason or FailReason.WRITE_ERROR
+        delivered = self._send(to, PushFailed(
+            transfer_id=release.transfer_id, reason=reason, message=message, pull=pull))
+        if pull is not None and not delivered:  # D is gone: nobody will READ
+            self._actions.put(FreeBlocks(release.transfer_id, pull.request_id, "decode_gone"))
 
     def _send(self, identity: bytes, message: Message) -> bool:
         """Send to D `identity`; False when it could not go (D not connected)."""

@@ -269,6 +269,9 @@ class Release:
     notify: RegisterBlocks | None = None
     reason: FailReason | None = None
     request_id: RequestId | None = None  # P's request holding `block_ids`
+    # Tell D no sooner (the caller's clock): chunk WRITEs into D's blocks may be in
+    # flight until then (`prefill_progress`), and D frees its blocks on P's word.
+    notify_after: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,6 +339,7 @@ class _Transfer:
     granted: bool = False  # a grant of its registrant named it
     grant_by: float | None = None  # registered, not granted: the grant must come by then
     chunk_blocks: int = 0  # P's first blocks its chunk WRITEs covered (`prefill_progress`)
+    chunk_write_by: float | None = None  # the last chunk WRITE's `write_by`
 
     def due(self) -> float | None:
         """When it ends unless something happens first (None: no deadline here)."""
@@ -628,11 +632,12 @@ class PushRegistry:
         if hit < 0 or end > prompt_blocks or end <= start:
             return None
         record.chunk_blocks = end
+        record.chunk_write_by = self._leases[record.owner] + self.config.write_s
         self._counters.chunks += 1
         chunk = msgspec.structs.replace(registration,
                                         block_ids=[list(decode[start - hit:end - hit])])
         return Ready(transfer_id, chunk, [list(block_ids[0][start:end])], request_id, step,
-                     write_by=self._leases[record.owner] + self.config.write_s, chunk=True)
+                     write_by=record.chunk_write_by, chunk=True)
 
     def prefill_aborted(self, transfer_id: TransferId, *, now: float) -> Release | None:
         """P's request ended without its KV (cancelled, or failed). A waiting D is told at
@@ -931,8 +936,12 @@ class PushRegistry:
             self._counters.aborted += 1
         # D hears of every end of a transfer it registered, its own abort included: D
         # frees its blocks only once P says nothing more will be written into them.
+        # A transfer that ends before its final WRITE, after chunk WRITEs: D hears of it
+        # once those can no longer be in flight (a final WRITE's end comes after all).
+        notify_after = record.chunk_write_by \
+            if record.state is TransferState.AWAITING_PREFILL else None
         return Release(record.transfer_id, state, record.block_ids, record.registration,
-                       reason, record.request_id)
+                       reason, record.request_id, notify_after)
 
     @staticmethod
     def _require(record: _Transfer, *allowed: TransferState, event: str) -> None:

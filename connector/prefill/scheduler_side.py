@@ -52,6 +52,9 @@ logger = logging.getLogger("vllm.pd_connector.scheduler")
 CATCH_UP_S = 0.005
 
 
+# A preempted push's chunk count: it asks for no more chunks.
+NO_MORE_CHUNKS = 2**62
+
 class PrefillScheduler:
     """P's push requests, from their first scheduled step to their WRITE's end."""
 
@@ -101,6 +104,7 @@ class PrefillScheduler:
         # let go of them).
         self._chunk_writes = early_write and vllm_config.speculative_config is None
         self._chunks_dropped: set[str] = set()
+        self._chunks_preempted: set[str] = set()
         self._step_number = 0
         self._next_step_jobs: list[StartWrite] = []
 
@@ -193,7 +197,9 @@ class PrefillScheduler:
         self._next_step_jobs = []
         step.chunks_dropped, self._chunks_dropped = self._chunks_dropped, set()
         chunks: list[tuple[PrefillPush, list[int]]] = []
-        for record in self._prompts_completing(scheduler_output, chunks):
+        completing = list(self._prompts_completing(scheduler_output, chunks))
+        step.chunks_failed, self._chunks_preempted = self._chunks_preempted, set()
+        for record in completing:
             # If D has registered, or does before this step ends, P's worker WRITEs right
             # after this step's forward pass; a layered one, while that pass computes it,
             # if D registered in time.
@@ -245,6 +251,11 @@ class PrefillScheduler:
                 continue
             if new_blocks is not None:
                 if record.block_ids is None or full_table:  # first step, or after preemption
+                    if record.block_ids is not None and record.chunk_blocks:
+                        # Preempted after chunk WRITEs, which may have read blocks vLLM
+                        # took back: the push fails (D reads it), no more chunks.
+                        self._chunks_preempted.add(rid)
+                        record.chunk_blocks = NO_MORE_CHUNKS
                     record.block_ids = [list(group) for group in new_blocks]
                 else:
                     for group, new in zip(record.block_ids, new_blocks, strict=True):

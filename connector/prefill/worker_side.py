@@ -48,6 +48,7 @@ emptied at the pass's end).
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import queue
@@ -76,6 +77,9 @@ if TYPE_CHECKING:
     from connector.vllm_compat import KVConnectorTransferResults, PullPushWorker
 
 logger = logging.getLogger("vllm.pd_connector.worker")
+
+# How many requests let go of lately `PrefillWorker` remembers (a late chunk is dropped).
+_DROPPED_KEPT = 1024
 
 
 class PrefillWorker:
@@ -136,6 +140,8 @@ class PrefillWorker:
         self._chunking: dict[str, LayeredWrite] = {}
         self._chunked: dict[str, ChunkCover] = {}
         self._chunks_failed: set[str] = set()
+        # The requests let go of lately (a chunk that comes after is not written).
+        self._chunks_dropped: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def kv_caches_registered(self, *, groups: int) -> None:
         """After vLLM registered the KV caches with NIXL: can pushes be cut by layer?"""
@@ -162,6 +168,11 @@ class PrefillWorker:
         self._step_number = step.number
         self._computed.clear()
         self._layered_wanted = step.layered if self._layers is not None else set()
+        for rid in step.chunks_dropped:
+            self._drop_chunks(rid)  # its request ended before its prompt was computed
+        with self._vllm._sending_transfers_lock:
+            for rid in step.chunks_failed & self._chunked.keys():
+                self._chunks_failed.add(rid)  # chunks written from blocks vLLM took back
         self._start_early(forward_done=False)
 
     def take_step(self, step: PushStep) -> None:
@@ -177,8 +188,6 @@ class PrefillWorker:
                 waited = True
             self._start_job(job)
         self.write_handshaken()
-        for rid in step.chunks_dropped:
-            self._drop_chunks(rid)  # its request ended before its prompt was computed
         vllm = self._vllm
         for rid in step.release:
             # A failed push's blocks, kept for a READ that will not come: drop the lease
@@ -351,8 +360,8 @@ class PrefillWorker:
         with vllm._handshake_lock:
             ready = job.decode_engine_id in vllm._remote_agents
         if self._layers is None or not ready or time.monotonic() >= deadline \
-                or self._outgoing.get(rid) is not None:
-            return  # written whole at the end (no handshake yet; or its final began)
+                or self._outgoing.get(rid) is not None or rid in self._chunks_dropped:
+            return  # written whole at the end (no handshake yet; or its final began), or gone
         try:
             planned = self._plan(job)
             chunk = LayeredWrite.plan(rid, planned, self._layers, notify=False)
@@ -392,7 +401,9 @@ class PrefillWorker:
             self._end(record, f"WRITE could not start: {exc}")
             return
         self._hold(job.request_id, record.deadline)
-        self._finish_layered([push])
+        # Behind the fence: on a GPU the chunks' parts may still wait in it, and the
+        # final part must follow them.
+        self._fence.after_queued_work(lambda: self._finish_layered([push]))
         self._wake_poller()
 
     def _drop_chunks(self, rid: str) -> None:
@@ -400,6 +411,9 @@ class PrefillWorker:
         vLLM's bookkeeping end it once their WRITEs are done."""
         self._chunked.pop(rid, None)
         self._chunking.pop(rid, None)
+        self._chunks_dropped[rid] = None
+        while len(self._chunks_dropped) > _DROPPED_KEPT:
+            self._chunks_dropped.popitem(last=False)
         self._chunk_jobs = [(job, step) for job, step in self._chunk_jobs
                             if job.request_id != rid]
         with self._vllm._sending_transfers_lock:
@@ -472,7 +486,8 @@ class PrefillWorker:
             if not handles or HELD not in handles:  # cancelled at its deadline, or failed
                 del self._finishing[rid]
                 continue
-            if rid in self._chunks_failed:  # some blocks may be missing: D reads instead
+            if rid in self._chunks_failed or rid in vllm._send_failures:
+                # a part (a chunk's, maybe) failed or was cancelled: D reads instead
                 self._drop_held(rid)
                 vllm._send_failures.add(rid)
                 continue

@@ -101,6 +101,9 @@ class PushStep:
     # P: push requests that ended before their prompt was computed (vLLM freed their
     # blocks) after chunk WRITEs: P's workers let go of them, reporting nothing.
     chunks_dropped: set[str] = field(default_factory=set)
+    # P: push requests preempted after chunk WRITEs (vLLM took their blocks back while a
+    # chunk's WRITE may have read them): their push fails, and D reads it instead.
+    chunks_failed: set[str] = field(default_factory=set)
     # D: pushes that failed while P kept the prompt's KV: READ P's blocks instead.
     pull: dict[str, PullOffer] = field(default_factory=dict)
     # The scheduler's count of the steps it built, this one included: P's worker starts

@@ -917,3 +917,25 @@ def test_a_refused_bind_leaks_no_file_descriptor(channels: Channels) -> None:
         with pytest.raises(OSError):
             channels.prefill(port=port)
     assert open_fds() == before, f"{open_fds() - before} fds leaked in 3 refused binds"
+
+
+def test_after_a_chunk_ds_abort_is_answered_only_once_the_chunk_cannot_be_in_flight(
+    channels: Channels,
+) -> None:
+    """D frees its blocks on P's word: after a chunk's WRITE (a prompt in chunks), P's
+    answer to D's abort waits for that WRITE's write_by (the lease's end plus write_s),
+    when P's worker has cancelled whatever of it was still in flight."""
+    p = channels.prefill(early_to=EARLY_TO, lease_s=0.6, write_s=0.6)
+    d = channels.decode(ack_timeout=5.0)
+    reg = registration(d, "t-chunk", block_ids=[[0, 1, 2]])
+    d.register(p.address, reg)
+    wait_for(lambda: len(p.registry) == 1, 2.0, "P holds the registration")
+    p.prefill_progress(reg.transfer_id, P_REQ, [[10, 11]], 3, 1)
+    wait_for(lambda: p.registry.snapshot().counters.chunks == 1, 2.0, "P's chunk WRITE")
+    aborted = time.monotonic()
+    d.abort(reg.transfer_id)
+    (failure,) = wait_failures(d, timeout=4.0)
+    waited = time.monotonic() - aborted
+    assert "aborted" in failure.why, failure
+    assert waited >= 0.4, f"D heard of the end {waited:.2f} s after its abort, before the " \
+                          "chunk's write_by"

@@ -774,3 +774,22 @@ def test_no_chunk_without_a_registration_or_with_several_kv_groups() -> None:
     r.register(reg(), now=0.0)  # two KV-cache groups
     assert r.prefill_progress(T1, [[10], [20]], request_id=P_REQ, prompt_blocks=3, step=1,
                               now=0.0) is None
+
+
+def test_d_hears_of_an_end_before_the_final_write_only_once_chunks_cannot_be_in_flight(
+) -> None:
+    """A transfer that ends while AWAITING_PREFILL after a chunk WRITE (D's abort, P's
+    request gone, an expiry): D frees its blocks on P's word, so the word must wait for
+    the chunk's write_by; without a chunk, D hears at once."""
+    r = registry()
+    r.register(reg(block_ids=[[30, 31, 32]]), now=0.0)
+    chunk = r.prefill_progress(T1, [[10, 11]], request_id=P_REQ, prompt_blocks=3, step=1,
+                               now=0.0)
+    assert chunk is not None and chunk.chunk
+    release = r.abort(T1, now=1.0)
+    assert isinstance(release, Release) and release.notify is not None
+    assert release.notify_after == chunk.write_by
+    plain_one = registry()
+    plain_one.register(reg(), now=0.0)
+    release = plain_one.abort(T1, now=1.0)
+    assert isinstance(release, Release) and release.notify_after is None
