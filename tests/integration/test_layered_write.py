@@ -169,10 +169,7 @@ def test_each_layer_lands_as_computed_and_d_is_notified_after_the_last(
     until(lambda: path.notifs == [b"d-req:1"], "D's notification", path)
     assert path.layer_written(0) and path.layer_written(1)
 
-    results = SimpleNamespace(finished_sending=set())
-    until(lambda: (worker.transfer_results(results), RID in results.finished_sending)[1],
-          "P's blocks freed", path)
-    (end,) = worker.take_report().ended.values()
+    end = freed(worker, path)
     assert end.error is None and end.layered
     assert worker._vllm._sending_transfers == {}, "a handle is still held"
 
@@ -202,6 +199,30 @@ def chunk_job() -> PushJob:
                    write_within=30.0, chunk=True)
 
 
+def forward_pass(worker: Any, step: int) -> None:
+    """Engine step `step`, writing `RID` by layer: both layers' hooks, the pass's end."""
+    worker.begin_step(PushStep(layered={RID}, number=step))
+    worker.layer_saved("layer.0")
+    worker.layer_saved("layer.1")
+    worker.write_early()
+
+
+def first_chunk(worker: Any) -> None:
+    """The prompt's first chunk (P's block 1 into D's block 0), written in its step."""
+    worker._early_inbox = SimpleNamespace(take=lambda: [])
+    worker._chunk_jobs.append((chunk_job(), STEP - 1))  # from P's channel, early
+    forward_pass(worker, STEP - 1)
+
+
+def freed(worker: Any, path: LayeredPath) -> Any:
+    """Wait for P's blocks to be handed back to vLLM; the push's end on this rank."""
+    results = SimpleNamespace(finished_sending=set())
+    until(lambda: (worker.transfer_results(results), RID in results.finished_sending)[1],
+          "P's blocks freed", path)
+    (end,) = worker.take_report().ended.values()
+    return end
+
+
 def test_a_chunk_lands_while_the_next_computes_and_the_final_write_skips_it(
     path: LayeredPath,
 ) -> None:
@@ -209,12 +230,7 @@ def test_a_chunk_lands_while_the_next_computes_and_the_final_write_skips_it(
     its own step, without a notification; the last step's WRITE writes only the block
     the chunk left, and D's notification comes once both have landed."""
     worker = path.worker
-    worker._early_inbox = SimpleNamespace(take=lambda: [])
-    worker._chunk_jobs.append((chunk_job(), STEP - 1))  # from P's channel, early
-    worker.begin_step(PushStep(layered={RID}, number=STEP - 1))
-    worker.layer_saved("layer.0")
-    worker.layer_saved("layer.1")
-    worker.write_early()
+    first_chunk(worker)
 
     def chunk_landed() -> bool:
         d = np.asarray(path.d_buffer.read_back())
@@ -227,17 +243,11 @@ def test_a_chunk_lands_while_the_next_computes_and_the_final_write_skips_it(
 
     posted = count_posts(worker)
     worker._outgoing.early(job(), STEP, deadline=time.monotonic() + 30.0)  # the last step
-    worker.begin_step(PushStep(layered={RID}, number=STEP))
-    worker.layer_saved("layer.0")
-    worker.layer_saved("layer.1")
-    worker.write_early()
+    forward_pass(worker, STEP)
     until(lambda: path.notifs == [b"d-req:1"], "D's notification", path)
     assert path.layer_written(0) and path.layer_written(1)
 
-    results = SimpleNamespace(finished_sending=set())
-    until(lambda: (worker.transfer_results(results), RID in results.finished_sending)[1],
-          "P's blocks freed", path)
-    (end,) = worker.take_report().ended.values()
+    end = freed(worker, path)
     assert end.error is None and end.layered and end.chunked
     assert sorted(i for ids in posted for i in ids) == sorted(descs([3]).tolist()), (
         "the final WRITE did not write exactly the block the chunk left")
@@ -268,21 +278,13 @@ def test_a_failed_chunk_fails_the_push_so_that_d_reads_it_instead(path: LayeredP
     WRITE must not notify D of a prompt with a hole in it; the push fails, and P keeps
     its blocks for D to read."""
     worker = path.worker
-    worker._early_inbox = SimpleNamespace(take=lambda: [])
-    worker._chunk_jobs.append((chunk_job(), STEP - 1))
-    worker.begin_step(PushStep(layered={RID}, number=STEP - 1))
-    worker.layer_saved("layer.0")
-    worker.layer_saved("layer.1")
-    worker.write_early()
+    first_chunk(worker)
     with worker._vllm._sending_transfers_lock:
         worker._vllm._send_failures.add(RID)  # as vLLM's code does for a failed handle
     worker.transfer_results(SimpleNamespace(finished_sending=set()))
 
     worker._outgoing.early(job(), STEP, deadline=time.monotonic() + 30.0)
-    worker.begin_step(PushStep(layered={RID}, number=STEP))
-    worker.layer_saved("layer.0")
-    worker.layer_saved("layer.1")
-    worker.write_early()
+    forward_pass(worker, STEP)
     results = SimpleNamespace(finished_sending=set())
 
     def ended() -> bool:
@@ -306,12 +308,7 @@ def test_a_request_that_ends_after_its_chunks_holds_nothing(path: LayeredPath) -
     blocks): P's scheduler says so with a step, and the worker lets the push go from
     vLLM's bookkeeping once the chunks' WRITEs are done, reporting nothing finished."""
     worker = path.worker
-    worker._early_inbox = SimpleNamespace(take=lambda: [])
-    worker._chunk_jobs.append((chunk_job(), STEP - 1))
-    worker.begin_step(PushStep(layered={RID}, number=STEP - 1))
-    worker.layer_saved("layer.0")
-    worker.layer_saved("layer.1")
-    worker.write_early()
+    first_chunk(worker)
     assert RID in worker._vllm._sending_transfers
     dropped = PushStep(number=STEP, chunks_dropped={RID})
     worker.begin_step(dropped)
