@@ -45,8 +45,9 @@ ProgressMode = Literal["event", "off", "spin"]
 PushLayers = Literal["auto", "on", "off"]
 # Below this many prompt tokens, "auto" writes a push whole: there is little transfer to
 # hide, and layered WRITEs lost to whole push at 256 tokens on the fast emulated links
-# while winning or tying from 1,024 on every link measured (docs/benchmarks.md, the
-# emulated regime with 32 layers).
+# while winning or tying from 1,024 on every link measured with Llama 3 8B's 32 layers
+# (docs/benchmarks.md, the emulated regime). With 70B's 80 layers on 400 Gb/s RDMA they
+# won only from 8,192 (on 25 and 100 Gb/s from 1,024): raise it for such a pair.
 DEFAULT_PUSH_LAYERS_MIN_TOKENS = 1024
 
 # The keys this module owns inside kv_connector_extra_config.
