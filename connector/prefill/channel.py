@@ -243,6 +243,13 @@ class WriteEnded:
     pull_ttl: float | None
 
 
+def _start_write(ready: Ready) -> StartWrite:
+    """The engine's order for the registry's `ready` (a push's WRITE, or a chunk's)."""
+    return StartWrite(ready.transfer_id, ready.request_id, ready.block_ids,
+                      ready.registration, early_step=ready.early_step, chunk=ready.chunk,
+                      fail_on_purpose=ready.fail_on_purpose, write_by=ready.write_by)
+
+
 PrefillEvent = (PrefillFinished | PrefillCompleting | PrefillProgress | PrefillAborted
                 | WriteEnded)
 
@@ -267,8 +274,8 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
                  early_to: tuple[str, int, int] | None = None,
                  curve: ServerKeys | None = None) -> None:
         """`early_to`: the engine id, data-parallel index and number of ranks (workers)
-        of P's workers, to send early WRITEs to (None: no early WRITEs). `curve`: admit only peers with these
-        keys (None: anyone, with a warning)."""
+        of P's workers, to send early WRITEs to (None: no early WRITEs). `curve`: admit
+        only peers with these keys (None: anyone, with a warning)."""
         super().__init__()
         self.registry = registry
         # Names this channel's lease tokens: a token of another P, or of this one's
@@ -691,10 +698,7 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
                 granted=self.registry.granted(registration.transfer_id)))
         if isinstance(outcome, Ready):
             self.registry.write_started(outcome.transfer_id)
-            write = StartWrite(outcome.transfer_id, outcome.request_id, outcome.block_ids,
-                               outcome.registration, early_step=outcome.early_step,
-                               fail_on_purpose=outcome.fail_on_purpose,
-                               write_by=outcome.write_by)
+            write = _start_write(outcome)
             if write.early_step is not None:
                 self._start_early(write)
             else:
@@ -729,10 +733,7 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         """Send P's workers a chunk's WRITE (best effort: a rank it cannot reach writes
         those blocks with the push's final WRITE instead)."""
         early = self._early
-        write = StartWrite(chunk.transfer_id, chunk.request_id, chunk.block_ids,
-                           chunk.registration, early_step=chunk.early_step,
-                           write_by=chunk.write_by, chunk=True)
-        missed = None if early is None else early.send(write)
+        missed = None if early is None else early.send(_start_write(chunk))
         if missed is None or missed:
             logger.debug("push %s: a chunk's WRITE did not reach P's worker%s; the final "
                          "WRITE carries its blocks", chunk.transfer_id,

@@ -55,6 +55,7 @@ CATCH_UP_S = 0.005
 # A preempted push's chunk count: it asks for no more chunks.
 NO_MORE_CHUNKS = 2**62
 
+
 class PrefillScheduler:
     """P's push requests, from their first scheduled step to their WRITE's end."""
 

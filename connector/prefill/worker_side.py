@@ -92,8 +92,8 @@ class PrefillWorker:
         """`early_at`: this server's engine id, data-parallel index and push port, and
         this worker's rank, where P's channel thread sends early WRITEs (None: this
         server makes none); `rank`: this worker's (a job names the ranks it is for);
-        `fence`:
-        where those, and layers' WRITEs, wait for the forward's KV (None: a CPU's)."""
+        `fence`: where those, and layers' WRITEs, wait for the forward's KV (None: a
+        CPU's)."""
         self._vllm = vllm
         self._rank = rank
         self._fence: Fence = fence or HostFence()
@@ -132,11 +132,12 @@ class PrefillWorker:
         self._ending: list[tuple[OutgoingPush, str]] = []
         # Chunk WRITEs (a layered push whose prompt is computed in chunks: its blocks so
         # far, written while later chunks compute; `PushJob.chunk`): those taken from the
-        # inbox and not started yet, with their steps; those this step writes by layer;
+        # inbox and not started yet, with their steps and deadlines (the write lease, from
+        # when they were taken); those this step writes by layer;
         # by request, the descriptors they posted, which its final WRITE skips; and, under
         # vLLM's lock, the requests one of whose chunk WRITEs failed or was cancelled (its
         # final WRITE then writes every block).
-        self._chunk_jobs: list[tuple[PushJob, int]] = []
+        self._chunk_jobs: list[tuple[PushJob, int, float]] = []
         self._chunking: dict[str, LayeredWrite] = {}
         self._chunked: dict[str, ChunkCover] = {}
         self._chunks_failed: set[str] = set()
@@ -244,25 +245,32 @@ class PrefillWorker:
             now = time.monotonic()
             job = PushJob.of(write, now)
             if job.chunk:
-                self._chunk_jobs.append((job, write.early_step or self._step_number))
+                self._chunk_jobs.append((job, write.early_step or self._step_number,
+                                         now + job.write_within))
             else:
                 self._outgoing.early(job, write.early_step, deadline=now + job.write_within)
         due = self._step_number if forward_done else self._step_number - 1
-        jobs = [job for job, step in self._chunk_jobs if step <= due]
-        if jobs:
-            self._chunk_jobs = [(job, step) for job, step in self._chunk_jobs if step > due]
-        for record in self._outgoing.early_due(due):
-            assert record.job is not None
-            jobs.append(record.job)
-        if jobs:
+        chunks = self._take_chunk_jobs(lambda job, step: step <= due)
+        records = list(self._outgoing.early_due(due))
+        if chunks or records:
             # On a GPU the pass that computed their blocks may still run: this step's,
             # or, with vLLM's async scheduling, the step before.
             self._fence.wait_for_forward()
-        for job in jobs:
-            if job.chunk:
-                self._write_chunk(job)
-            else:
-                self._start_job(job)
+        for job, deadline in chunks:
+            self._write_chunk(job, deadline)
+        for record in records:
+            assert record.job is not None
+            self._start_job(record.job)
+
+    def _take_chunk_jobs(self, due: Callable[[PushJob, int], bool],
+                         ) -> list[tuple[PushJob, float]]:
+        """The chunk jobs waiting that are `due` (by job and step), with their deadlines,
+        no longer waiting."""
+        taken = [(job, deadline) for job, step, deadline in self._chunk_jobs if due(job, step)]
+        if taken:
+            self._chunk_jobs = [entry for entry in self._chunk_jobs
+                                if not due(entry[0], entry[1])]
+        return taken
 
     def lease_for_pull(self) -> None:
         """Put failed WRITEs' blocks under vLLM's pull lease. Only after vLLM's pull code
@@ -295,14 +303,10 @@ class PrefillWorker:
         write so."""
         if not self._layered_wanted:
             return
-        if self._chunk_jobs:
-            now = [job for job, step in self._chunk_jobs if step == self._step_number
-                   and job.request_id in self._layered_wanted]
-            self._chunk_jobs = [(job, step) for job, step in self._chunk_jobs
-                                if not (step == self._step_number
-                                        and job.request_id in self._layered_wanted)]
-            for job in now:
-                self._write_chunk(job)
+        for job, deadline in self._take_chunk_jobs(
+                lambda job, step: step == self._step_number
+                and job.request_id in self._layered_wanted):
+            self._write_chunk(job, deadline)
         for record in self._outgoing.early_due(self._step_number):
             if record.early_step == self._step_number \
                     and record.request_id in self._layered_wanted:
@@ -350,13 +354,12 @@ class PrefillWorker:
 
     # --- the WRITE of a chunk, and of what chunks left -------------------------------------
 
-    def _write_chunk(self, job: PushJob) -> None:
+    def _write_chunk(self, job: PushJob, deadline: float) -> None:
         """Start a chunk's WRITE, by layer: the layers computed so far at once, the others
-        as the pass computes them, none with a notification. One that cannot start now
-        is dropped: the push's final WRITE writes its blocks."""
+        as the pass computes them, none with a notification, none posted after `deadline`.
+        One that cannot start now is dropped: the push's final WRITE writes its blocks."""
         vllm = self._vllm
         rid = job.request_id
-        deadline = time.monotonic() + job.write_within
         with vllm._handshake_lock:
             ready = job.decode_engine_id in vllm._remote_agents
         if self._layers is None or not ready or time.monotonic() >= deadline \
@@ -414,8 +417,7 @@ class PrefillWorker:
         self._chunks_dropped[rid] = None
         while len(self._chunks_dropped) > _DROPPED_KEPT:
             self._chunks_dropped.popitem(last=False)
-        self._chunk_jobs = [(job, step) for job, step in self._chunk_jobs
-                            if job.request_id != rid]
+        self._take_chunk_jobs(lambda job, step: job.request_id == rid)
         with self._vllm._sending_transfers_lock:
             self._chunks_failed.discard(rid)
             self._drop_held(rid)

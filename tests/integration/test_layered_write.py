@@ -210,7 +210,7 @@ def forward_pass(worker: Any, step: int) -> None:
 def first_chunk(worker: Any) -> None:
     """The prompt's first chunk (P's block 1 into D's block 0), written in its step."""
     worker._early_inbox = SimpleNamespace(take=lambda: [])
-    worker._chunk_jobs.append((chunk_job(), STEP - 1))  # from P's channel, early
+    worker._chunk_jobs.append((chunk_job(), STEP - 1, time.monotonic() + 30.0))  # early
     forward_pass(worker, STEP - 1)
 
 

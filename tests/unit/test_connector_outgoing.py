@@ -4,6 +4,7 @@ no path leaves a record behind."""
 
 from __future__ import annotations
 
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -148,6 +149,7 @@ def test_the_worker_starts_early_writes_only_after_their_forward_pass() -> None:
     started: list[str] = []
     waits: list[int] = []
     worker: Any = SimpleNamespace(_outgoing=OutgoingPushes(), _step_number=4, _chunk_jobs=[])
+    worker._take_chunk_jobs = partial(PrefillWorker._take_chunk_jobs, worker)
     worker._early_inbox = SimpleNamespace(take=lambda: [inbox.pop(0)] if inbox else [])
     worker._fence = SimpleNamespace(wait_for_forward=lambda: waits.append(worker._step_number))
 
@@ -200,6 +202,7 @@ def test_an_early_write_that_came_late_waits_for_its_pass_on_a_gpu() -> None:
     started: list[str] = []
     waits: list[int] = []
     worker: Any = SimpleNamespace(_outgoing=OutgoingPushes(), _step_number=5, _chunk_jobs=[])
+    worker._take_chunk_jobs = partial(PrefillWorker._take_chunk_jobs, worker)
     worker._early_inbox = SimpleNamespace(take=lambda: [inbox.pop(0)] if inbox else [])
     worker._fence = SimpleNamespace(wait_for_forward=lambda: waits.append(len(started)))
 
