@@ -696,7 +696,9 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
                 block_size=config.block_size, tp_size=config.tp_size,
                 lease=self._lease_token(),
                 granted=self.registry.granted(registration.transfer_id)))
-        if isinstance(outcome, Ready):
+        if isinstance(outcome, Ready) and outcome.chunk:
+            self._start_chunk(outcome)  # a grant's: the prompt's chunks computed so far
+        elif isinstance(outcome, Ready):
             self.registry.write_started(outcome.transfer_id)
             write = _start_write(outcome)
             if write.early_step is not None:

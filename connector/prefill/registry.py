@@ -60,7 +60,15 @@ back. The caller aborts a grant's `withheld` transfers before it applies it.
   WRITE P's blocks that the chunks so far made whole, and no earlier chunk covered, into
   D's matching blocks, without a notification. The transfer stays AWAITING_PREFILL; its
   final Ready (prefill_completing or prefill_finished) is for the whole prompt, and P's
-  worker skips what chunks wrote (connector/prefill/layers.py, `ChunkCover`).
+  worker skips what chunks wrote (connector/prefill/layers.py, `ChunkCover`). The record
+  keeps the latest progress: a registration not granted yet is answered by its grant,
+  and with no registration yet the record is CHUNKING (not live, like COMPLETING), which
+  a registration turns AWAITING_PREFILL, its grant answering that chunk. The router sends
+  P and D their legs at once, so D's registration mostly comes while P computes the
+  prompt's first chunk: answered then, P's workers write that chunk from the layer the
+  pass has reached (their layers computed so far at once). An answer that reaches them
+  after its step is dropped there, as the request's blocks may have been taken back
+  since: the final WRITE carries those blocks.
 
 Who may end a transfer: a registered one is aborted only by the peer that registered it
 (`peer`: its CURVE public key, else its ZMQ routing identity); an abort from anyone else
@@ -145,6 +153,7 @@ BlockIds = list[list[int]]  # one list per KV-cache group
 
 class TransferState(enum.Enum):
     COMPLETING = "completing"  # P's prompt completes in the step being built; not live
+    CHUNKING = "chunking"  # P computes the prompt in chunks, no registration yet; not live
     AWAITING_PREFILL = "awaiting_prefill"
     AWAITING_REGISTRATION = "awaiting_registration"
     AWAITING_GRANT = "awaiting_grant"  # both halves here; no grant named it yet
@@ -314,6 +323,7 @@ class RegistrySnapshot:
     by_state: dict[TransferState, int]  # live records only
     counters: RegistryCounters
     completing: int = 0  # prefills remembered by prefill_completing, not yet finished
+    chunking: int = 0  # prompts in chunks remembered by prefill_progress, not registered
 
     @property
     def live(self) -> int:
@@ -340,12 +350,27 @@ class _Transfer:
     grant_by: float | None = None  # registered, not granted: the grant must come by then
     chunk_blocks: int = 0  # P's first blocks its chunk WRITEs covered (`prefill_progress`)
     chunk_write_by: float | None = None  # the last chunk WRITE's `write_by`
+    progress: _Progress | None = None  # the latest `prefill_progress`, until completing
 
     def due(self) -> float | None:
         """When it ends unless something happens first (None: no deadline here)."""
         if self.grant_by is None:
             return self.deadline
         return self.grant_by if self.deadline is None else min(self.deadline, self.grant_by)
+
+
+@dataclass(frozen=True, slots=True)
+class _Progress:
+    """A `prefill_progress`: P's first blocks (one KV-cache group) whose KV is whole after
+    engine step `step`, of a prompt of `prompt_blocks` blocks."""
+
+    block_ids: list[int]
+    request_id: RequestId
+    prompt_blocks: int
+    step: int
+
+
+_NOT_LIVE = (TransferState.COMPLETING, TransferState.CHUNKING)  # P's alone: no deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,8 +424,8 @@ class PushRegistry:
 
     def __init__(self, config: RegistryConfig) -> None:
         self.config = config
-        self._transfers: dict[TransferId, _Transfer] = {}  # live and COMPLETING records
-        self._completing = 0  # records in COMPLETING (not live)
+        self._transfers: dict[TransferId, _Transfer] = {}  # live and not live records
+        self._not_live = 0  # records in COMPLETING or CHUNKING (`_NOT_LIVE`)
         # Cause and deadline, oldest first (what max_tombstones evicts).
         self._tombstones: dict[Grave, tuple[_Tombstone, float]] = {}
         self._owned: dict[PeerId, set[TransferId]] = {}  # live registrations per owner
@@ -425,8 +450,8 @@ class PushRegistry:
             return Rejected(tid, NackReason.PREFILL_ABORTED,
                             f"P's request for transfer {tid!r} ended without its KV")
         record = self._transfers.get(tid)
-        if record is not None and record.state not in (TransferState.AWAITING_REGISTRATION,
-                                                       TransferState.COMPLETING):
+        if record is not None and record.state is not TransferState.AWAITING_REGISTRATION \
+                and record.state not in _NOT_LIVE:
             self._counters.duplicates += 1
             return Rejected(tid, NackReason.DUPLICATE, f"transfer {tid!r} is already registered")
         # Its size first, so that a degenerate one costs nothing more (not even a footprint).
@@ -439,20 +464,27 @@ class PushRegistry:
                 self._counters.too_many_blocks += 1
             else:
                 self._counters.rejected += 1
-            if record is None or record.state is TransferState.COMPLETING:
+            if record is None or record.state in _NOT_LIVE:
                 return Rejected(tid, refusal[0], refusal[1])
             del self._transfers[tid]
             return Rejected(tid, refusal[0], refusal[1], record.block_ids, record.request_id)
         self._counters.registered += 1
+        deadline = now + min(self.config.registration_ttl, reg.ttl_s)
+        if record is not None and record.state is TransferState.CHUNKING:
+            # P computes its prompt in chunks: its grant asks for the chunks' WRITE so far.
+            self._not_live -= 1
+            record.state, record.deadline = TransferState.AWAITING_PREFILL, deadline
+            record.registration = reg
+            self._own(record, peer, reg, now)
+            return Waiting(tid, TransferState.AWAITING_PREFILL)
         if record is not None and record.state is TransferState.COMPLETING:
             if len(record.block_ids or ()) == len(reg.block_ids):  # matches early
-                self._completing -= 1
+                self._not_live -= 1
                 record.state = TransferState.AWAITING_PREFILL
                 self._counters.early += 1
             else:  # its prefill_finished fails it, once P's blocks can be freed
-                record = self._forget_completing(record)
+                record = self._forget_not_live(record)
         if record is None:
-            deadline = now + min(self.config.registration_ttl, reg.ttl_s)
             record = _Transfer(tid, TransferState.AWAITING_PREFILL, deadline, registration=reg)
             self._transfers[tid] = record
             self._own(record, peer, reg, now)
@@ -467,7 +499,7 @@ class PushRegistry:
         and its end will release; or the id is unknown, and a tombstone frees a late
         prefill at once: the caller answers D itself). Ignored: another peer registered
         this transfer; only it may abort it."""
-        record = self._forget_completing(self._transfers.get(transfer_id))
+        record = self._forget_not_live(self._transfers.get(transfer_id))
         if record is None:  # its prefill_finished meets the tombstone
             self._bury(transfer_id, _Tombstone.D_ABORTED, now)
             return None
@@ -490,7 +522,7 @@ class PushRegistry:
             self._counters.abandons_ignored += 1
             return Ignored(transfer_id, "a D has registered it")
         self._counters.abandoned += 1
-        record = self._forget_completing(record)
+        record = self._forget_not_live(record)
         if record is None:  # its prefill_finished meets the tombstone
             self._bury(transfer_id, _Tombstone.D_ABORTED, now)
             return None
@@ -530,8 +562,11 @@ class PushRegistry:
                 match = self._match(record, now)
                 assert not isinstance(match, Waiting)
                 outcomes.append(match)
-            elif (due := record.due()) is not None:
+                continue
+            if (due := record.due()) is not None:
                 self._schedule(tid, due)
+            if (chunk := self._chunk(record, now)) is not None:
+                outcomes.append(chunk)  # a chunk of its prompt computed since it registered
         return outcomes
 
     # --- events from P's engine ----------------------------------------------------------
@@ -542,7 +577,7 @@ class PushRegistry:
     ) -> Outcome:
         """P's request `request_id` computed the prompt and holds `block_ids` for it until
         a Release frees them. `fail_on_purpose`: its WRITE is to fail (fault injection)."""
-        record = self._forget_completing(self._transfers.get(transfer_id))
+        record = self._forget_not_live(self._transfers.get(transfer_id))
         if record is not None and record.request_id == request_id \
                 and record.state in (TransferState.AWAITING_GRANT, TransferState.READY,
                                      TransferState.WRITING):
@@ -586,10 +621,14 @@ class PushRegistry:
         if record is None and _grave(transfer_id) not in self._tombstones:
             record = self._transfers[transfer_id] = _Transfer(transfer_id,
                                                               TransferState.COMPLETING, None)
-            self._completing += 1
+            self._not_live += 1
         if record is None or record.state not in (TransferState.COMPLETING,
+                                                  TransferState.CHUNKING,
                                                   TransferState.AWAITING_PREFILL):
             return None
+        record.progress = None  # the final WRITE covers the rest of the prompt
+        if record.state is TransferState.CHUNKING:
+            record.state = TransferState.COMPLETING
         if record.state is TransferState.AWAITING_PREFILL:
             assert record.registration is not None
             if len(block_ids) != len(record.registration.block_ids):
@@ -619,30 +658,23 @@ class PushRegistry:
         prefix hit on D: `prompt_blocks` - its count), so P's block i goes to D's block
         i - that hit, as vLLM's push code pairs them for the whole prompt."""
         record = self._transfers.get(transfer_id)
-        if record is None or record.state is not TransferState.AWAITING_PREFILL \
-                or not self._writable(record, now):
+        if record is None and _grave(transfer_id) not in self._tombstones \
+                and len(block_ids) == 1:
+            record = self._transfers[transfer_id] = _Transfer(transfer_id,
+                                                              TransferState.CHUNKING, None)
+            self._not_live += 1
+        if record is None or record.state not in (TransferState.CHUNKING,
+                                                  TransferState.AWAITING_PREFILL):
             return None
-        registration = record.registration
-        assert registration is not None and record.owner is not None
-        if len(block_ids) != 1 or len(registration.block_ids) != 1:
+        if len(block_ids) != 1:
             return None  # several KV-cache groups: written whole at the end
-        decode = registration.block_ids[0]
-        hit = prompt_blocks - len(decode)
-        start, end = max(hit, record.chunk_blocks), len(block_ids[0])
-        if hit < 0 or end > prompt_blocks or end <= start:
-            return None
-        record.chunk_blocks = end
-        record.chunk_write_by = self._leases[record.owner] + self.config.write_s
-        self._counters.chunks += 1
-        chunk = msgspec.structs.replace(registration,
-                                        block_ids=[list(decode[start - hit:end - hit])])
-        return Ready(transfer_id, chunk, [list(block_ids[0][start:end])], request_id, step,
-                     write_by=record.chunk_write_by, chunk=True)
+        record.progress = _Progress(list(block_ids[0]), request_id, prompt_blocks, step)
+        return self._chunk(record, now)
 
     def prefill_aborted(self, transfer_id: TransferId, *, now: float) -> Release | None:
         """P's request ended without its KV (cancelled, or failed). A waiting D is told at
         once; one that registers later is refused (see the tombstones)."""
-        record = self._forget_completing(self._transfers.get(transfer_id))
+        record = self._forget_not_live(self._transfers.get(transfer_id))
         if record is None:
             self._bury(transfer_id, _Tombstone.PREFILL_ABORTED, now)
             return None
@@ -711,7 +743,7 @@ class PushRegistry:
         return None if record is None else record.state
 
     def __len__(self) -> int:
-        return len(self._transfers) - self._completing  # live ones: not COMPLETING
+        return len(self._transfers) - self._not_live  # live ones: not COMPLETING, CHUNKING
 
     def pending_of(self, peer: PeerId) -> int:
         """Live registrations `peer` made (what max_pending_per_peer limits)."""
@@ -743,11 +775,12 @@ class PushRegistry:
         return dataclasses.replace(self._counters)
 
     def snapshot(self) -> RegistrySnapshot:
-        by_state = dict.fromkeys(LIVE_STATES, 0)
+        by_state = dict.fromkeys((*LIVE_STATES, *_NOT_LIVE), 0)
         for record in self._transfers.values():
-            if record.state is not TransferState.COMPLETING:
-                by_state[record.state] += 1
-        return RegistrySnapshot(by_state, self.counters(), self._completing)
+            by_state[record.state] += 1
+        completing = by_state.pop(TransferState.COMPLETING)
+        chunking = by_state.pop(TransferState.CHUNKING)
+        return RegistrySnapshot(by_state, self.counters(), completing, chunking)
 
     # --- internals -----------------------------------------------------------------------
 
@@ -851,18 +884,44 @@ class PushRegistry:
                 "else computes the prompt)")
         return None
 
-    def _forget_completing(self, record: _Transfer | None) -> _Transfer | None:
-        """None for a COMPLETING record (dropped: it will not match early), else `record`."""
-        if record is None or record.state is not TransferState.COMPLETING:
+    def _forget_not_live(self, record: _Transfer | None) -> _Transfer | None:
+        """None for a COMPLETING or CHUNKING record (dropped: P's prefill ended, or D
+        will not register), else `record`."""
+        if record is None or record.state not in _NOT_LIVE:
             return record
         del self._transfers[record.transfer_id]
-        self._completing -= 1
+        self._not_live -= 1
         return None
 
     def _writable(self, record: _Transfer, now: float) -> bool:
         """Whether P may start a WRITE into `record`'s blocks now: granted, under a lease
         that has not ended."""
         return record.granted and self._leases.get(record.owner or b"", -math.inf) > now
+
+    def _chunk(self, record: _Transfer, now: float) -> Ready | None:
+        """The WRITE of `record`'s latest progress (`prefill_progress`) that no chunk
+        covered yet, if P may write into its D's blocks now; None otherwise."""
+        progress, registration = record.progress, record.registration
+        if progress is None or registration is None \
+                or record.state is not TransferState.AWAITING_PREFILL \
+                or not self._writable(record, now):
+            return None
+        assert record.owner is not None
+        if len(registration.block_ids) != 1:
+            return None  # several KV-cache groups: written whole at the end
+        decode = registration.block_ids[0]
+        hit = progress.prompt_blocks - len(decode)
+        start, end = max(hit, record.chunk_blocks), len(progress.block_ids)
+        if hit < 0 or end > progress.prompt_blocks or end <= start:
+            return None
+        record.chunk_blocks = end
+        record.chunk_write_by = self._leases[record.owner] + self.config.write_s
+        self._counters.chunks += 1
+        chunk = msgspec.structs.replace(registration,
+                                        block_ids=[list(decode[start - hit:end - hit])])
+        return Ready(record.transfer_id, chunk, [progress.block_ids[start:end]],
+                     progress.request_id, progress.step, write_by=record.chunk_write_by,
+                     chunk=True)
 
     def _match(self, record: _Transfer, now: float) -> Ready | Waiting | Release:
         """Both sides are known: READY (early if the record has `early_step`), under its

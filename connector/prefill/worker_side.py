@@ -237,8 +237,11 @@ class PrefillWorker:
             self._post_after_layer(push, push.due((layer,)))
 
     def _start_early(self, *, forward_done: bool) -> None:
-        """Start the early WRITEs (and chunk WRITEs) whose blocks are computed: their step
-        is an earlier one, or this one once its forward pass is done."""
+        """Start the early WRITEs whose blocks are computed: their step is an earlier one,
+        or this one once its forward pass is done; and, once it is, this step's chunk
+        WRITEs not started during it. A chunk WRITE whose step is over is dropped (vLLM may
+        have taken its blocks back since, preempting the request): the push's final WRITE
+        carries its blocks."""
         if self._early_inbox is None:
             return
         for write in self._early_inbox.take():  # from P's channel thread, on this host
@@ -249,15 +252,20 @@ class PrefillWorker:
                                          now + job.write_within))
             else:
                 self._outgoing.early(job, write.early_step, deadline=now + job.write_within)
-        due = self._step_number if forward_done else self._step_number - 1
-        chunks = self._take_chunk_jobs(lambda job, step: step <= due)
+        current = self._step_number
+        for job, _ in self._take_chunk_jobs(lambda job, step: step < current):
+            logger.debug("push %s: a chunk's WRITE came after its step; the final WRITE "
+                         "carries its blocks", job.transfer_id)
+        chunks = self._take_chunk_jobs(lambda job, step: step == current) \
+            if forward_done else []
+        due = current if forward_done else current - 1
         records = list(self._outgoing.early_due(due))
         if chunks or records:
             # On a GPU the pass that computed their blocks may still run: this step's,
             # or, with vLLM's async scheduling, the step before.
             self._fence.wait_for_forward()
         for job, deadline in chunks:
-            self._write_chunk(job, deadline)
+            self._write_chunk(job, deadline, whole=True)
         for record in records:
             assert record.job is not None
             self._start_job(record.job)
@@ -306,7 +314,7 @@ class PrefillWorker:
         for job, deadline in self._take_chunk_jobs(
                 lambda job, step: step == self._step_number
                 and job.request_id in self._layered_wanted):
-            self._write_chunk(job, deadline)
+            self._write_chunk(job, deadline, whole=False)
         for record in self._outgoing.early_due(self._step_number):
             if record.early_step == self._step_number \
                     and record.request_id in self._layered_wanted:
@@ -354,16 +362,18 @@ class PrefillWorker:
 
     # --- the WRITE of a chunk, and of what chunks left -------------------------------------
 
-    def _write_chunk(self, job: PushJob, deadline: float) -> None:
-        """Start a chunk's WRITE, by layer: the layers computed so far at once, the others
-        as the pass computes them, none with a notification, none posted after `deadline`.
-        One that cannot start now is dropped: the push's final WRITE writes its blocks."""
+    def _write_chunk(self, job: PushJob, deadline: float, *, whole: bool) -> None:
+        """Start a chunk's WRITE of this step, by layer: the layers computed so far at once,
+        the others as the pass computes them (`whole`: the pass is done, all at once),
+        none with a notification, none posted after `deadline`. One that cannot start now
+        is dropped: the push's final WRITE writes its blocks."""
         vllm = self._vllm
         rid = job.request_id
         with vllm._handshake_lock:
             ready = job.decode_engine_id in vllm._remote_agents
         if self._layers is None or not ready or time.monotonic() >= deadline \
-                or self._outgoing.get(rid) is not None or rid in self._chunks_dropped:
+                or self._outgoing.get(rid) is not None or rid in self._chunks_dropped \
+                or rid in self._chunking:
             return  # written whole at the end (no handshake yet; or its final began), or gone
         try:
             planned = self._plan(job)
@@ -376,8 +386,11 @@ class PrefillWorker:
         for write in planned:
             cover.add(write)
         self._hold(rid, deadline)
-        self._chunking[rid] = chunk
-        self._post_after_layer(chunk, chunk.due(self._computed))
+        if whole:
+            self._post_after_layer(chunk, chunk.rest())
+        else:
+            self._chunking[rid] = chunk
+            self._post_after_layer(chunk, chunk.due(self._computed))
         self._wake_poller()
 
     def _skip_chunks(self, job: PushJob, planned: list[PlannedWrite]) -> list[PlannedWrite]:

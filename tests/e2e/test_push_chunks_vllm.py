@@ -9,6 +9,7 @@ at a time (see conftest)."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from testbed.pd_protocol import prefill_leg
 from testbed.vllm_cpu import Pair, ServerStartError, run_servers, server_spec
 from tests.e2e.conftest import (
     DUAL,
@@ -26,14 +28,19 @@ from tests.e2e.conftest import (
 )
 from tests.e2e.test_dual_connector import (
     assert_nothing_held,
+    coordinates,
     push_registered_first,
     push_stats,
+    push_to_d,
 )
 from tests.e2e.test_push_tp_vllm import transferred
 from tests.e2e.vllm_client import (
     COMPLETIONS,
     TIMEOUT,
+    decode,
     external_kv_tokens,
+    get_metrics,
+    make_body,
     reference_tokens,
     wait_for_metric,
 )
@@ -77,3 +84,39 @@ async def test_a_prompt_in_chunks_is_written_chunk_by_chunk_and_gives_one_server
         await assert_nothing_held(client, chunked_pair)
         await push_stats(client, chunked_pair.prefill,
                          r"writes done 2 failed 0 .*by layer 1, by chunk 1 of [1-9]")
+
+
+async def test_a_prompt_in_chunks_pushed_with_both_legs_at_once_gives_one_servers_tokens(
+    chunked_pair: Pair,
+) -> None:
+    """As the router sends them: P's and D's legs at once, so D's registration reaches P
+    while it computes some chunk (which one varies: the chunks computed before it are
+    asked for by D's grant, and written if their step is still running; the rest go with
+    the final WRITE). Whichever it meets, D gets the whole prompt by transfer, its tokens
+    equal one server's, and nothing is held after."""
+    async with httpx.AsyncClient(timeout=TIMEOUT) as client:
+        await push_registered_first(client, chunked_pair, push_layers=True)  # handshake
+        p_params = await coordinates(client, chunked_pair)
+        body = make_body(COMPLETIONS)
+        leg, request_id = push_to_d(body, p_params)
+        d_before = await get_metrics(client, chunked_pair.decode_url)
+        prefilled, (tokens, prompt_tokens) = await asyncio.wait_for(asyncio.gather(
+            client.post(chunked_pair.prefill_url + COMPLETIONS, json=prefill_leg(
+                body, transfer_id=request_id, transfer_mode="push", push_layers=True)),
+            decode(client, chunked_pair.decode_url + COMPLETIONS, leg, stream=False,
+                   headers={"X-Request-Id": request_id})), timeout=60)
+        assert prefilled.status_code == 200, prefilled.text
+        assert prompt_tokens > 64 * 2, "the prompt fits in two steps: no chunk to write"
+        after = await wait_for_metric(client, chunked_pair.decode_url,
+                                      partial(transferred, d_before, prompt_tokens))
+        assert external_kv_tokens(after) - external_kv_tokens(d_before) == prompt_tokens, (
+            "D did not get the whole prompt's KV by transfer (it recomputed)")
+        assert tokens == await reference_tokens(client, chunked_pair.decode_url,
+                                                COMPLETIONS, body)
+        await assert_nothing_held(client, chunked_pair)
+        # Received by push, not read instead: P logs a failed WRITE before it tells D,
+        # so before D could read the prompt and answer.
+        assert f"push {request_id}: WRITE failed" not in \
+            chunked_pair.prefill.spec.log_path.read_text()
+        await push_stats(client, chunked_pair.decode,
+                         r"D registered (\d+) received \1 pulled instead 0 fell back 0 ")

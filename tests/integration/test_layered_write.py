@@ -318,3 +318,48 @@ def test_a_request_that_ends_after_its_chunks_holds_nothing(path: LayeredPath) -
           "the chunk's handles done and released", path)
     assert worker._chunked == {} and results.finished_sending == set()
     assert path.notifs == []
+
+
+@pytest.mark.parametrize("arrives", ["mid-pass", "after-the-last-layer", "after-its-step"])
+def test_a_chunk_asked_for_late_is_written_in_its_step_or_left_to_the_final_write(
+    path: LayeredPath, arrives: str,
+) -> None:
+    """D registered while P computed the first chunk, so the chunk's WRITE reaches P's
+    worker during that step's pass (its layers computed so far go at once), or after its
+    last layer (all at once, at the pass's end); or only once the step is over: then it is
+    dropped (vLLM may have taken the blocks back since), and the final WRITE writes the
+    chunk's block with the rest."""
+    worker = path.worker
+    worker._early_inbox = SimpleNamespace(take=lambda: [])
+    posted = count_posts(worker)
+
+    def chunk_asked() -> None:
+        worker._chunk_jobs.append((chunk_job(), STEP - 1, time.monotonic() + 30.0))
+
+    worker.begin_step(PushStep(layered={RID}, number=STEP - 1))
+    worker.layer_saved("layer.0")
+    if arrives == "mid-pass":
+        chunk_asked()
+    worker.layer_saved("layer.1")
+    if arrives == "after-the-last-layer":
+        chunk_asked()
+    worker.write_early()
+    if arrives == "after-its-step":
+        chunk_asked()
+    forward_pass(worker, STEP)  # the next chunk, whose progress asks for nothing new
+    written_early = arrives != "after-its-step"
+    assert (RID in worker._chunked) is written_early
+    assert sorted(i for ids in posted for i in ids) == (
+        sorted(descs([1]).tolist()) if written_early else []), "not the chunk's block"
+
+    posted.clear()
+    worker._outgoing.early(job(), STEP + 1, deadline=time.monotonic() + 30.0)  # the last
+    forward_pass(worker, STEP + 1)
+    until(lambda: path.notifs == [b"d-req:1"], "D's notification", path)
+    assert path.layer_written(0) and path.layer_written(1)
+    end = freed(worker, path)
+    assert end.error is None and end.chunked is written_early
+    left = [3] if written_early else [1, 3]
+    assert sorted(i for ids in posted for i in ids) == sorted(descs(left).tolist()), (
+        f"the final WRITE did not write exactly blocks {left}")
+    assert worker._chunk_jobs == [] and worker._vllm._sending_transfers == {}

@@ -350,6 +350,27 @@ def test_a_prompt_d_registered_for_by_its_last_step_is_written_early_by_the_work
     assert inbox.take() == []
 
 
+def test_a_chunk_p_computes_before_d_registers_goes_to_the_worker_with_the_grant(
+    channels: Channels, early_inbox: Callable[[PrefillChannel], EarlyInbox]
+) -> None:
+    """P asked for its first chunk's WRITE before D's registration came (the router sends
+    both legs at once): D's registration, with its grant, sends that chunk's WRITE to P's
+    worker, for the chunk's step; the registry answers nothing else for it."""
+    p = channels.prefill(early_to=EARLY_TO)
+    inbox = early_inbox(p)
+    d = channels.decode()
+    reg = registration(d, "t-chunk-late", block_ids=[[0, 1, 2]])
+    tid = reg.transfer_id
+    p.prefill_progress(tid, P_REQ, [[10, 11]], 3, 5)
+    p.wait_caught_up(SOON)
+    assert inbox.take() == [] and p.registry.snapshot().chunking == 1
+    d.register(p.address, reg)
+    (write,) = take_early(inbox)
+    assert write.chunk and write.early_step == 5 and write.block_ids == [[10, 11]]
+    assert write.registration.block_ids == [[0, 1]]
+    assert p.take_actions() == [] and p.registry.snapshot().counters.chunks == 1
+
+
 def test_a_prompt_that_finished_before_d_registered_is_written_by_the_engine(
     channels: Channels, early_inbox: Callable[[PrefillChannel], EarlyInbox]
 ) -> None:

@@ -37,14 +37,19 @@ def plain(outcome: T) -> T:
 
 
 class GrantedRegistry(PushRegistry):
-    """Each registration granted as it comes; Ready outcomes without their `write_by`."""
+    """Each registration granted as it comes; Ready outcomes without their `write_by`.
+    A chunk WRITE the grant asks for (P computed chunks of the prompt before D registered)
+    is kept in `granted_chunks`."""
 
     def __init__(self, config: RegistryConfig) -> None:
         super().__init__(msgspec.structs.replace(config, lease_s=FOREVER))
+        self.granted_chunks: list[Ready] = []
 
     def register(self, reg: RegisterBlocks, *, now: float, peer: PeerId = b"") -> Outcome:
         outcome = super().register(reg, now=now, peer=peer)
         started = self.grant(peer, sent=now, now=now, adds=[reg.transfer_id])
+        self.granted_chunks += [plain(o) for o in started if isinstance(o, Ready) and o.chunk]
+        started = [o for o in started if not (isinstance(o, Ready) and o.chunk)]
         if isinstance(outcome, Waiting) and outcome.state is TransferState.AWAITING_GRANT:
             (outcome,) = started
         else:

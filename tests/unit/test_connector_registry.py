@@ -57,7 +57,7 @@ def assert_empty(r: PushRegistry) -> None:
     """Nothing leaked: no live record, every state count back to zero, no deadline left
     (a tombstone's included)."""
     snapshot = r.snapshot()
-    assert len(r) == 0 and snapshot.live == 0 and snapshot.completing == 0
+    assert len(r) == 0 and snapshot.live == 0 and snapshot.completing == snapshot.chunking == 0
     assert snapshot.by_state == dict.fromkeys(LIVE_STATES, 0)
     assert r.next_deadline() is None
 
@@ -768,12 +768,79 @@ def test_a_chunk_that_cannot_be_paired_with_d_is_not_written(
     assert progress(r, blocks, prompt_blocks=prompt_blocks) is None
 
 
-def test_no_chunk_without_a_registration_or_with_several_kv_groups() -> None:
+def test_no_chunk_with_several_kv_groups() -> None:
     r = registry()
     assert progress(r, [10, 11]) is None  # nobody registered yet
     r.register(reg(), now=0.0)  # two KV-cache groups
+    assert isinstance(r, GrantedRegistry) and r.granted_chunks == []
     assert r.prefill_progress(T1, [[10], [20]], request_id=P_REQ, prompt_blocks=3, step=1,
                               now=0.0) is None
+
+
+def test_a_chunk_computed_before_d_registered_is_written_when_its_grant_comes() -> None:
+    """The router sends P and D at once, so D's registration mostly comes while P computes
+    the first chunk: the registry remembers the chunk (CHUNKING, not live), and the grant
+    asks for it, for its step (P's workers drop it if that step is over)."""
+    r = registry()
+    assert isinstance(r, GrantedRegistry)
+    assert progress(r, [10, 11, 12], step=3) is None
+    assert progress(r, [10, 11, 12, 13], step=4) is None, "the latest progress is kept"
+    assert r.state_of(T1) is S.CHUNKING and len(r) == 0 and r.snapshot().chunking == 1
+    assert r.next_deadline() is None, "P's alone: its prefill's end forgets it"
+    assert r.register(reg(block_ids=[[30, 31, 32, 33, 34]]), now=0.0) == Waiting(
+        T1, S.AWAITING_PREFILL)
+    assert r.granted_chunks == [Ready(T1, reg(block_ids=[[30, 31, 32]]), [[11, 12, 13]],
+                                      P_REQ, early_step=4, chunk=True)]
+    snapshot = r.snapshot()
+    assert snapshot.chunking == 0 and snapshot.by_state[S.AWAITING_PREFILL] == 1
+    assert progress(r, [10, 11, 12, 13, 14], step=5) == Ready(
+        T1, reg(block_ids=[[33]]), [[14]], P_REQ, early_step=5, chunk=True)
+    final = r.prefill_completing(T1, [[10, 11, 12, 13, 14, 15]], request_id=P_REQ, step=6)
+    assert final is not None and not final.chunk
+
+
+def test_a_chunk_computed_before_the_grant_is_written_when_it_comes() -> None:
+    """A registration whose grant has not come yet: its chunk waits for the grant."""
+    r = PushRegistry(RegistryConfig(engine_id=EngineId("p"), block_size=16))
+    r.register(reg(block_ids=[[30, 31, 32]]), now=0.0, peer=b"d")
+    assert r.prefill_progress(T1, [[10, 11]], request_id=P_REQ, prompt_blocks=3, step=2,
+                              now=0.1) is None
+    (chunk,) = r.grant(b"d", sent=0.1, now=0.2, adds=[T1])
+    assert isinstance(chunk, Ready) and chunk.chunk and chunk.early_step == 2
+    assert chunk.block_ids == [[10, 11]] and chunk.registration.block_ids == [[30, 31]]
+    assert chunk.write_by == 0.1 + r.config.lease_s + r.config.write_s
+    assert r.grant(b"d", sent=0.3, now=0.3, adds=[T1]) == [], "asked once"
+
+
+@pytest.mark.parametrize("end", ["prefill_aborted", "prefill_finished", "d_abort",
+                                 "abandon"])
+def test_a_chunking_record_goes_with_its_prefill_or_its_transfer(end: str) -> None:
+    r = registry()
+    progress(r, [10, 11])
+    if end == "prefill_aborted":
+        assert r.prefill_aborted(T1, now=0.0) is None
+        assert isinstance(r.register(reg(), now=0.0), Rejected), "P's request ended"
+    elif end == "prefill_finished":
+        assert r.prefill_finished(T1, [[10, 11, 12]], request_id=P_REQ, now=0.0) == Waiting(
+            T1, S.AWAITING_REGISTRATION)
+    elif end == "d_abort":
+        assert r.abort(T1, now=0.0) is None
+        assert progress(r, [10, 11, 12], step=4) is None
+    else:
+        assert r.abandon(T1, now=0.0) is None
+    snapshot = r.snapshot()
+    assert snapshot.chunking == 0 and r.state_of(T1) is not S.CHUNKING
+
+
+def test_a_chunking_record_completes_and_matches_early_with_no_chunk() -> None:
+    r = registry()
+    assert isinstance(r, GrantedRegistry)
+    progress(r, [10, 11], step=3)
+    assert r.prefill_completing(T1, [[10, 11, 12]], request_id=P_REQ, step=4) is None
+    assert r.state_of(T1) is S.COMPLETING and r.snapshot().chunking == 0
+    ready = r.register(reg(block_ids=[[30, 31, 32]]), now=0.0)
+    assert isinstance(ready, Ready) and ready.early_step == 4 and not ready.chunk
+    assert r.granted_chunks == [], "the final WRITE carries every block"
 
 
 def test_d_hears_of_an_end_before_the_final_write_only_once_chunks_cannot_be_in_flight(
