@@ -43,6 +43,7 @@ import pytest
 from testbed import tiny_model as tiny_model_builder
 from testbed.vllm_cpu import (
     Pair,
+    ServerSpec,
     ServerStartError,
     VllmServer,
     free_port,
@@ -177,6 +178,18 @@ class PairManager:
             file=sys.stderr,
         )
         return self._pair
+
+    @contextlib.contextmanager
+    def own_pair(self, specs: list[ServerSpec], label: str) -> Iterator[Pair]:
+        """A pair of a module's own (`specs`: P's, then D's, with our connector), for a
+        module-scoped fixture: the session's shared pair is stopped first, since only one
+        pair may run at a time; a pair that cannot start fails the test, naming `label`."""
+        self.close()
+        try:
+            with run_servers(specs, start_timeout_s=PAIR_START_TIMEOUT_S) as (prefill, decode):
+                yield Pair(connector=DUAL, prefill=prefill, decode=decode)
+        except ServerStartError as exc:
+            pytest.fail(f"starting the {label} pair failed: {exc}", pytrace=False)
 
     def close(self) -> None:
         stack, self._stack, self._pair = self._stack, None, None

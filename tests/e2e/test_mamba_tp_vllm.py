@@ -18,12 +18,11 @@ import httpx
 import pytest
 
 from testbed.pd_protocol import metric
-from testbed.vllm_cpu import Pair, Role, ServerStartError, run_servers, server_spec
+from testbed.vllm_cpu import Pair, Role, server_spec
 from tests.e2e.conftest import (
     DUAL,
     DUAL_EXTRA_CONFIG,
     LOG_DIR,
-    PAIR_START_TIMEOUT_S,
     PairManager,
     ProxyFactory,
 )
@@ -43,17 +42,13 @@ def mamba_tp_pair(pair_manager: PairManager) -> Iterator[Pair]:
     """The Mamba hybrid on a TP-2 P and a TP-1 D."""
     model_dir = family_model(FAMILY)
     extra_args, extra_env = FAMILIES[FAMILY]
-    pair_manager.close()  # one pair at a time: stop the session's own first
     specs = [server_spec(role, connector=DUAL, model_dir=model_dir, log_dir=LOG_DIR,
                          name=f"{role}-{FAMILY}-tp{tp}", kv_extra_config=DUAL_EXTRA_CONFIG,
                          extra_args=(*extra_args, "--tensor-parallel-size", str(tp)),
                          extra_env={**extra_env, "VLLM_CPU_OMP_THREADS_BIND": BIND[tp][role]})
              for role, tp in TP.items()]
-    try:
-        with run_servers(specs, start_timeout_s=PAIR_START_TIMEOUT_S) as (prefill, decode):
-            yield Pair(connector=DUAL, prefill=prefill, decode=decode)
-    except ServerStartError as exc:
-        pytest.fail(f"starting the {FAMILY} pair of tp {TP} failed: {exc}", pytrace=False)
+    with pair_manager.own_pair(specs, f"{FAMILY} tp {TP}") as running:
+        yield running
 
 
 async def test_mamba_state_between_tp_sizes_is_refused_both_ways(

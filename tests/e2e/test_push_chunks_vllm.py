@@ -18,12 +18,11 @@ import httpx
 import pytest
 
 from testbed.pd_protocol import prefill_leg
-from testbed.vllm_cpu import Pair, ServerStartError, run_servers, server_spec
+from testbed.vllm_cpu import Pair, server_spec
 from tests.e2e.conftest import (
     DUAL,
     DUAL_EXTRA_CONFIG,
     LOG_DIR,
-    PAIR_START_TIMEOUT_S,
     PairManager,
 )
 from tests.e2e.test_dual_connector import (
@@ -53,16 +52,12 @@ CHUNKED = ("--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--block-siz
 @pytest.fixture(scope="module")
 def chunked_pair(pair_manager: PairManager, tiny_model: Path) -> Iterator[Pair]:
     """A P and a D with our connector whose steps compute at most 64 tokens."""
-    pair_manager.close()  # one pair at a time: stop the session's own first
     specs = [server_spec(role, connector=DUAL, model_dir=tiny_model, log_dir=LOG_DIR,
                          name=f"{role}-chunked", kv_extra_config=DUAL_EXTRA_CONFIG,
                          extra_args=CHUNKED)
              for role in ("prefill", "decode")]
-    try:
-        with run_servers(specs, start_timeout_s=PAIR_START_TIMEOUT_S) as (prefill, decode):
-            yield Pair(connector=DUAL, prefill=prefill, decode=decode)
-    except ServerStartError as exc:
-        pytest.fail(f"starting the chunked pair failed: {exc}", pytrace=False)
+    with pair_manager.own_pair(specs, "chunked") as running:
+        yield running
 
 
 async def test_a_prompt_in_chunks_is_written_chunk_by_chunk_and_gives_one_servers_tokens(

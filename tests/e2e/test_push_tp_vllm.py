@@ -19,12 +19,11 @@ import httpx
 import pytest
 
 from testbed.pd_protocol import KV_USAGE, answer_token_ids, metric
-from testbed.vllm_cpu import Pair, Role, ServerStartError, run_servers, server_spec
+from testbed.vllm_cpu import Pair, Role, server_spec
 from tests.e2e.conftest import (
     DUAL,
     DUAL_EXTRA_CONFIG,
     LOG_DIR,
-    PAIR_START_TIMEOUT_S,
     PairManager,
     ProxyFactory,
 )
@@ -57,7 +56,6 @@ def tp_pair(request: pytest.FixtureRequest, pair_manager: PairManager,
             tiny_model: Path) -> Iterator[Pair]:
     """A P and a D with our connector, of the tensor-parallel sizes PAIRS names."""
     prefill_tp, decode_tp = PAIRS[request.param]
-    pair_manager.close()  # one pair at a time: stop the session's own first
     specs = [
         server_spec(role, connector=DUAL, model_dir=tiny_model, log_dir=LOG_DIR,
                     name=f"{role}-tp{tp}", kv_extra_config=DUAL_EXTRA_CONFIG,
@@ -65,11 +63,8 @@ def tp_pair(request: pytest.FixtureRequest, pair_manager: PairManager,
                     extra_env={"VLLM_CPU_OMP_THREADS_BIND": BIND[tp][role]})
         for role, tp in ((PREFILL, prefill_tp), (DECODE, decode_tp))
     ]
-    try:
-        with run_servers(specs, start_timeout_s=PAIR_START_TIMEOUT_S) as (prefill, decode_):
-            yield Pair(connector=DUAL, prefill=prefill, decode=decode_)
-    except ServerStartError as exc:
-        pytest.fail(f"starting the {request.param} pair failed: {exc}", pytrace=False)
+    with pair_manager.own_pair(specs, request.param) as running:
+        yield running
 
 
 def transferred(before: dict[Any, float], tokens: int, samples: dict[Any, float]) -> bool:

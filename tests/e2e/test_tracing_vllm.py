@@ -25,9 +25,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from testbed.vllm_cpu import Pair, ServerStartError, run_servers, server_spec
+from testbed.vllm_cpu import Pair, server_spec
 from tests.conftest import serve_router
-from tests.e2e.conftest import DUAL, DUAL_EXTRA_CONFIG, LOG_DIR, PAIR_START_TIMEOUT_S, PairManager
+from tests.e2e.conftest import DUAL, DUAL_EXTRA_CONFIG, LOG_DIR, PairManager
 from tests.e2e.vllm_client import COMPLETIONS, TIMEOUT, make_body
 
 pytestmark = pytest.mark.e2e
@@ -121,7 +121,6 @@ def receiver() -> Iterator[OtlpReceiver]:
 def tracing_pair(pair_manager: PairManager, tiny_model: Path,
                  receiver: OtlpReceiver) -> Iterator[Pair]:
     """A P and a D with our connector, exporting their spans to `receiver`."""
-    pair_manager.close()  # one pair at a time: stop the session's own first
     specs = [server_spec(role, connector=DUAL, model_dir=tiny_model, log_dir=LOG_DIR,
                          name=f"{role}-traced", kv_extra_config=DUAL_EXTRA_CONFIG,
                          extra_args=("--otlp-traces-endpoint", receiver.endpoint),
@@ -129,11 +128,8 @@ def tracing_pair(pair_manager: PairManager, tiny_model: Path,
                                     "OTEL_SERVICE_NAME": SERVICES[role],
                                     "OTEL_BSP_SCHEDULE_DELAY": "200"})
              for role in ("prefill", "decode")]
-    try:
-        with run_servers(specs, start_timeout_s=PAIR_START_TIMEOUT_S) as (prefill, decode):
-            yield Pair(connector=DUAL, prefill=prefill, decode=decode)
-    except ServerStartError as exc:
-        pytest.fail(f"starting the traced pair failed: {exc}", pytrace=False)
+    with pair_manager.own_pair(specs, "traced") as running:
+        yield running
 
 
 async def test_one_trace_holds_the_routers_and_both_servers_spans(
