@@ -6,8 +6,6 @@ A WRITE posted early (right after the forward pass that completes a prompt,
 KV cache outside any CUDA stream's order, so the WRITE must wait until the KV is
 written:
 
-- On a CPU server the forward pass is synchronous: when the hook (or vLLM's
-  `wait_for_save`, after the pass) runs, the KV is in memory. `HostFence` posts at once.
 - On a GPU the Python code runs ahead of the kernels it launches. `CudaFence` records a
   CUDA event on the forward's stream where the hook runs (after the layer's attention
   wrote its KV); one thread of its own waits for each event in turn and only then posts
@@ -15,10 +13,17 @@ written:
   part (with D's notification) still follows its layers' parts. The engine thread
   never waits on the GPU for a layer; it waits once, after the pass
   (`wait_for_forward`), only when a whole WRITE of a prompt that pass completed is due.
+- On a CPU server the forward pass is synchronous: when the hook (or vLLM's
+  `wait_for_save`, after the pass) runs, the KV is in memory. `ThreadFence`, what
+  `CudaFence` is with nothing to wait for, posts on its thread all the same, so that
+  the forward pass goes on while a layer's WRITEs are posted (over UCX's TCP transport,
+  a post copies bytes: on the engine thread it lengthened every layer; the regime
+  benchmark's 80-layer profile lost to whole push on a fast link by it).
+- `HostFence` posts at once, on the caller's thread (tests that play the pass by hand).
 
-Where this has been tested: the CPU path runs in every real-vLLM e2e test; the GPU
-path's logic (order, waits, the thread's end) runs in the unit tests with stand-in
-events, not on a GPU (none here).
+Where this has been tested: every real-vLLM e2e test runs `ThreadFence`, the thread and
+order `CudaFence` uses; its CUDA events run in the unit tests as stand-ins, not on a
+GPU (none here).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ class Fence(Protocol):
 
 
 class HostFence:
-    """A CPU server's: its forward pass is synchronous, so there is nothing to wait for."""
+    """Posts at once, on the caller's thread: nothing to wait for, as on a CPU."""
 
     def after_queued_work(self, action: Action) -> None:
         action()
@@ -65,35 +70,33 @@ class HostFence:
 
 
 class Event(Protocol):
-    """What `CudaFence` needs of `torch.cuda.Event` (tests give stand-ins)."""
+    """What `ThreadFence` needs of `torch.cuda.Event` (tests give stand-ins)."""
 
     def record(self) -> Any: ...
 
     def synchronize(self) -> Any: ...
 
 
-class CudaFence:
-    """A GPU server's: actions run on a thread of their own, each once the CUDA event
-    recorded when it was given has been reached (module docstring)."""
+class Reached:
+    """A CPU's event: the work queued before it is done when it is recorded."""
 
-    def __init__(self, new_event: Callable[[], Event] | None = None,
-                 sync_stream: Callable[[], None] | None = None,
-                 on_thread_start: Callable[[], None] | None = None) -> None:
-        """Stand-ins for tests; by default CUDA's, on the device current now (the
-        worker's): `on_thread_start` makes it the fence thread's too, which would
-        otherwise be device 0 (and a CUDA context there, for a worker of another GPU)."""
-        if new_event is None or sync_stream is None:
-            import torch
+    def record(self) -> None:
+        return None
 
-            # A blocking-sync event: the waiting thread sleeps instead of spinning a core.
-            new_event = new_event or (lambda: torch.cuda.Event(blocking=True))  # type: ignore[no-untyped-call]
-            sync_stream = sync_stream or (lambda: torch.cuda.current_stream().synchronize())
-            if on_thread_start is None:
-                device = torch.cuda.current_device()
-                on_thread_start = lambda: torch.cuda.set_device(device)  # noqa: E731
+    def synchronize(self) -> None:
+        return None
+
+
+class ThreadFence:
+    """Actions run on a thread of their own, in order, each once the event recorded when
+    it was given has been reached (on a CPU: at once, `Reached`)."""
+
+    def __init__(self, new_event: Callable[[], Event] = Reached,
+                 sync_stream: Callable[[], None] = lambda: None,
+                 on_thread_start: Callable[[], None] = lambda: None) -> None:
         self._new_event = new_event
         self._sync_stream = sync_stream
-        self._on_thread_start = on_thread_start or (lambda: None)
+        self._on_thread_start = on_thread_start
         self._queue: queue.SimpleQueue[tuple[Event, Action] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # starts the thread once
@@ -145,6 +148,28 @@ class CudaFence:
                 logger.exception("a fenced WRITE failed")
 
 
+class CudaFence(ThreadFence):
+    """A GPU server's: `ThreadFence` with CUDA events recorded on the forward's stream
+    (module docstring)."""
+
+    def __init__(self, new_event: Callable[[], Event] | None = None,
+                 sync_stream: Callable[[], None] | None = None,
+                 on_thread_start: Callable[[], None] | None = None) -> None:
+        """Stand-ins for tests; by default CUDA's, on the device current now (the
+        worker's): `on_thread_start` makes it the fence thread's too, which would
+        otherwise be device 0 (and a CUDA context there, for a worker of another GPU)."""
+        if new_event is None or sync_stream is None:
+            import torch
+
+            # A blocking-sync event: the waiting thread sleeps instead of spinning a core.
+            new_event = new_event or (lambda: torch.cuda.Event(blocking=True))  # type: ignore[no-untyped-call]
+            sync_stream = sync_stream or (lambda: torch.cuda.current_stream().synchronize())
+            if on_thread_start is None:
+                device = torch.cuda.current_device()
+                on_thread_start = lambda: torch.cuda.set_device(device)  # noqa: E731
+        super().__init__(new_event, sync_stream, on_thread_start or (lambda: None))
+
+
 def full_graph_note(compilation_config: Any) -> str | None:
     """On a GPU: which pushes vLLM's CUDA graphs make P write whole, or None. A full
     graph's replay skips vLLM's per-layer hook, so a push whose prefill a full graph runs
@@ -163,4 +188,4 @@ def full_graph_note(compilation_config: Any) -> str | None:
 
 def fence_for(device: str) -> Fence:
     """The fence for a server whose KV cache is on `device` ("cpu", "cuda", ...)."""
-    return CudaFence() if device == "cuda" else HostFence()
+    return CudaFence() if device == "cuda" else ThreadFence()

@@ -31,11 +31,13 @@ requests are reported finished at once. Each push is one record with its state
 - On a GPU, a WRITE posted during or right after the forward pass first waits for the
   KV it reads to be written (`connector.prefill.fence`): a layer's parts behind a CUDA
   event recorded at its hook, on the fence's thread; a whole early WRITE behind a wait
-  for the pass on the engine thread. On CPU the pass is synchronous: nothing waits.
+  for the pass on the engine thread. On CPU the pass is synchronous: nothing waits, but
+  a layer's parts are posted on the fence's thread all the same (`ThreadFence`).
 
 Threads: the engine thread runs all of it but `poll_writes`, `_cancel` and
-`_post_finals`, which the worker's poller thread runs, and, on a GPU, `_post` and
-`_finish_layered` (with its `_post_finals`), which the fence's thread runs. vLLM's push
+`_post_finals`, which the worker's poller thread runs, and `_post` and
+`_finish_layered` (with its `_post_finals`), which the fence's thread runs (with a
+`HostFence`, the engine thread). vLLM's push
 code keeps its WRITE handles in the worker's `_sending_transfers` (with
 `_send_failures`), under `_sending_transfers_lock`; this half keeps each posted WRITE's
 deadline and the WRITEs the poller cancelled under that lock too, and the layered
@@ -206,7 +208,7 @@ class PrefillWorker:
     def write_early(self) -> None:
         """Right after the step's forward pass (vLLM's `wait_for_save`): the layered
         pushes' parts not posted yet, then the early WRITEs of the prompts it completed,
-        whole; each once the pass's KV is written (`fence`: at once on CPU)."""
+        whole; each once the pass's KV is written (`fence`)."""
         for record, error in self._ending:
             self._end(record, error)
         self._ending = []
@@ -468,8 +470,8 @@ class PrefillWorker:
         """Post `parts` of `push` (none with a notification), while the push is open (its
         placeholder handle in vLLM's bookkeeping: not failed, nor cancelled at the end of
         its write lease, which may have passed while a fence waited). A part that cannot
-        be posted fails the push: its final parts are never posted. The engine thread on
-        CPU; the fence's thread on a GPU."""
+        be posted fails the push: its final parts are never posted. The fence's thread
+        (a `HostFence`'s caller's)."""
         vllm = self._vllm
         agent = vllm.nixl_wrapper
         with vllm._sending_transfers_lock:

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from connector.prefill.fence import CudaFence, HostFence
+from connector.prefill.fence import CudaFence, HostFence, ThreadFence, fence_for
 from connector.prefill.layers import HELD, LayeredWrite, PlannedWrite, RecordingAgent, RegionLayers
 from tests.conftest import until_sync
 from tests.unit.test_layers_push import StatefulAgent
@@ -50,11 +50,27 @@ def cuda_fence() -> tuple[CudaFence, StandInEvents]:
     return CudaFence(events.new, events.sync_stream), events
 
 
-def test_a_cpu_fence_runs_each_write_at_once() -> None:
+def test_a_host_fence_runs_each_write_at_once() -> None:
     fence, ran = HostFence(), []
     fence.after_queued_work(lambda: ran.append(1))
     fence.wait_for_forward()
     assert ran == [1]
+
+
+def test_a_cpu_servers_fence_posts_on_its_own_thread_in_order_and_closes() -> None:
+    """A CPU server's fence (`fence_for("cpu")`): nothing to wait for, but the WRITEs go
+    on a thread of their own, so the forward pass goes on meanwhile; in the order given."""
+    fence = fence_for("cpu")
+    assert isinstance(fence, ThreadFence) and not isinstance(fence, CudaFence)
+    caller, ran = threading.get_ident(), []
+    for n in range(5):
+        fence.after_queued_work(lambda n=n: ran.append((n, threading.get_ident())))
+    fence.wait_for_forward()  # nothing to wait for on a CPU
+    until_sync(lambda: len(ran) == 5, "the five WRITEs posted", 5.0)
+    assert [n for n, _ in ran] == list(range(5))
+    assert all(thread != caller for _, thread in ran), "posted on the engine's thread"
+    fence.close()
+    assert fence._thread is not None and not fence._thread.is_alive()
 
 
 def test_a_gpu_fence_runs_each_write_once_its_event_is_reached_in_the_order_given() -> None:
