@@ -371,9 +371,10 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
     def prefill_progress(self, transfer_id: TransferId, request_id: RequestId,
                          block_ids: BlockIds, prompt_blocks: int, step: int) -> None:
         """Engine step `step`, being built, computes a chunk of this push's prompt (not
-        its last), after which P's first `block_ids` hold its KV. If D has registered,
-        those blocks' WRITE (`StartWrite.chunk`) goes straight to P's workers, which write
-        them layer by layer during that step's forward pass."""
+        its last), after which P's first `block_ids` hold its KV. If D has registered
+        and granted, those blocks' WRITE (`StartWrite.chunk`) goes straight to P's
+        workers, which write them layer by layer during that step's forward pass; if not
+        yet, D's grant sends it when it comes (the workers drop it if the step is over)."""
         self._post(PrefillProgress(transfer_id, request_id, block_ids, prompt_blocks, step))
 
     def prefill_aborted(self, transfer_id: TransferId) -> None:

@@ -533,8 +533,10 @@ class PushRegistry:
         """`peer` grants its lease, from P's token sent at `sent` (the caller checked that
         it is P's own, and not from the future): P may start WRITEs into the blocks of its
         granted transfers until `sent + lease_s`. Its registrations named in `adds` are
-        granted from now: those whose prefill is here become Ready. A lease that had
-        lapsed ends its transfers first (Release each), and is not taken back by this one."""
+        granted from now: those whose prefill is here become Ready, and those whose prompt
+        P computes in chunks give a chunk's Ready (`chunk`, see `prefill_progress`: not
+        for `write_started`) for the chunks computed so far. A lease that had lapsed ends
+        its transfers first (Release each), and is not taken back by this one."""
         until = sent + self.config.lease_s
         if until <= now:
             self._counters.stale_grants += 1
@@ -654,9 +656,11 @@ class PushRegistry:
         after that step's forward pass (or layer by layer during it), those of them no
         chunk covered yet, into D's matching blocks, without a notification; the transfer
         stays AWAITING_PREFILL, its final WRITE (which skips what chunks wrote) to come.
-        None: nothing to write now. D holds blocks for the prompt's last blocks only (a
-        prefix hit on D: `prompt_blocks` - its count), so P's block i goes to D's block
-        i - that hit, as vLLM's push code pairs them for the whole prompt."""
+        None: nothing to write now; the record keeps this progress (with no record yet, a
+        CHUNKING one), and the grant of a registration that comes later asks for it. D
+        holds blocks for the prompt's last blocks only (a prefix hit on D:
+        `prompt_blocks` - its count), so P's block i goes to D's block i - that hit, as
+        vLLM's push code pairs them for the whole prompt."""
         record = self._transfers.get(transfer_id)
         if record is None and _grave(transfer_id) not in self._tombstones \
                 and len(block_ids) == 1:

@@ -376,7 +376,9 @@ class PrefillWorker:
         if self._layers is None or not ready or time.monotonic() >= deadline \
                 or self._outgoing.get(rid) is not None or rid in self._chunks_dropped \
                 or rid in self._chunking:
-            return  # written whole at the end (no handshake yet; or its final began), or gone
+            # Left to the final WRITE (no handshake yet; its final began; a chunk of this
+            # step being written already), or its request is gone.
+            return
         try:
             planned = self._plan(job)
             chunk = LayeredWrite.plan(rid, planned, self._layers, notify=False)

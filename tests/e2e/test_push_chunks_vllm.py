@@ -69,7 +69,7 @@ async def test_a_prompt_in_chunks_is_written_chunk_by_chunk_and_gives_one_server
         await push_registered_first(client, chunked_pair, push_layers=False)
         body, _, d_before, (tokens, prompt_tokens) = await push_registered_first(
             client, chunked_pair, push_layers=True)
-        assert prompt_tokens > 64 * 2, "the prompt fits in two steps: no chunk to write"
+        assert prompt_tokens > 64 * 2, "the prompt fits in two steps: one chunk at most"
         after = await wait_for_metric(client, chunked_pair.decode_url,
                                       partial(transferred, d_before, prompt_tokens))
         assert external_kv_tokens(after) - external_kv_tokens(d_before) == prompt_tokens, (
@@ -101,7 +101,7 @@ async def test_a_prompt_in_chunks_pushed_with_both_legs_at_once_gives_one_server
             decode(client, chunked_pair.decode_url + COMPLETIONS, leg, stream=False,
                    headers={"X-Request-Id": request_id})), timeout=60)
         assert prefilled.status_code == 200, prefilled.text
-        assert prompt_tokens > 64 * 2, "the prompt fits in two steps: no chunk to write"
+        assert prompt_tokens > 64 * 2, "the prompt fits in two steps: one chunk at most"
         after = await wait_for_metric(client, chunked_pair.decode_url,
                                       partial(transferred, d_before, prompt_tokens))
         assert external_kv_tokens(after) - external_kv_tokens(d_before) == prompt_tokens, (

@@ -341,6 +341,8 @@ def test_a_chunk_asked_for_late_is_written_in_its_step_or_left_to_the_final_writ
     if arrives == "mid-pass":
         chunk_asked()
     worker.layer_saved("layer.1")
+    # Mid-pass, it was taken up at a layer's hook, to be written by layer.
+    assert (RID in worker._chunking) is (arrives == "mid-pass")
     if arrives == "after-the-last-layer":
         chunk_asked()
     worker.write_early()

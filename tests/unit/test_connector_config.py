@@ -202,11 +202,12 @@ def test_only_push_layers_on_asks_vllm_for_piecewise_cuda_graphs() -> None:
     assert not asks({"push_layers": "on"})  # no push_port: the connector's start says so
 
 
-def test_a_cpu_servers_writes_wait_on_nothing_but_the_synchronous_pass() -> None:
+def test_a_cpu_servers_writes_wait_on_nothing_but_go_on_the_fences_thread() -> None:
     from types import SimpleNamespace
 
-    from connector.prefill.fence import HostFence, fence_for
+    from connector.prefill.fence import CudaFence, ThreadFence, fence_for
     from connector.vllm_compat import fence_device
 
     assert fence_device(SimpleNamespace(kv_transfer_config=None)) == "cpu"  # type: ignore[arg-type]
-    assert isinstance(fence_for("cpu"), HostFence)
+    fence = fence_for("cpu")
+    assert isinstance(fence, ThreadFence) and not isinstance(fence, CudaFence)

@@ -421,7 +421,7 @@ def churn(r: PushRegistry, rng: random.Random, now: float) -> None:
     """One random event, of any kind, for one of a few dozen transfers."""
     tid = TransferId(f"t{rng.randrange(40)}")
     peer = rng.choice([b"d1", b"d2"])
-    kind = rng.randrange(8)
+    kind = rng.randrange(9)
     outcome: object = None
     if kind == 0:
         outcome = r.register(reg(tid, ttl_s=rng.uniform(1.0, 90.0)), now=now, peer=peer)
@@ -436,6 +436,9 @@ def churn(r: PushRegistry, rng: random.Random, now: float) -> None:
         outcome = r.abandon(tid, now=now)
     elif kind == 5:
         outcome = r.prefill_aborted(tid, now=now)
+    elif kind == 8:  # a chunk of its prompt: a CHUNKING record, or a chunk's WRITE
+        r.prefill_progress(tid, [P_BLOCKS[0][:rng.randrange(1, 3)]], request_id=f"p-{tid}",
+                           prompt_blocks=3, step=rng.randrange(9), now=now)
     elif r.state_of(tid) is S.WRITING:
         (r.write_done(tid) if kind == 6 else r.write_failed(tid, FailReason.WRITE_ERROR))
     if isinstance(outcome, Ready):
@@ -460,6 +463,7 @@ def test_expiry_from_the_heap_ends_exactly_what_a_scan_finds_due(seed: int) -> N
             assert r.tombstones() == left
             assert all(r.state_of(TransferId(tid)) is None for tid in due)
         assert r.deadlines_held() <= 2 * (len(r._transfers) + r.tombstones()) + 1024
+        assert len(r) == r.snapshot().live, "the count of not-live records drifted"
     r.expire(1e9)
     assert r.next_deadline() is None and r.tombstones() == 0
 
@@ -830,6 +834,17 @@ def test_a_chunking_record_goes_with_its_prefill_or_its_transfer(end: str) -> No
         assert r.abandon(T1, now=0.0) is None
     snapshot = r.snapshot()
     assert snapshot.chunking == 0 and r.state_of(T1) is not S.CHUNKING
+    assert len(r) == snapshot.live, "the count of not-live records drifted"
+
+
+def test_a_registration_refused_leaves_the_chunking_record_to_its_prefill() -> None:
+    r = registry()
+    progress(r, [10, 11])
+    refused = r.register(reg(block_size=32), now=0.0)
+    assert isinstance(refused, Rejected) and refused.block_ids is None
+    assert r.state_of(T1) is S.CHUNKING and len(r) == 0 == r.snapshot().live
+    assert r.prefill_aborted(T1, now=0.0) is None
+    assert r.snapshot().chunking == 0 and len(r) == 0
 
 
 def test_a_chunking_record_completes_and_matches_early_with_no_chunk() -> None:
@@ -841,6 +856,7 @@ def test_a_chunking_record_completes_and_matches_early_with_no_chunk() -> None:
     ready = r.register(reg(block_ids=[[30, 31, 32]]), now=0.0)
     assert isinstance(ready, Ready) and ready.early_step == 4 and not ready.chunk
     assert r.granted_chunks == [], "the final WRITE carries every block"
+    assert len(r) == r.snapshot().live == 1
 
 
 def test_d_hears_of_an_end_before_the_final_write_only_once_chunks_cannot_be_in_flight(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -63,8 +64,12 @@ def test_a_cpu_servers_fence_posts_on_its_own_thread_in_order_and_closes() -> No
     fence = fence_for("cpu")
     assert isinstance(fence, ThreadFence) and not isinstance(fence, CudaFence)
     caller, ran = threading.get_ident(), []
+
+    def post(n: int) -> None:
+        ran.append((n, threading.get_ident()))
+
     for n in range(5):
-        fence.after_queued_work(lambda n=n: ran.append((n, threading.get_ident())))
+        fence.after_queued_work(partial(post, n))
     fence.wait_for_forward()  # nothing to wait for on a CPU
     until_sync(lambda: len(ran) == 5, "the five WRITEs posted", 5.0)
     assert [n for n, _ in ran] == list(range(5))
