@@ -13,6 +13,7 @@ import asyncio
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -60,6 +61,21 @@ def chunked_pair(pair_manager: PairManager, tiny_model: Path) -> Iterator[Pair]:
         yield running
 
 
+async def assert_pushed_whole(client: httpx.AsyncClient, running: Pair, body: dict[str, Any],
+                              d_before: dict[Any, float],
+                              answer: tuple[list[int], int]) -> None:
+    """A prompt of more than two steps' tokens: D got all of it by transfer (it computed
+    none), its tokens equal one server's, and neither server holds a block afterwards."""
+    tokens, prompt_tokens = answer
+    assert prompt_tokens > 64 * 2, "the prompt fits in two steps: one chunk at most"
+    after = await wait_for_metric(client, running.decode_url,
+                                  partial(transferred, d_before, prompt_tokens))
+    assert external_kv_tokens(after) - external_kv_tokens(d_before) == prompt_tokens, (
+        "D did not get the whole prompt's KV by transfer (it recomputed)")
+    assert tokens == await reference_tokens(client, running.decode_url, COMPLETIONS, body)
+    await assert_nothing_held(client, running)
+
+
 async def test_a_prompt_in_chunks_is_written_chunk_by_chunk_and_gives_one_servers_tokens(
     chunked_pair: Pair,
 ) -> None:
@@ -69,14 +85,8 @@ async def test_a_prompt_in_chunks_is_written_chunk_by_chunk_and_gives_one_server
         await push_registered_first(client, chunked_pair, push_layers=False)
         body, _, d_before, (tokens, prompt_tokens) = await push_registered_first(
             client, chunked_pair, push_layers=True)
-        assert prompt_tokens > 64 * 2, "the prompt fits in two steps: one chunk at most"
-        after = await wait_for_metric(client, chunked_pair.decode_url,
-                                      partial(transferred, d_before, prompt_tokens))
-        assert external_kv_tokens(after) - external_kv_tokens(d_before) == prompt_tokens, (
-            "D did not get the whole prompt's KV by transfer (it recomputed)")
-        assert tokens == await reference_tokens(client, chunked_pair.decode_url,
-                                                COMPLETIONS, body)
-        await assert_nothing_held(client, chunked_pair)
+        await assert_pushed_whole(client, chunked_pair, body, d_before,
+                                  (tokens, prompt_tokens))
         await push_stats(client, chunked_pair.prefill,
                          r"writes done 2 failed 0 .*by layer 1, by chunk 1 of [1-9]")
 
@@ -101,14 +111,8 @@ async def test_a_prompt_in_chunks_pushed_with_both_legs_at_once_gives_one_server
             decode(client, chunked_pair.decode_url + COMPLETIONS, leg, stream=False,
                    headers={"X-Request-Id": request_id})), timeout=60)
         assert prefilled.status_code == 200, prefilled.text
-        assert prompt_tokens > 64 * 2, "the prompt fits in two steps: one chunk at most"
-        after = await wait_for_metric(client, chunked_pair.decode_url,
-                                      partial(transferred, d_before, prompt_tokens))
-        assert external_kv_tokens(after) - external_kv_tokens(d_before) == prompt_tokens, (
-            "D did not get the whole prompt's KV by transfer (it recomputed)")
-        assert tokens == await reference_tokens(client, chunked_pair.decode_url,
-                                                COMPLETIONS, body)
-        await assert_nothing_held(client, chunked_pair)
+        await assert_pushed_whole(client, chunked_pair, body, d_before,
+                                  (tokens, prompt_tokens))
         # Received by push, not read instead: P logs a failed WRITE before it tells D,
         # so before D could read the prompt and answer.
         assert f"push {request_id}: WRITE failed" not in \
