@@ -476,10 +476,13 @@ class PrefillWorker:
         (a `HostFence`'s caller's)."""
         vllm = self._vllm
         agent = vllm.nixl_wrapper
-        with vllm._sending_transfers_lock:
-            for part in parts:
-                handles = vllm._sending_transfers.get(push.request_id)
-                if not handles or HELD not in handles:
+        rid = push.request_id
+        for part in parts:
+            # The lock for one part at a time: over TCP a post copies its bytes, and the
+            # engine thread and the poller take this lock every step.
+            with vllm._sending_transfers_lock:
+                handles = vllm._sending_transfers.get(rid)
+                if not handles or HELD not in handles or not self._in_lease(rid):
                     return
                 try:
                     handle = agent.make_prepped_xfer("WRITE", part.local_handle,
@@ -489,15 +492,25 @@ class PrefillWorker:
                     agent.transfer(handle)
                 except Exception:
                     logger.exception("push of request %s: a layer's WRITE could not be "
-                                     "posted", push.request_id)
-                    self._drop_held(push.request_id)
-                    vllm._send_failures.add(push.request_id)
+                                     "posted", rid)
+                    self._drop_held(rid)
+                    vllm._send_failures.add(rid)
                     return
 
+    def _in_lease(self, rid: str) -> bool:
+        """(Under vLLM's lock.) Whether `rid`'s WRITEs may still be posted: its write
+        lease has not ended. One that has is failed here (the poller cancels what is in
+        flight at the same deadline), so that nothing is posted after it."""
+        if time.monotonic() < self._write_deadlines.get(rid, math.inf):
+            return True
+        self._drop_held(rid)
+        self._vllm._send_failures.add(rid)
+        return False
+
     def _post_finals(self) -> None:
-        """(Under vLLM's lock; engine or poller thread.) Post the final parts, with D's
-        notification, of each layered push whose other parts are all done; drop those
-        that failed or were cancelled meanwhile."""
+        """(Under vLLM's lock; engine, poller or fence thread.) Post the final parts, with
+        D's notification, of each layered push whose other parts are all done; drop those
+        that failed or were cancelled meanwhile, or whose write lease ended."""
         vllm = self._vllm
         agent = vllm.nixl_wrapper
         for rid, push in list(self._finishing.items()):
@@ -509,6 +522,8 @@ class PrefillWorker:
                 # a part (a chunk's, maybe) failed or was cancelled: D reads instead
                 self._drop_held(rid)
                 vllm._send_failures.add(rid)
+                continue
+            if not self._in_lease(rid):
                 continue
             states = [agent.check_xfer_state(h) for h in handles if h is not HELD]
             if any(state not in ("DONE", "PROC") for state in states):
@@ -656,8 +671,12 @@ class PrefillWorker:
             done, failed = vllm._pop_done_transfers(vllm._sending_transfers)
             failed |= vllm._send_failures  # from submitting WRITEs, since the last step
             vllm._send_failures.clear()
-            for rid in failed & self._finishing.keys():
-                self._drop_held(rid)  # a part failed: no final part, the push fails
+            for rid in failed - self._chunked.keys():
+                # A layered push's part failed: no final part, the push fails. Its other
+                # parts may still wait in the fence (not in `_finishing` yet), and vLLM
+                # has let go of the failed handle: what keeps the push open goes now.
+                # (A chunked push's failure is kept in `_chunks_failed`, below.)
+                self._drop_held(rid)
             self._chunks_failed |= failed & self._chunked.keys()
             cancelled = self._cancelled & done
             self._cancelled -= done

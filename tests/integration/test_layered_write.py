@@ -273,6 +273,83 @@ def count_posts(worker: Any) -> list[list[int]]:
     return posted
 
 
+class HeldBackFence:
+    """A fence whose thread lags: its actions run only when the test says (as the fence
+    thread of a CPU or GPU server may still post earlier layers when the step ends)."""
+
+    def __init__(self) -> None:
+        self.queued: list[Any] = []
+
+    def after_queued_work(self, action: Any) -> None:
+        self.queued.append(action)
+
+    def wait_for_forward(self) -> None:
+        return None
+
+    def close(self) -> None:
+        return None
+
+    def run(self) -> None:
+        actions, self.queued = self.queued, []
+        for action in actions:
+            action()
+
+
+def test_a_part_that_fails_before_the_fence_finishes_the_push_fails_it(
+    path: LayeredPath,
+) -> None:
+    """A layer's part failed, and vLLM's bookkeeping said so at the step's end, while
+    the push's last parts still waited in the fence: the push must fail (D reads it),
+    never post its final part with D's notification."""
+    worker = path.worker
+    fence = worker._fence = HeldBackFence()
+    worker._outgoing.early(job(), STEP, deadline=time.monotonic() + 30.0)
+    worker.begin_step(PushStep(layered={RID}, number=STEP))
+    worker.layer_saved("layer.0")
+    fence.run()  # layer 0's part posted
+    worker.layer_saved("layer.1")
+    worker.write_early()  # the pass's end: its rest and final wait in the fence
+    with worker._vllm._sending_transfers_lock:
+        worker._vllm._send_failures.add(RID)  # as vLLM's code does for a failed handle
+    worker.transfer_results(SimpleNamespace(finished_sending=set()))
+    fence.run()  # the fence catches up
+    results = SimpleNamespace(finished_sending=set())
+
+    def ended() -> bool:
+        worker.transfer_results(results)
+        report = worker.take_report()
+        if report is None or not report.ended:
+            return False
+        (end,) = report.ended.values()
+        assert end.error is not None and end.holding_ranks == 1, end
+        return True
+
+    until(ended, "the push's end", path)
+    for _ in range(50):
+        path.progress()
+    assert path.notifs == [], "D was notified of a push a part of which failed"
+
+
+def test_no_part_is_posted_after_the_write_lease(path: LayeredPath) -> None:
+    """The fence got to a push's parts only after its write lease ended: none is posted
+    (D may have given up on the push), and the push fails."""
+    worker = path.worker
+    fence = worker._fence = HeldBackFence()
+    worker._outgoing.early(job(), STEP, deadline=time.monotonic() + 30.0)
+    worker.begin_step(PushStep(layered={RID}, number=STEP))
+    worker.layer_saved("layer.0")
+    worker.layer_saved("layer.1")
+    worker.write_early()
+    posted = count_posts(worker)
+    with worker._vllm._sending_transfers_lock:  # the lease ends while the fence lags
+        worker._write_deadlines[RID] = time.monotonic()
+    fence.run()
+    assert posted == [], "a part was posted after the write lease"
+    until(lambda: (worker.transfer_results(SimpleNamespace(finished_sending=set())),
+                   not worker._vllm._sending_transfers)[1], "the push let go", path)
+    assert path.notifs == []
+
+
 def test_a_failed_chunk_fails_the_push_so_that_d_reads_it_instead(path: LayeredPath) -> None:
     """One of a chunk's WRITE handles failed (vLLM's bookkeeping says so): the final
     WRITE must not notify D of a prompt with a hole in it; the push fails, and P keeps
