@@ -469,14 +469,6 @@ class PushRegistry:
             del self._transfers[tid]
             return Rejected(tid, refusal[0], refusal[1], record.block_ids, record.request_id)
         self._counters.registered += 1
-        deadline = now + min(self.config.registration_ttl, reg.ttl_s)
-        if record is not None and record.state is TransferState.CHUNKING:
-            # P computes its prompt in chunks: its grant asks for the chunks' WRITE so far.
-            self._not_live -= 1
-            record.state, record.deadline = TransferState.AWAITING_PREFILL, deadline
-            record.registration = reg
-            self._own(record, peer, reg, now)
-            return Waiting(tid, TransferState.AWAITING_PREFILL)
         if record is not None and record.state is TransferState.COMPLETING:
             if len(record.block_ids or ()) == len(reg.block_ids):  # matches early
                 self._not_live -= 1
@@ -484,9 +476,16 @@ class PushRegistry:
                 self._counters.early += 1
             else:  # its prefill_finished fails it, once P's blocks can be freed
                 record = self._forget_not_live(record)
-        if record is None:
-            record = _Transfer(tid, TransferState.AWAITING_PREFILL, deadline, registration=reg)
-            self._transfers[tid] = record
+        if record is None or record.state is TransferState.CHUNKING:
+            # P's prompt is still to come (in chunks so far: the grant asks for them).
+            deadline = now + min(self.config.registration_ttl, reg.ttl_s)
+            if record is None:
+                record = self._transfers[tid] = _Transfer(tid, TransferState.AWAITING_PREFILL,
+                                                          deadline)
+            else:
+                self._not_live -= 1
+                record.state, record.deadline = TransferState.AWAITING_PREFILL, deadline
+            record.registration = reg
             self._own(record, peer, reg, now)
             return Waiting(tid, TransferState.AWAITING_PREFILL)
         record.registration = reg
@@ -619,11 +618,8 @@ class PushRegistry:
         step's forward pass. None: not now (with no registration yet, the record is
         COMPLETING, for one that comes before `prefill_finished`, which follows the step;
         with no grant yet, the record waits for one, or for `prefill_finished`)."""
-        record = self._transfers.get(transfer_id)
-        if record is None and _grave(transfer_id) not in self._tombstones:
-            record = self._transfers[transfer_id] = _Transfer(transfer_id,
-                                                              TransferState.COMPLETING, None)
-            self._not_live += 1
+        record = self._transfers.get(transfer_id) \
+            or self._remember(transfer_id, TransferState.COMPLETING)
         if record is None or record.state not in (TransferState.COMPLETING,
                                                   TransferState.CHUNKING,
                                                   TransferState.AWAITING_PREFILL):
@@ -661,17 +657,13 @@ class PushRegistry:
         holds blocks for the prompt's last blocks only (a prefix hit on D:
         `prompt_blocks` - its count), so P's block i goes to D's block i - that hit, as
         vLLM's push code pairs them for the whole prompt."""
-        record = self._transfers.get(transfer_id)
-        if record is None and _grave(transfer_id) not in self._tombstones \
-                and len(block_ids) == 1:
-            record = self._transfers[transfer_id] = _Transfer(transfer_id,
-                                                              TransferState.CHUNKING, None)
-            self._not_live += 1
+        if len(block_ids) != 1:
+            return None  # several KV-cache groups: written whole at the end
+        record = self._transfers.get(transfer_id) \
+            or self._remember(transfer_id, TransferState.CHUNKING)
         if record is None or record.state not in (TransferState.CHUNKING,
                                                   TransferState.AWAITING_PREFILL):
             return None
-        if len(block_ids) != 1:
-            return None  # several KV-cache groups: written whole at the end
         record.progress = _Progress(list(block_ids[0]), request_id, prompt_blocks, step)
         return self._chunk(record, now)
 
@@ -887,6 +879,15 @@ class PushRegistry:
                 f"tensor-parallel mismatch: {why} (D reads the KV by pull where vLLM can, "
                 "else computes the prompt)")
         return None
+
+    def _remember(self, transfer_id: TransferId, state: TransferState) -> _Transfer | None:
+        """A new not-live record (`state`: COMPLETING or CHUNKING) of P's alone, unless the
+        transfer ended before it was known (a tombstone): then None."""
+        if _grave(transfer_id) in self._tombstones:
+            return None
+        record = self._transfers[transfer_id] = _Transfer(transfer_id, state, None)
+        self._not_live += 1
+        return record
 
     def _forget_not_live(self, record: _Transfer | None) -> _Transfer | None:
         """None for a COMPLETING or CHUNKING record (dropped: P's prefill ended, or D

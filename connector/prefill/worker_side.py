@@ -518,12 +518,12 @@ class PrefillWorker:
             if not handles or HELD not in handles:  # cancelled at its deadline, or failed
                 del self._finishing[rid]
                 continue
-            if rid in self._chunks_failed or rid in vllm._send_failures:
-                # a part (a chunk's, maybe) failed or was cancelled: D reads instead
+            if rid in self._chunks_failed or rid in vllm._send_failures \
+                    or not self._in_lease(rid):
+                # a part (a chunk's, maybe) failed or was cancelled, or the write lease
+                # ended: D reads instead
                 self._drop_held(rid)
                 vllm._send_failures.add(rid)
-                continue
-            if not self._in_lease(rid):
                 continue
             states = [agent.check_xfer_state(h) for h in handles if h is not HELD]
             if any(state not in ("DONE", "PROC") for state in states):

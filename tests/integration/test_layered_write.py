@@ -295,24 +295,17 @@ class HeldBackFence:
             action()
 
 
-def test_a_part_that_fails_before_the_fence_finishes_the_push_fails_it(
-    path: LayeredPath,
-) -> None:
-    """A layer's part failed, and vLLM's bookkeeping said so at the step's end, while
-    the push's last parts still waited in the fence: the push must fail (D reads it),
-    never post its final part with D's notification."""
-    worker = path.worker
-    fence = worker._fence = HeldBackFence()
-    worker._outgoing.early(job(), STEP, deadline=time.monotonic() + 30.0)
-    worker.begin_step(PushStep(layered={RID}, number=STEP))
-    worker.layer_saved("layer.0")
-    fence.run()  # layer 0's part posted
-    worker.layer_saved("layer.1")
-    worker.write_early()  # the pass's end: its rest and final wait in the fence
+def a_part_failed(worker: Any) -> None:
+    """A WRITE handle of the push failed, and vLLM's bookkeeping reports it at the step's
+    end (as vLLM's code does, through `_send_failures`)."""
     with worker._vllm._sending_transfers_lock:
-        worker._vllm._send_failures.add(RID)  # as vLLM's code does for a failed handle
+        worker._vllm._send_failures.add(RID)
     worker.transfer_results(SimpleNamespace(finished_sending=set()))
-    fence.run()  # the fence catches up
+
+
+def failed_and_kept(worker: Any, path: LayeredPath, what: str) -> None:
+    """Wait for the push's end: failed, its blocks kept for D to read; D never notified
+    of it (`what` failed)."""
     results = SimpleNamespace(finished_sending=set())
 
     def ended() -> bool:
@@ -327,7 +320,26 @@ def test_a_part_that_fails_before_the_fence_finishes_the_push_fails_it(
     until(ended, "the push's end", path)
     for _ in range(50):
         path.progress()
-    assert path.notifs == [], "D was notified of a push a part of which failed"
+    assert path.notifs == [], f"D was notified of a push {what} of which failed"
+
+
+def test_a_part_that_fails_before_the_fence_finishes_the_push_fails_it(
+    path: LayeredPath,
+) -> None:
+    """A layer's part failed, and vLLM's bookkeeping said so at the step's end, while
+    the push's last parts still waited in the fence: the push must fail (D reads it),
+    never post its final part with D's notification."""
+    worker = path.worker
+    fence = worker._fence = HeldBackFence()
+    worker._outgoing.early(job(), STEP, deadline=time.monotonic() + 30.0)
+    worker.begin_step(PushStep(layered={RID}, number=STEP))
+    worker.layer_saved("layer.0")
+    fence.run()  # layer 0's part posted
+    worker.layer_saved("layer.1")
+    worker.write_early()  # the pass's end: its rest and final wait in the fence
+    a_part_failed(worker)
+    fence.run()  # the fence catches up
+    failed_and_kept(worker, path, "a part")
 
 
 def test_no_part_is_posted_after_the_write_lease(path: LayeredPath) -> None:
@@ -356,27 +368,11 @@ def test_a_failed_chunk_fails_the_push_so_that_d_reads_it_instead(path: LayeredP
     its blocks for D to read."""
     worker = path.worker
     first_chunk(worker)
-    with worker._vllm._sending_transfers_lock:
-        worker._vllm._send_failures.add(RID)  # as vLLM's code does for a failed handle
-    worker.transfer_results(SimpleNamespace(finished_sending=set()))
+    a_part_failed(worker)
 
     worker._outgoing.early(job(), STEP, deadline=time.monotonic() + 30.0)
     forward_pass(worker, STEP)
-    results = SimpleNamespace(finished_sending=set())
-
-    def ended() -> bool:
-        worker.transfer_results(results)
-        report = worker.take_report()
-        if report is None or not report.ended:
-            return False
-        (end,) = report.ended.values()
-        assert end.error is not None and end.holding_ranks == 1, end
-        return True
-
-    until(ended, "the push's end", path)
-    for _ in range(50):
-        path.progress()
-    assert path.notifs == [], "D was notified of a push a chunk of which failed"
+    failed_and_kept(worker, path, "a chunk")
     assert worker._chunked == {}
 
 
