@@ -406,7 +406,8 @@ def per_core(rows: list[dict[str, Any]]) -> dict[str, float]:
 STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("socket writes (system calls)", ("proxy/upstream/http11/connection.py:Connection.send",
                                       "proxy/api/listener.py:_CoalescingTransport._flush")),
-    ("client HTTP: parsing, ASGI cycle, client limits", ("uvicorn/", "proxy/api/listener.py")),
+    ("client HTTP: parsing, ASGI cycle, client limits", ("uvicorn/", "proxy/api/listener.py",
+                                                         "proxy/api/cycle.py")),
     ("admission and validation (app, protocol)", ("proxy/api/", "proxy/protocol.py")),
     ("kv_aware: tokenizing, keys, index, scoring", ("proxy/pool/kv/",)),
     ("balancing and servers (pick, leases)", ("proxy/pool/",)),

@@ -5,10 +5,11 @@
     GET  /health                                 200 while a P and a D are healthy
     GET  /metrics                                Prometheus text
 
-The two inference routes are the hot path: `RouterApp` serves them straight from ASGI,
-without Starlette's middleware stack (measured: a third of the router's CPU per request
-went there). Everything else, the lifespan included, is an ordinary FastAPI app. Every
-error leaves as OpenAI-shaped JSON; the mapping from exceptions is here, once.
+The two inference routes are the hot path: `RouterApp` serves them without Starlette's
+middleware stack (measured: a third of the router's CPU per request went there), and on
+the router's own listener without uvicorn's ASGI cycle either (`serve_inference`, see
+`proxy.api.cycle`). Everything else, the lifespan included, is an ordinary FastAPI app.
+Every error leaves as OpenAI-shaped JSON; the mapping from exceptions is here, once.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import contextlib
 import hmac
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -47,6 +48,7 @@ from proxy.protocol import Route, body_too_large, parse_request
 
 if TYPE_CHECKING:
     from proxy.api.control import WorkerGroup
+    from proxy.api.cycle import InferenceCycle
 
 logger = logging.getLogger("pdproxy.app")
 
@@ -65,8 +67,8 @@ class ClientKeys:
     def __bool__(self) -> bool:
         return bool(self._expected)
 
-    def check(self, scope: Scope) -> None:
-        given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+    def check(self, headers: list[tuple[bytes, bytes]]) -> None:
+        given = next((value for name, value in headers if name == b"authorization"), b"")
         # Every key compared in constant time, whichever matches: no timing hint.
         if not any([hmac.compare_digest(given, expected) for expected in self._expected]):
             raise Unauthorized("a valid API key is needed: Authorization: Bearer <key>")
@@ -93,7 +95,9 @@ class ClientKeys:
 
 class RouterApp:
     """The ASGI app that uvicorn serves: POSTs to the inference routes go straight to the
-    router; everything else (lifespan, other routes, wrong methods) to `api`.
+    router; everything else (lifespan, other routes, wrong methods) to `api`. The router's
+    listener hands it inference requests on its own cycle (`serve_inference`), served
+    the same way.
 
     It admits an inference request only with a client key (when keys are configured) and
     under `limits.max_in_flight`; the count covers the request from its first byte to its
@@ -118,28 +122,43 @@ class RouterApp:
         if route is None:
             if self._client_keys and scope["type"] == "http" and scope["path"] == "/v1/models":
                 try:
-                    self._client_keys.check(scope)
+                    self._client_keys.check(scope["headers"])
                 except RouterError as exc:
                     self._reject(exc)
                     await _json_error(exc)(scope, receive, send)
                     return
             await self.api(scope, receive, send)
             return
+        max_body = self._max_body
+        await self._serve(route, scope["method"], scope["headers"],
+                          lambda: _read_body(scope, receive, max_body), scope, receive, send)
+
+    async def serve_inference(self, cycle: InferenceCycle) -> None:
+        """An inference request on the router's own listener (`listener`), which read
+        its head: the same as through ASGI, its body read from the cycle."""
+        max_body = self._max_body
+        await self._serve(cycle.route, "POST", cycle.headers, lambda: cycle.read_body(max_body),
+                          cycle.scope, cycle.receive, cycle.send)
+
+    async def _serve(
+        self, route: Route, method: str, headers: list[tuple[bytes, bytes]],
+        read_body: Callable[[], Awaitable[bytes]], scope: Scope, receive: Receive, send: Send,
+    ) -> None:
         try:
-            self._admit(scope)
+            self._admit(headers)
         except RouterError as exc:
             self._reject(exc)
             await _json_error(exc)(scope, receive, send)
             return
         self.in_flight += 1
         try:
-            await self._infer(route, scope, receive, send)
+            await self._infer(route, method, headers, read_body, scope, receive, send)
         finally:
             self.in_flight -= 1
 
-    def _admit(self, scope: Scope) -> None:
+    def _admit(self, headers: list[tuple[bytes, bytes]]) -> None:
         if self._client_keys:
-            self._client_keys.check(scope)
+            self._client_keys.check(headers)
         if self._max_in_flight and self.in_flight >= self._max_in_flight:
             raise Overloaded(f"the router is serving {self.in_flight} requests, its limit "
                              f"(limits.max_in_flight: {self._max_in_flight}); try again shortly",
@@ -150,28 +169,31 @@ class RouterApp:
         reason = error.reason if isinstance(error, Overloaded) else "unauthorized"
         metrics.child(metrics.rejected, reason).inc()
 
-    async def _infer(self, route: Route, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _infer(
+        self, route: Route, method: str, headers: list[tuple[bytes, bytes]],
+        read_body: Callable[[], Awaitable[bytes]], scope: Scope, receive: Receive, send: Send,
+    ) -> None:
         try:
-            if scope["method"] != "POST":
-                raise MethodNotAllowed(f"method {scope['method']} not allowed on {route.value}")
-            raw = await _read_body(scope, receive, self._max_body)
-            headers = {
+            if method != "POST":
+                raise MethodNotAllowed(f"method {method} not allowed on {route.value}")
+            raw = await read_body()
+            own = {
                 name.decode("latin-1"): value.decode("latin-1")
-                for name, value in scope["headers"]
+                for name, value in headers
                 if name.startswith(b"x-")
             }
-            request = parse_request(route, raw, headers, max_body_bytes=self._max_body)
+            request = parse_request(route, raw, own, max_body_bytes=self._max_body)
             router = self.router
             assert router is not None  # uvicorn serves no request before the lifespan's start
             if router.tracing is None:
                 response: ASGIApp = await router.handle(request)
             else:  # the request's span: the exchange the router builds adopts it
-                response = await router.tracing.handled(route.value, scope["headers"],
+                response = await router.tracing.handled(route.value, headers,
                                                         lambda: router.handle(request))
         except RouterError as exc:
             response = _json_error(exc)
         except Exception as exc:
-            logger.exception("unexpected error on POST %s", scope["path"])
+            logger.exception("unexpected error on POST %s", route.value)
             response = _json_error(internal_error(exc))
         await response(scope, receive, send)
 

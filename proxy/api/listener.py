@@ -34,6 +34,9 @@ Each cut is logged with the client's address and counted in `pdproxy_client_cuts
 Timers exist only while there is something to watch: one while the router waits on the
 client, one while a request is coming in; none per byte.
 
+A POST to an inference route runs on the router's own request-response cycle
+(`proxy.api.cycle`) rather than uvicorn's; every limit above applies to both.
+
 `server_config()` builds the uvicorn config for the router from its `RouterConfig`, so
 that the CLI and the tests serve through the same listener.
 """
@@ -46,7 +49,7 @@ import fcntl
 import logging
 import struct
 import termios
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 import uvicorn
@@ -54,6 +57,7 @@ from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
+from proxy.api.cycle import INFERENCE_PATHS, InferenceCycle
 from proxy.config import Limits, RouterConfig, Timeouts
 from proxy.flow.relay import CLIENT_CONNECTION, ClientConnection
 
@@ -103,7 +107,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._idle_since: float | None = None  # loop time it went idle (None: in use)
         # Given to each request in its scope: tells the running flow of a lost connection.
         self._connection = ClientConnection()
-        self._extensions = {CLIENT_CONNECTION: self._connection}
+        self.extensions = {CLIENT_CONNECTION: self._connection}
+        # The router's own path for inference requests (`cycle.InferenceCycle`), when the
+        # app uvicorn serves is the router's itself. None while uvicorn's access log is on
+        # (its cycle writes the lines; its X-Forwarded-For middleware then wraps the app),
+        # or for another app: uvicorn's cycle serves every request then.
+        self._serve_inference: Callable[[InferenceCycle], Awaitable[None]] | None = (
+            None if self.access_log else getattr(self.app, "serve_inference", None))
 
     # The connection
 
@@ -163,10 +173,44 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._request_timer = self.loop.call_later(max(left, 0.0), self._request_overdue)
 
     def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self.scope["extensions"] = self._extensions  # type: ignore[typeddict-item]
+        # uvicorn's (0.54) builds the ASGI scope here; it is built in on_headers_complete
+        # instead, once the path says whether the request needs one.
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
         self._stop_request_timer()
         self._request_began = self.loop.time()
+
+    def on_headers_complete(self) -> None:
+        """A POST to an inference route over HTTP/1.1 goes to the router's own cycle
+        (`cycle.InferenceCycle`); any other request to uvicorn's, with its ASGI scope."""
+        route = INFERENCE_PATHS.get(self.url)
+        serve = self._serve_inference
+        parser = self.parser
+        if (route is None or serve is None or parser.get_method() != b"POST"
+                or parser.get_http_version() != "1.1" or parser.should_upgrade()):
+            self.scope = {  # uvicorn's (0.54), with the listener's extensions
+                "type": "http",
+                "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+                "http_version": "1.1",
+                "server": self.server,
+                "client": self.client,
+                "scheme": self.scheme,  # type: ignore[typeddict-item]
+                "root_path": self.root_path,
+                "headers": self.headers,
+                "state": self.app_state.copy(),
+                "extensions": self.extensions,  # type: ignore[typeddict-item]
+            }
+            super().on_headers_complete()
+            return
+        cycle = InferenceCycle(self, route, self.headers, keep_alive=parser.should_keep_alive(),
+                               expect_100_continue=self.expect_100_continue, serve=serve)
+        running, self.cycle = self.cycle, cycle  # type: ignore[assignment]
+        if running is None or running.response_complete:
+            self._start_asgi_task(cycle, self.app)  # type: ignore[arg-type]
+        else:  # pipelined: waits for the answer before it, as in uvicorn
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
 
     def on_message_complete(self) -> None:
         self._request_began = None
@@ -379,7 +423,8 @@ def server_config(
         client_min_read_rate=(config.limits if config is not None else Limits()).client_min_read_rate,
     )
     protocol = type("RouterHttpProtocol", (GuardedHttpProtocol,), {"limits": limits})
-    settings: dict[str, Any] = {}
+    # uvicorn's access log as the router's config says (off by default, as there)
+    settings: dict[str, Any] = {"access_log": False}
     if config is not None:
         settings = {
             "host": config.host,

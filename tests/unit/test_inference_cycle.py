@@ -1,0 +1,185 @@
+"""The inference cycle frames an answer as uvicorn's cycle does, sends a head with the
+answer's first body bytes in one write, and reads a body that is still coming."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from proxy.api.cycle import InferenceCycle
+from proxy.errors import InvalidRequest, PayloadTooLarge
+from proxy.protocol import Route
+
+
+class Transport:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Flow:
+    write_paused = False
+    reading_resumed = 0
+
+    def resume_reading(self) -> None:
+        self.reading_resumed += 1
+
+
+class ServerState:
+    default_headers = [(b"server", b"test")]
+
+
+class Protocol:
+    """What the cycle uses of the listener's protocol."""
+
+    def __init__(self) -> None:
+        self.transport = Transport()
+        self.flow = Flow()
+        self.server_state = ServerState()
+        self.extensions: dict[str, Any] = {}
+        self.answered = 0
+
+    def on_response_complete(self) -> None:
+        self.answered += 1
+
+
+def cycle(headers: list[tuple[bytes, bytes]] | None = None, *, keep_alive: bool = True,
+          expect_100_continue: bool = False) -> tuple[InferenceCycle, Protocol]:
+    protocol = Protocol()
+
+    async def serve(_: InferenceCycle) -> None:
+        pass
+
+    made = InferenceCycle(protocol, Route.COMPLETIONS, headers or [],
+                          keep_alive=keep_alive, expect_100_continue=expect_100_continue,
+                          serve=serve)
+    return made, protocol
+
+
+async def test_a_whole_answer_goes_out_in_one_write() -> None:
+    made, protocol = cycle()
+    await made.send({"type": "http.response.start", "status": 200,
+                     "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")]})
+    assert protocol.transport.writes == []  # the head waits for the body
+    await made.send({"type": "http.response.body", "body": b"{}"})
+    assert protocol.transport.writes == [
+        b"HTTP/1.1 200 OK\r\nserver: test\r\ncontent-type: application/json\r\n"
+        b"content-length: 2\r\n\r\n{}"]
+    assert made.response_complete and protocol.answered == 1 and not protocol.transport.closed
+
+
+async def test_a_stream_is_chunked_and_its_head_goes_with_the_first_event() -> None:
+    made, protocol = cycle()
+    await made.send({"type": "http.response.start", "status": 200,
+                     "headers": [(b"content-type", b"text/event-stream")]})
+    await made.send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+    await made.send({"type": "http.response.body", "body": b"", "more_body": True})
+    await made.send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+    head, *rest = protocol.transport.writes
+    assert head.endswith(b"transfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
+    assert rest == [b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"]  # nothing sent for an empty part
+    assert protocol.answered == 1
+
+
+async def test_without_keep_alive_the_answer_says_so_and_closes() -> None:
+    made, protocol = cycle(keep_alive=False)
+    await made.send({"type": "http.response.start", "status": 200,
+                     "headers": [(b"content-length", b"0")]})
+    await made.send({"type": "http.response.body", "body": b""})
+    assert b"connection: close\r\n" in protocol.transport.writes[0]
+    assert protocol.transport.closed and protocol.answered == 1
+
+
+async def test_a_close_asked_for_by_the_app_ends_keep_alive() -> None:
+    made, protocol = cycle()
+    await made.send({"type": "http.response.start", "status": 500,
+                     "headers": [(b"content-length", b"0"), (b"connection", b"close")]})
+    await made.send({"type": "http.response.body", "body": b""})
+    assert protocol.transport.writes[0].count(b"connection: close") == 1
+    assert protocol.transport.closed
+
+
+async def test_a_body_that_breaks_its_content_length_is_an_error() -> None:
+    made, _ = cycle()
+    await made.send({"type": "http.response.start", "status": 200,
+                     "headers": [(b"content-length", b"1")]})
+    with pytest.raises(RuntimeError, match="longer"):
+        await made.send({"type": "http.response.body", "body": b"{}"})
+    made, _ = cycle()
+    await made.send({"type": "http.response.start", "status": 200,
+                     "headers": [(b"content-length", b"3")]})
+    with pytest.raises(RuntimeError, match="shorter"):
+        await made.send({"type": "http.response.body", "body": b"{}"})
+
+
+async def test_a_header_that_could_split_the_answer_is_refused() -> None:
+    made, protocol = cycle()
+    with pytest.raises(RuntimeError, match="Invalid HTTP header"):
+        await made.send({"type": "http.response.start", "status": 200,
+                         "headers": [(b"x-request-id", b"a\r\nset-cookie: x")]})
+    assert protocol.transport.writes == []
+
+
+async def test_nothing_is_sent_to_a_client_gone() -> None:
+    made, protocol = cycle()
+    made.disconnected = True
+    await made.send({"type": "http.response.start", "status": 200, "headers": []})
+    await made.send({"type": "http.response.body", "body": b"x"})
+    assert protocol.transport.writes == [] and protocol.answered == 0
+
+
+async def test_a_body_still_coming_is_waited_for() -> None:
+    made, protocol = cycle([(b"content-length", b"4")], expect_100_continue=True)
+    reading = asyncio.ensure_future(made.read_body(10))
+    await asyncio.sleep(0)
+    assert protocol.transport.writes == [b"HTTP/1.1 100 Continue\r\n\r\n"]
+    made.body += b"ab"
+    made.message_event.set()
+    await asyncio.sleep(0)
+    assert not reading.done() and protocol.flow.reading_resumed >= 1
+    made.body += b"cd"
+    made.more_body = False
+    made.message_event.set()
+    assert await reading == b"abcd"
+
+
+async def test_a_body_over_the_limit_or_cut_short_is_refused() -> None:
+    made, protocol = cycle([(b"content-length", b"100")])
+    with pytest.raises(PayloadTooLarge):
+        await made.read_body(10)  # by its Content-Length, before a byte is read
+    made, _ = cycle()
+    made.body += b"x" * 11
+    with pytest.raises(PayloadTooLarge):
+        await made.read_body(10)
+    made, _ = cycle()
+    reading = asyncio.ensure_future(made.read_body(10))
+    await asyncio.sleep(0)
+    made.disconnected = True
+    made.message_event.set()
+    with pytest.raises(InvalidRequest, match="left"):
+        await reading
+
+
+async def test_an_app_that_fails_before_answering_gets_a_500() -> None:
+    protocol = Protocol()
+
+    async def serve(_: InferenceCycle) -> None:
+        raise ValueError("boom")
+
+    made = InferenceCycle(protocol, Route.CHAT, [], keep_alive=True,
+                          expect_100_continue=False, serve=serve)
+    await made.run_asgi(None)
+    assert protocol.transport.writes[0].startswith(b"HTTP/1.1 500 ")
+    assert protocol.transport.writes[0].endswith(b"\r\n\r\nInternal Server Error")
+    assert protocol.transport.closed
