@@ -279,17 +279,17 @@ def create_app(
 
 @contextlib.asynccontextmanager
 async def serving(
-    app: ASGIApp, *, name: str = "router", config: RouterConfig | None = None
+    app: ASGIApp, *, name: str = "router", config: RouterConfig | None = None, **overrides: Any
 ) -> AsyncIterator[tuple[str, Any]]:
     """Serve `app` with uvicorn on 127.0.0.1 (a free port) inside the running event loop,
     for tests and tools that embed the router; yields (base URL, the uvicorn server).
     It listens as `pd-proxy serve` does (proxy.api.listener), with `config`'s client timeouts
-    and shutdown grace (their defaults without one)."""
+    and shutdown grace (their defaults without one); `overrides` are uvicorn.Config's."""
     from proxy.api.listener import server_config
 
-    server = uvicorn.Server(
-        server_config(app, config, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-    )
+    settings: dict[str, Any] = {"host": "127.0.0.1", "port": 0, "log_level": "warning",
+                                "lifespan": "on", **overrides}
+    server = uvicorn.Server(server_config(app, config, **settings))
     task = asyncio.create_task(server.serve(), name=name)
     async with asyncio.timeout(10):
         while not server.started:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any
 
 from starlette.types import Message, Scope
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
@@ -46,17 +46,6 @@ logger = logging.getLogger("uvicorn.error")  # where uvicorn's own cycle logs an
 INFERENCE_PATHS = {route.value.encode("ascii"): route for route in Route}
 
 _CHUNKED_END = b"0\r\n\r\n"
-
-
-class Listener(Protocol):
-    """What a cycle uses of the connection's protocol (`listener.GuardedHttpProtocol`)."""
-
-    transport: Any  # asyncio.Transport, or the listener's wrapper of one
-    flow: Any  # uvicorn's FlowControl: write_paused, drain(), resume_reading()
-    server_state: Any  # uvicorn's ServerState: default_headers
-    extensions: dict[str, Any]  # the request's ASGI extensions (the ClientConnection)
-
-    def on_response_complete(self) -> None: ...
 
 
 class _Arrival:
@@ -92,25 +81,38 @@ async def _nothing_received() -> Message:
 class InferenceCycle:
     """One inference request on the listener, from its head to its answer's last byte."""
 
-    __slots__ = ("protocol", "route", "headers", "keep_alive", "waiting_for_100_continue",
-                 "body", "more_body", "disconnected", "response_started", "response_complete",
-                 "message_event", "scope", "on_response", "_serve", "_length", "_head")
+    __slots__ = ("route", "headers", "transport", "flow", "server_state", "keep_alive",
+                 "waiting_for_100_continue", "body", "more_body", "disconnected",
+                 "response_started", "response_complete", "message_event", "scope",
+                 "on_response", "_serve", "_length", "_head")
 
     receive = staticmethod(_nothing_received)
 
     def __init__(
         self,
-        protocol: Listener,
         route: Route,
         headers: list[tuple[bytes, bytes]],
         *,
+        transport: Any,
+        flow: Any,
+        server_state: Any,
+        extensions: dict[str, Any],
+        on_response: Callable[[], None],
         keep_alive: bool,
         expect_100_continue: bool,
         serve: Callable[[InferenceCycle], Awaitable[None]],
     ) -> None:
-        self.protocol = protocol
+        """What it uses of the connection, given as uvicorn gives its own cycle (not the
+        protocol: a cycle that held its protocol would keep a closed connection, and its
+        last body, alive until a full garbage collection): the client's transport (its
+        socket's, which sends what it is given at once), uvicorn's FlowControl
+        (write_paused, drain, resume_reading) and ServerState (default_headers), the
+        request's ASGI extensions, and what to call when the answer is complete."""
         self.route = route
         self.headers = headers  # lowercase names, as uvicorn's protocol collects them
+        self.transport = transport
+        self.flow = flow
+        self.server_state = server_state
         self.keep_alive = keep_alive
         self.waiting_for_100_continue = expect_100_continue
         # The request's body so far; `more_body` until its last byte (uvicorn's protocol
@@ -122,8 +124,8 @@ class InferenceCycle:
         self.response_complete = False
         self.message_event = _Arrival()
         self.scope: Scope = {"type": "http", "method": "POST", "path": route.value,
-                             "headers": headers, "extensions": protocol.extensions}
-        self.on_response: Callable[[], None] = protocol.on_response_complete
+                             "headers": headers, "extensions": extensions}
+        self.on_response = on_response
         self._serve = serve
         self._length: int | None = None  # the answer's bytes still due; None: chunked
         self._head: bytes | None = None  # the answer's head, sent with its first body bytes
@@ -137,17 +139,19 @@ class InferenceCycle:
             await self._serve(self)
         except BaseException as exc:
             logger.error("Exception in ASGI application\n", exc_info=exc)
+            if self._head is not None:  # a head not sent yet can still become a 500
+                self.response_started, self._head = False, None
             if not self.response_started:
                 await self._send_500()
             else:
-                self.protocol.transport.close()
+                self.transport.close()
         else:
             if not self.response_started and not self.disconnected:
                 logger.error("ASGI callable returned without starting response.")
                 await self._send_500()
             elif not self.response_complete and not self.disconnected:
                 logger.error("ASGI callable returned without completing response.")
-                self.protocol.transport.close()
+                self.transport.close()
         finally:
             self.on_response = _nothing
 
@@ -166,25 +170,28 @@ class InferenceCycle:
         for name, value in self.headers:
             if name == b"content-length" and value.isdigit() and int(value) > limit:
                 raise body_too_large(int(value), limit)
-        protocol = self.protocol
-        if self.waiting_for_100_continue and not protocol.transport.is_closing():
-            protocol.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if self.waiting_for_100_continue and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self.waiting_for_100_continue = False
+        flow = self.flow
         while self.more_body and not self.disconnected:
             if len(self.body) > limit:
                 raise body_too_large(len(self.body), limit)
-            protocol.flow.resume_reading()  # the protocol pauses reading over its high water
+            flow.resume_reading()  # uvicorn's protocol pauses reading over its high water
             await self.message_event.wait()
+        # Reading goes on after the body too (paused, a client's leaving would go unseen).
+        flow.resume_reading()
         if self.more_body:
             raise InvalidRequest("the client left before sending its whole body")
-        if len(self.body) > limit:
-            raise body_too_large(len(self.body), limit)
-        return bytes(self.body)
+        body, self.body = self.body, bytearray()  # the cycle keeps no copy
+        if len(body) > limit:
+            raise body_too_large(len(body), limit)
+        return bytes(body)
 
     # The answer: ASGI's send, for the messages the router's responses send
 
     async def send(self, message: Message) -> None:
-        flow = self.protocol.flow
+        flow = self.flow
         if flow.write_paused and not self.disconnected:
             await flow.drain()  # the client is behind: wait (the listener's limits apply)
         if self.disconnected:
@@ -211,7 +218,7 @@ class InferenceCycle:
         head, self._head = self._head, None
         if head is not None:
             out = head + out
-        transport = self.protocol.transport
+        transport = self.transport
         if out:
             transport.write(out)
         if not more_body:
@@ -228,7 +235,7 @@ class InferenceCycle:
         self.response_started = True
         self.waiting_for_100_continue = False
         head = [STATUS_LINE[status]]
-        for name, value in self.protocol.server_state.default_headers:
+        for name, value in self.server_state.default_headers:
             head.append(b"%b: %b\r\n" % (name, value))
         framed = close = False
         for name, value in headers:

@@ -118,6 +118,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     # The connection
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        # The socket's own transport, for the inference cycle (which sends a head with its
+        # body itself), and uvicorn's writes through the wrapper that holds a head back.
+        self._socket = transport
         super().connection_made(_CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
         # A connection that never sends a byte is idle like one between two requests.
         self._idle()
@@ -187,7 +190,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         route = INFERENCE_PATHS.get(self.url)
         serve = self._serve_inference
         parser = self.parser
-        if (route is None or serve is None or parser.get_method() != b"POST"
+        if (route is None or serve is None or self.limit_concurrency is not None
+                or parser.get_method() != b"POST"
                 or parser.get_http_version() != "1.1" or parser.should_upgrade()):
             self.scope = {  # uvicorn's (0.54), with the listener's extensions
                 "type": "http",
@@ -203,8 +207,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             }
             super().on_headers_complete()
             return
-        cycle = InferenceCycle(self, route, self.headers, keep_alive=parser.should_keep_alive(),
-                               expect_100_continue=self.expect_100_continue, serve=serve)
+        cycle = InferenceCycle(
+            route, self.headers, transport=self._socket, flow=self.flow,
+            server_state=self.server_state, extensions=self.extensions,
+            on_response=self.on_response_complete, keep_alive=parser.should_keep_alive(),
+            expect_100_continue=self.expect_100_continue, serve=serve)
         running, self.cycle = self.cycle, cycle  # type: ignore[assignment]
         if running is None or running.response_complete:
             self._start_asgi_task(cycle, self.app)  # type: ignore[arg-type]

@@ -38,17 +38,23 @@ class ClientConnection:
     time on a connection). A task per request waiting on ASGI's `receive` for the
     disconnect did the same for about a tenth of the router's CPU per request."""
 
-    __slots__ = ("_on_lost",)
+    __slots__ = ("_on_lost", "_gone")
 
     def __init__(self) -> None:
         self._on_lost: Callable[[], None] | None = None
+        self._gone = False
 
     def on_lost(self, callback: Callable[[], None] | None) -> None:
-        """Call `callback` when the connection is lost (None: no longer)."""
-        self._on_lost = callback
+        """Call `callback` when the connection is lost (None: no longer); at once if it
+        is lost already (the client left after its body, before the flow began)."""
+        if self._gone and callback is not None:
+            callback()
+        else:
+            self._on_lost = callback
 
     def lost(self) -> None:
         """The listener's part: the connection is gone."""
+        self._gone = True
         callback, self._on_lost = self._on_lost, None
         if callback is not None:
             callback()

@@ -1,15 +1,17 @@
 """The inference cycle frames an answer as uvicorn's cycle does, sends a head with the
-answer's first body bytes in one write, and reads a body that is still coming."""
+answer's first body bytes in one write, and reads a body that is still coming; a client
+connection lost before a flow asks about it is told at once."""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import pytest
 
 from proxy.api.cycle import InferenceCycle
 from proxy.errors import InvalidRequest, PayloadTooLarge
+from proxy.flow.relay import ClientConnection
 from proxy.protocol import Route
 
 
@@ -41,29 +43,35 @@ class ServerState:
 
 
 class Protocol:
-    """What the cycle uses of the listener's protocol."""
+    """What the cycle is given of the listener's protocol."""
 
     def __init__(self) -> None:
         self.transport = Transport()
         self.flow = Flow()
         self.server_state = ServerState()
-        self.extensions: dict[str, Any] = {}
         self.answered = 0
 
     def on_response_complete(self) -> None:
         self.answered += 1
 
+    def cycle(self, serve: Callable[[InferenceCycle], Awaitable[None]], route: Route,
+              headers: list[tuple[bytes, bytes]], *, keep_alive: bool = True,
+              expect_100_continue: bool = False) -> InferenceCycle:
+        return InferenceCycle(route, headers, transport=self.transport, flow=self.flow,
+                              server_state=self.server_state, extensions={},
+                              on_response=self.on_response_complete, keep_alive=keep_alive,
+                              expect_100_continue=expect_100_continue, serve=serve)
+
+
+async def _serve_nothing(_: InferenceCycle) -> None:
+    pass
+
 
 def cycle(headers: list[tuple[bytes, bytes]] | None = None, *, keep_alive: bool = True,
           expect_100_continue: bool = False) -> tuple[InferenceCycle, Protocol]:
     protocol = Protocol()
-
-    async def serve(_: InferenceCycle) -> None:
-        pass
-
-    made = InferenceCycle(protocol, Route.COMPLETIONS, headers or [],
-                          keep_alive=keep_alive, expect_100_continue=expect_100_continue,
-                          serve=serve)
+    made = protocol.cycle(_serve_nothing, Route.COMPLETIONS, headers or [],
+                          keep_alive=keep_alive, expect_100_continue=expect_100_continue)
     return made, protocol
 
 
@@ -150,8 +158,12 @@ async def test_a_body_still_coming_is_waited_for() -> None:
     assert not reading.done() and protocol.flow.reading_resumed >= 1
     made.body += b"cd"
     made.more_body = False
+    resumed = protocol.flow.reading_resumed
     made.message_event.set()
     assert await reading == b"abcd"
+    # reading resumes once the body is in (so a client leaving is seen), and the cycle
+    # keeps no copy of the body
+    assert protocol.flow.reading_resumed == resumed + 1 and made.body == b""
 
 
 async def test_a_body_over_the_limit_or_cut_short_is_refused() -> None:
@@ -171,15 +183,40 @@ async def test_a_body_over_the_limit_or_cut_short_is_refused() -> None:
         await reading
 
 
-async def test_an_app_that_fails_before_answering_gets_a_500() -> None:
+@pytest.mark.parametrize("started", [False, True], ids=["before its head", "after its head"])
+async def test_an_app_that_fails_before_a_byte_of_its_answer_gets_a_500(started: bool) -> None:
     protocol = Protocol()
 
-    async def serve(_: InferenceCycle) -> None:
+    async def serve(made: InferenceCycle) -> None:
+        if started:  # a head not sent yet (it waits for the body) can still be a 500
+            await made.send({"type": "http.response.start", "status": 200, "headers": []})
         raise ValueError("boom")
 
-    made = InferenceCycle(protocol, Route.CHAT, [], keep_alive=True,
-                          expect_100_continue=False, serve=serve)
-    await made.run_asgi(None)
-    assert protocol.transport.writes[0].startswith(b"HTTP/1.1 500 ")
-    assert protocol.transport.writes[0].endswith(b"\r\n\r\nInternal Server Error")
+    await protocol.cycle(serve, Route.CHAT, []).run_asgi(None)
+    [answer] = protocol.transport.writes
+    assert answer.startswith(b"HTTP/1.1 500 ") and answer.endswith(b"\r\n\r\nInternal Server Error")
     assert protocol.transport.closed
+
+
+async def test_an_app_that_fails_mid_answer_closes_the_connection() -> None:
+    protocol = Protocol()
+
+    async def serve(made: InferenceCycle) -> None:
+        await made.send({"type": "http.response.start", "status": 200, "headers": []})
+        await made.send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        raise ValueError("boom")
+
+    await protocol.cycle(serve, Route.CHAT, []).run_asgi(None)
+    assert len(protocol.transport.writes) == 1 and b" 200 " in protocol.transport.writes[0]
+    assert protocol.transport.closed and protocol.answered == 0
+
+
+def test_a_connection_lost_before_the_flow_asks_is_told_at_once() -> None:
+    connection = ClientConnection()
+    told: list[str] = []
+    connection.on_lost(lambda: told.append("first"))
+    connection.on_lost(None)  # that request ended
+    connection.lost()
+    assert told == []
+    connection.on_lost(lambda: told.append("late"))  # the next flow, after the loss
+    assert told == ["late"]
