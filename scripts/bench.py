@@ -359,36 +359,49 @@ def overhead_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     return ratios
 
 
+def _paired(rows: list[dict[str, Any]], key: str) -> dict[tuple[str, str, int, bool, str], float]:
+    """`key` of one target over another's, per point: the median over the rounds of the
+    ratio within each round, keyed (target, other, concurrency, stream, loader). The
+    rounds interleave the targets, so the two values of a ratio were measured seconds
+    apart: on this project's shared 2-core VM a target's CPU per request drifts by up to
+    15% from round to round, which a ratio of medians takes in and a ratio within a
+    round mostly cancels."""
+    by_round: dict[tuple[int, bool, str, int], dict[str, float]] = {}
+    for r in rows:
+        if r.get(key) is not None:
+            at = (r["concurrency"], r["stream"], r.get("loader", "wrk"), r.get("round", 1))
+            by_round.setdefault(at, {})[r["target"]] = r[key]
+    ratios: dict[tuple[str, str, int, bool, str], list[float]] = {}
+    for (concurrency, stream, loader, _), values in by_round.items():
+        for target, value in values.items():
+            for other, theirs in values.items():
+                if other != target and theirs:
+                    ratios.setdefault((target, other, concurrency, stream, loader), []).append(
+                        value / theirs)
+    return {pair: statistics.median(v) for pair, v in ratios.items()}
+
+
 def cpu_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     """Our pulls' router CPU per request over each peer's (a peer that is another
-    revision of this router gives before/after), per point (medians over the rounds)."""
-    cpu = _medians(rows, "cpu_s_per_1000")
-    loaders = {loader for *_, loader in cpu}
-    ratios = {}
-    for (target, concurrency, stream, loader), value in cpu.items():
-        if target.startswith("ours") and target.endswith("-pull"):
-            for peer in _peers(cpu):
-                theirs = cpu.get((peer, concurrency, stream, loader))
-                if theirs:
-                    point = _point(concurrency, stream, loader, loaders)
-                    ratios[f"{target}/{peer} {point}"] = round(value / theirs, 3)
-    return ratios
+    revision of this router gives before/after), per point (`_paired`: medians of the
+    ratios within each round)."""
+    paired = _paired(rows, "cpu_s_per_1000")
+    loaders = {loader for *_, loader in paired}
+    peers = _peers({(other, c, s, lo): 0.0 for _, other, c, s, lo in paired})
+    return {f"{target}/{other} {_point(c, s, lo, loaders)}": round(ratio, 3)
+            for (target, other, c, s, lo), ratio in sorted(paired.items())
+            if target.startswith("ours") and target.endswith("-pull") and other in peers}
 
 
 def kv_cpu_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     """The kv_aware router's CPU per request over the default policy's, per target and
-    point (medians over the rounds): "ours-kv-pull/ours-pull c64" -> 1.18."""
-    cpu = _medians(rows, "cpu_s_per_1000")
-    loaders = {loader for *_, loader in cpu}
-    ratios = {}
-    for (target, concurrency, stream, loader), value in cpu.items():
-        if "-kv-" not in target:
-            continue
-        base = cpu.get((target.replace("-kv-", "-"), concurrency, stream, loader))
-        if base:
-            point = _point(concurrency, stream, loader, loaders)
-            ratios[f"{target}/{target.replace('-kv-', '-')} {point}"] = round(value / base, 3)
-    return ratios
+    point (`_paired`: medians of the ratios within each round): "ours-kv-pull/ours-pull
+    c64" -> 1.18."""
+    paired = _paired(rows, "cpu_s_per_1000")
+    loaders = {loader for *_, loader in paired}
+    return {f"{target}/{other} {_point(c, s, lo, loaders)}": round(ratio, 3)
+            for (target, other, c, s, lo), ratio in sorted(paired.items())
+            if "-kv-" in target and other == target.replace("-kv-", "-")}
 
 
 def per_core(rows: list[dict[str, Any]]) -> dict[str, float]:
