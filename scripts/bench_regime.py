@@ -364,12 +364,21 @@ async def busy_decode(decode_url: str, streams: int, max_tokens: int, rng: rando
             await asyncio.gather(*helpers, return_exceptions=True)
 
 
+# The router's waits on its upstreams, in the regime: a case slowed K times takes K times
+# the profile's time, and the 70B's 16,384-token pull over eth25 (K about 40) waits
+# minutes for D, past the defaults (timeouts.first_token 300 s, stream_idle 60 s).
+REGIME_ROUTER_CONFIG = "timeouts:\n  prefill: 3600\n  first_token: 3600\n  stream_idle: 3600\n"
+
+
 @contextlib.contextmanager
 def quiet_router(prefill_url: str, decode_url: str, log_path: Path) -> Iterator[str]:
-    """`scripts.demo.router`, its process's output (an access line per request) sent to
-    `log_path` instead of this terminal: the router inherits our stdout and stderr as
-    they are when it starts, so they point at the file for that moment only."""
+    """`scripts.demo.router` with `REGIME_ROUTER_CONFIG`, its process's output (an access
+    line per request) sent to `log_path` instead of this terminal: the router inherits
+    our stdout and stderr as they are when it starts, so they point at the file for that
+    moment only."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    config = log_path.with_suffix(".yaml")
+    config.write_text(REGIME_ROUTER_CONFIG)
     with contextlib.ExitStack() as stack:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -378,7 +387,7 @@ def quiet_router(prefill_url: str, decode_url: str, log_path: Path) -> Iterator[
             with open(log_path, "ab") as log:
                 os.dup2(log.fileno(), 1)
                 os.dup2(log.fileno(), 2)
-                url = stack.enter_context(router(prefill_url, decode_url, "pull"))
+                url = stack.enter_context(router(prefill_url, decode_url, "pull", config))
         finally:
             sys.stdout.flush()
             for fd, saved_fd in enumerate(saved, 1):

@@ -28,6 +28,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -45,11 +46,14 @@ def say(message: str) -> None:
 
 
 @contextlib.contextmanager
-def router(prefill_url: str, decode_url: str, mode: str) -> Iterator[str]:
+def router(prefill_url: str, decode_url: str, mode: str, config: Path | None = None) -> Iterator[str]:
+    """`pd-proxy serve` in front of one P and one D (`config`: a config file beside the
+    flags, which win over it); yields its URL once healthy."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "proxy", "serve", "--prefill", prefill_url, "--decode", decode_url,
-         "--port", str(port), "--mode", mode, "--client-modes", "pull,push,auto,local"],
+         "--port", str(port), "--mode", mode, "--client-modes", "pull,push,auto,local",
+         *(["--config", str(config)] if config is not None else [])],
         cwd=REPO_ROOT, process_group=0,
     )
     url = f"http://127.0.0.1:{port}"
