@@ -186,6 +186,13 @@ def _nested_too_deep() -> InvalidRequest:
     return InvalidRequest(f"request body is nested more than {MAX_JSON_DEPTH} levels deep")
 
 
+def refuse_declared_too_large(headers: list[tuple[bytes, bytes]], limit: int) -> None:
+    """Refuse (413) a body whose Content-Length is over `limit` before a byte is read."""
+    for name, value in headers:
+        if name == b"content-length" and value.isdigit() and int(value) > limit:
+            raise body_too_large(int(value), limit)
+
+
 def body_too_large(size: int, limit: int) -> PayloadTooLarge:
     return PayloadTooLarge(
         f"request body is {size} bytes or more, over the limit of {limit} (limits.max_body_bytes)"

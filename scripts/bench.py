@@ -387,10 +387,10 @@ def cpu_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     ratios within each round)."""
     paired = _paired(rows, "cpu_s_per_1000")
     loaders = {loader for *_, loader in paired}
-    peers = _peers({(other, c, s, lo): 0.0 for _, other, c, s, lo in paired})
     return {f"{target}/{other} {_point(c, s, lo, loaders)}": round(ratio, 3)
             for (target, other, c, s, lo), ratio in sorted(paired.items())
-            if target.startswith("ours") and target.endswith("-pull") and other in peers}
+            if target.startswith("ours") and target.endswith("-pull")
+            and other != "direct" and not other.startswith("ours")}  # a peer, as in `_peers`
 
 
 def kv_cpu_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:

@@ -44,7 +44,7 @@ from proxy.errors import (
     internal_error,
 )
 from proxy.flow.router import Router
-from proxy.protocol import Route, body_too_large, parse_request
+from proxy.protocol import Route, body_too_large, parse_request, refuse_declared_too_large
 
 if TYPE_CHECKING:
     from proxy.api.control import WorkerGroup
@@ -307,9 +307,7 @@ async def serving(
 
 async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """Read the request body, refusing it (413) as soon as it passes the limit."""
-    for name, value in scope["headers"]:
-        if name == b"content-length" and value.isdigit() and int(value) > limit:
-            raise body_too_large(int(value), limit)
+    refuse_declared_too_large(scope["headers"], limit)
     chunks: list[bytes] = []
     size = 0
     while True:

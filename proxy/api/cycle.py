@@ -38,7 +38,7 @@ from starlette.types import Message, Scope
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 
 from proxy.errors import InvalidRequest
-from proxy.protocol import Route, body_too_large
+from proxy.protocol import Route, body_too_large, refuse_declared_too_large
 
 logger = logging.getLogger("uvicorn.error")  # where uvicorn's own cycle logs an app's failure
 
@@ -167,9 +167,7 @@ class InferenceCycle:
         """The whole body, refused (413) as soon as it passes `limit` bytes: by its
         Content-Length before a byte is read, else by what came. A client that leaves
         before its last byte is an InvalidRequest."""
-        for name, value in self.headers:
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
-                raise body_too_large(int(value), limit)
+        refuse_declared_too_large(self.headers, limit)
         if self.waiting_for_100_continue and not self.transport.is_closing():
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self.waiting_for_100_continue = False

@@ -13,6 +13,7 @@ from proxy.api.cycle import InferenceCycle
 from proxy.errors import InvalidRequest, PayloadTooLarge
 from proxy.flow.relay import ClientConnection
 from proxy.protocol import Route
+from tests.conftest import until
 
 
 class Transport:
@@ -150,12 +151,12 @@ async def test_nothing_is_sent_to_a_client_gone() -> None:
 async def test_a_body_still_coming_is_waited_for() -> None:
     made, protocol = cycle([(b"content-length", b"4")], expect_100_continue=True)
     reading = asyncio.ensure_future(made.read_body(10))
-    await asyncio.sleep(0)
+    await until(lambda: protocol.flow.reading_resumed == 1, "the reader waiting")
     assert protocol.transport.writes == [b"HTTP/1.1 100 Continue\r\n\r\n"]
     made.body += b"ab"
     made.message_event.set()
-    await asyncio.sleep(0)
-    assert not reading.done() and protocol.flow.reading_resumed >= 1
+    await until(lambda: protocol.flow.reading_resumed == 2, "the reader waiting again")
+    assert not reading.done()
     made.body += b"cd"
     made.more_body = False
     resumed = protocol.flow.reading_resumed
@@ -174,9 +175,9 @@ async def test_a_body_over_the_limit_or_cut_short_is_refused() -> None:
     made.body += b"x" * 11
     with pytest.raises(PayloadTooLarge):
         await made.read_body(10)
-    made, _ = cycle()
+    made, protocol = cycle()
     reading = asyncio.ensure_future(made.read_body(10))
-    await asyncio.sleep(0)
+    await until(lambda: protocol.flow.reading_resumed == 1, "the reader waiting")
     made.disconnected = True
     made.message_event.set()
     with pytest.raises(InvalidRequest, match="left"):
