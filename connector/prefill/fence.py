@@ -22,8 +22,12 @@ written:
 - `HostFence` posts at once, on the caller's thread (tests that play the pass by hand).
 
 Where this has been tested: every real-vLLM e2e test runs `ThreadFence`, the thread and
-order `CudaFence` uses; its CUDA events run in the unit tests as stand-ins, not on a
-GPU (none here).
+order `CudaFence` uses; the unit tests run its order and waits with stand-in events; and
+`tests/gpu/test_cuda_fence.py` runs `CudaFence` with real CUDA events on a GPU (an H100:
+each layer's WRITE read its layer's KV written, within a millisecond of the GPU reaching
+it, while the engine thread ran ahead; a CPU's fence there read KV not yet written). It
+runs no vLLM: vLLM's hooks, CUDA graphs and NIXL's reads of GPU memory are not tested on
+a GPU.
 """
 
 from __future__ import annotations
