@@ -25,9 +25,10 @@ Where this has been tested: every real-vLLM e2e test runs `ThreadFence`, the thr
 order `CudaFence` uses; the unit tests run its order and waits with stand-in events; and
 `tests/gpu/test_cuda_fence.py` runs `CudaFence` with real CUDA events on a GPU (an H100:
 each layer's WRITE read its layer's KV written, within a millisecond of the GPU reaching
-it, while the engine thread ran ahead; a CPU's fence there read KV not yet written). It
-runs no vLLM: vLLM's hooks, CUDA graphs and NIXL's reads of GPU memory are not tested on
-a GPU.
+it, while the engine thread ran ahead; a CPU's fence there read KV not yet written), and
+`tests/gpu/test_layered_push_nixl.py` posts a progressive push's parts with real NIXL
+(UCX) from GPU memory into another agent's, every layer landing before D's notification.
+vLLM's hooks and CUDA graphs on a GPU are not tested: no vLLM runs there.
 """
 
 from __future__ import annotations
