@@ -139,8 +139,9 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # registered by the end of that pass, instead of at the start of the next step, after
     # sampling, the output's processing and the next schedule. Servers whose KV NIXL
     # reads where the forward writes it: on CPU at once, on a GPU once a CUDA event says
-    # the forward's kernels have written it (connector/prefill/fence.py; not tested on a
-    # GPU here); every tensor-parallel worker is told (connector/prefill/early.py). A KV
+    # the forward's kernels have written it (connector/prefill/fence.py; its waits tested
+    # on a GPU without vLLM, tests/gpu); every tensor-parallel worker is told
+    # (connector/prefill/early.py). A KV
     # cache copied to a host buffer is copied only after the pass, pipeline stages end
     # their passes apart, and context-parallel ranks are not told: those servers always
     # WRITE at the next step.

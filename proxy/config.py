@@ -196,6 +196,10 @@ class RetryBudgetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
             raise ValueError("retry_budget needs ratio >= 0, min_per_window >= 0, window_s > 0")
 
 
+# auto.push_layers: who decides whether a push is written layer by layer.
+PUSH_LAYERS_POLICIES = ("connector", "learn")
+
+
 def _default_bucket_edges() -> list[int]:
     return [256, 1024, 4096, 16384]
 
@@ -220,10 +224,21 @@ class AutoSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # over its ITL budget: computing a short rest on D beats P plus the hand-off
     # (conditional disaggregation by cache). 0: off.
     local_cached_tokens: int = 256
+    # Whether a push is written layer by layer (progressive push) or whole, for a request
+    # whose client did not say (X-KV-Push-Layers): "connector" leaves it to P's connector
+    # (its push_layers setting: by default, layers from push_layers_min_tokens tokens);
+    # "learn" has the router learn per bucket which is faster, as it learns modes, and
+    # tell P per request. Applies to every push, in auto mode or not.
+    push_layers: str = "connector"
 
     def __post_init__(self) -> None:
         if self.local and not self.learn:
             raise ValueError("auto.local needs auto.learn: true (local is chosen where measured fastest)")
+        if self.push_layers not in PUSH_LAYERS_POLICIES:
+            raise ValueError(f"auto.push_layers must be one of {', '.join(PUSH_LAYERS_POLICIES)}, "
+                             f"got {self.push_layers!r}")
+        if self.push_layers == "learn" and not self.learn:
+            raise ValueError("auto.push_layers: learn needs auto.learn: true")
         if not self.local_itl_budget >= 1.0:
             raise ValueError(
                 f"auto.local_itl_budget must be >= 1 (a ratio), got {self.local_itl_budget!r}")

@@ -85,6 +85,14 @@ class RouterMetrics:
             ["mode", "reason"],
             registry=r,
         )
+        self.push_layers_decisions = Counter(
+            "pdproxy_push_layers_decisions",
+            "Pushes the router asked P to write layer by layer (layers=on) or whole (off), "
+            "learned per prompt length (auto.push_layers: learn), and why (layers_learning, "
+            "layers_faster_on, layers_faster_off, layers_explore, layers_not_learned_yet)",
+            ["layers", "reason"],
+            registry=r,
+        )
         self.missing_kv_params = Counter(
             "pdproxy_missing_kv_transfer_params",
             "P answers without usable kv_transfer_params, by what the router did",

@@ -379,8 +379,11 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 }
 
 
-def prefill_body(request: ClientRequest, *, transfer_id: str | None) -> dict[str, Any]:
-    """P's leg: the client's body, one token, not streamed, asking P to keep the KV."""
+def prefill_body(request: ClientRequest, *, transfer_id: str | None,
+                 push_layers: bool | None = None) -> dict[str, Any]:
+    """P's leg: the client's body, one token, not streamed, asking P to keep the KV. A
+    push is written layer by layer or whole as the client asked (X-KV-Push-Layers), else
+    as `push_layers` says (the router's learned choice), else as P's connector decides."""
     body = dict(request.body)
     body["stream"] = False
     body["max_tokens"] = 1
@@ -392,8 +395,9 @@ def prefill_body(request: ClientRequest, *, transfer_id: str | None) -> dict[str
     if transfer_id is not None:
         params[wire.TRANSFER_ID] = transfer_id
         params[wire.TRANSFER_MODE] = wire.PUSH
-        if request.push_layers is not None:
-            params[wire.PUSH_LAYERS] = request.push_layers
+        layers = request.push_layers if request.push_layers is not None else push_layers
+        if layers is not None:
+            params[wire.PUSH_LAYERS] = layers
     body[wire.KV_TRANSFER_PARAMS] = params
     return body
 

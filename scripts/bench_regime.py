@@ -24,7 +24,9 @@ same pair, a check of its rate printed first), per load (D idle, then D busy), p
 length and concurrency, rounds of streamed completions in each of `--modes`, chosen per
 request by header: pull, push (whole push: `X-KV-Transfer-Mode: push`,
 `X-KV-Push-Layers: off`), progressive (layer-by-layer push: `X-KV-Transfer-Mode: push`,
-`X-KV-Push-Layers: on`) and local; the modes interleaved round by round (their order
+`X-KV-Push-Layers: on`), learned (`X-KV-Transfer-Mode: push` alone: the router learns
+whether to write by layer, `auto.push_layers: learn`, from a learning phase of its own
+before each case's rounds) and local; the modes interleaved round by round (their order
 rotating) so that drift hits all alike, each request a fresh random prompt (no
 prefix-cache hits). "D busy" keeps N streams decoding on D (sent straight to D, long
 `max_tokens`, `ignore_eos`) for the whole case, so D steps at the profile's batch step
@@ -101,17 +103,23 @@ from testbed.vllm_cpu import (
 # and would be cancelled and read by D instead. Room for any K the bench picks.
 REGIME_CONNECTOR_CONFIG: dict[str, object] = {"write_timeout": 600.0}
 
-MODES = ("pull", "push", "progressive", "local")
+MODES = ("pull", "push", "progressive", "learned", "local")
 # Each mode's request headers, and the mode the router's answer must name.
 MODE_HEADERS: dict[str, dict[str, str]] = {
     "pull": {},
     "push": {"X-KV-Push-Layers": "off"},
     "progressive": {"X-KV-Push-Layers": "on"},
+    "learned": {},  # the router decides: auto.push_layers: learn
     "local": {},
 }
-ROUTER_MODE = {"pull": "pull", "push": "push", "progressive": "push", "local": "local"}
-TRANSFER_MODES = ("pull", "push", "progressive")
-DEFAULT_MODES = MODES
+ROUTER_MODE = {"pull": "pull", "push": "push", "progressive": "push", "learned": "push",
+               "local": "local"}
+TRANSFER_MODES = ("pull", "push", "progressive", "learned")
+DEFAULT_MODES = ("pull", "push", "progressive", "local")
+# learned: the pushes each way (whole, by layer) the router measures in a bucket before
+# it chooses; the learning phase sends twice as many before the case's rounds.
+LEARN_SAMPLES = 3
+WARM_PROMPT_TOKENS = 256  # each mode's warm-up requests on a new link
 # vLLM's own connectors, measured in the same run for comparison, each in its one mode.
 STOCK_MODES = {"NixlConnector": "pull", "NixlPushConnector": "push"}
 LOADS = ("idle", "busy")
@@ -370,15 +378,28 @@ async def busy_decode(decode_url: str, streams: int, max_tokens: int, rng: rando
 REGIME_ROUTER_CONFIG = "timeouts:\n  prefill: 3600\n  first_token: 3600\n  stream_idle: 3600\n"
 
 
+def router_config(args: argparse.Namespace) -> str:
+    """`REGIME_ROUTER_CONFIG`, and for learned: the router learns layers or whole per
+    prompt length, each of the run's lengths a bucket of its own (prompts of token ids
+    count 4 characters a token; edges halfway between lengths), never exploring."""
+    if "learned" not in args.modes:
+        return REGIME_ROUTER_CONFIG
+    lengths = sorted({WARM_PROMPT_TOKENS, *args.prompts})  # the warm-up's its own too
+    edges = [2 * (a + b) for a, b in itertools.pairwise(lengths)]  # 4 x (a + b) / 2
+    return (REGIME_ROUTER_CONFIG + "auto:\n  push_layers: learn\n"
+            f"  min_samples: {LEARN_SAMPLES}\n  explore: 0\n  bucket_edges: {edges}\n")
+
+
 @contextlib.contextmanager
-def quiet_router(prefill_url: str, decode_url: str, log_path: Path) -> Iterator[str]:
+def quiet_router(prefill_url: str, decode_url: str, log_path: Path,
+                 config_text: str = REGIME_ROUTER_CONFIG) -> Iterator[str]:
     """`scripts.demo.router` with `REGIME_ROUTER_CONFIG`, its process's output (an access
     line per request) sent to `log_path` instead of this terminal: the router inherits
     our stdout and stderr as they are when it starts, so they point at the file for that
     moment only."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     config = log_path.with_suffix(".yaml")
-    config.write_text(REGIME_ROUTER_CONFIG)
+    config.write_text(config_text)
     with contextlib.ExitStack() as stack:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -430,6 +451,9 @@ async def run_case(client: httpx.AsyncClient, url: str, case: Case, modes: Seque
     the TTFTs per mode, and when each mode's rounds ran (wall clock)."""
     ttfts: dict[str, list[float]] = {mode: [] for mode in modes}
     windows: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
+    if "learned" in modes:  # the router's learning turns, whole and by layer, unmeasured
+        for _ in range(2 * LEARN_SAMPLES):
+            await batch(client, url, "push", case.prompt_tokens, 1, rng, MODE_HEADERS["learned"])
     rounds = max(1, -(-int(args.requests) // case.concurrency))
     for index in range(rounds):
         order = [*modes[index % len(modes):], *modes[:index % len(modes)]]
@@ -439,6 +463,17 @@ async def run_case(client: httpx.AsyncClient, url: str, case: Case, modes: Seque
                                        case.concurrency, rng, MODE_HEADERS[mode])
             windows[mode].append((start, time.time()))
     return ttfts, windows
+
+
+async def layer_choices(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """How many pushes the router has sent by layer ("on") and whole ("off") once it had
+    learned (reasons layers_faster_*), from its /metrics."""
+    counts = {"on": 0.0, "off": 0.0}
+    for line in (await client.get(f"{url}/metrics")).text.splitlines():
+        if line.startswith("pdproxy_push_layers_decisions_total{") \
+                and 'reason="layers_faster_' in line:
+            counts["on" if 'layers="on"' in line else "off"] += float(line.rsplit(" ", 1)[1])
+    return counts
 
 
 def itl_summary(ticks: Ticks | None, windows: dict[str, list[tuple[float, float]]],
@@ -505,7 +540,8 @@ async def run_all(p: Pair, url: str, cases: Sequence[Case], modes: Sequence[str]
                                      "unshaped_s": proof.unshaped_s, "bytes": proof.nbytes}
             say("warming every mode (handshakes, first allocations) ...")
             for mode in modes:
-                await batch(client, url, ROUTER_MODE[mode], 256, 2, rng, MODE_HEADERS[mode])
+                await batch(client, url, ROUTER_MODE[mode], WARM_PROMPT_TOKENS, 2, rng,
+                            MODE_HEADERS[mode])
             for load in LOADS:
                 load_cases = [c for c in cases if c.load == load and c.link == link_name]
                 if not load_cases:
@@ -536,7 +572,14 @@ async def run_all(p: Pair, url: str, cases: Sequence[Case], modes: Sequence[str]
                             shaper.set(rate.shaped_bps(slowdown))
                         since = time.time()
                         sent_before = links.shaped_bytes() if shaper is not None else None
+                        chosen_before = (await layer_choices(client, url)
+                                         if "learned" in modes else None)
                         ttfts, windows = await run_case(client, url, case, modes, args, rng)
+                        learned_layers = None
+                        if chosen_before is not None:
+                            chosen = await layer_choices(client, url)
+                            learned_layers = {k: int(chosen[k] - chosen_before[k])
+                                              for k in chosen}
                         sent_after = links.shaped_bytes() if shaper is not None else None
                         until = time.time()
                         lost = shaper is not None and not shaper.intact()
@@ -554,7 +597,7 @@ async def run_all(p: Pair, url: str, cases: Sequence[Case], modes: Sequence[str]
                         results.append({
                             "case": msgspec.to_builtins(case), "key": case.key,
                             "ttft_s": ttfts, "steps": steps, "d_itl": itl_summary(ticks, windows),
-                            "link_bytes": link_bytes,
+                            "link_bytes": link_bytes, "learned_layers": learned_layers,
                             "kv_bytes_transferred": transfers * case.prompt_tokens
                             * rate.emulated_kv_bytes,
                             "slowdown": slowdown, "calibrated_compute_over_target": ratio,
@@ -630,7 +673,11 @@ def summarize(profile: Profile, results: Sequence[dict[str, Any]],
                        for label, by_key in stock_by_key.items() if result["key"] in by_key}
         pull = modes["pull"]["median_ms"] if "pull" in modes else None
         ratios = {f"{mode}_over_pull": modes[mode]["median_ms"] / pull
-                  for mode in ("push", "progressive", "local") if mode in modes and pull}
+                  for mode in ("push", "progressive", "learned", "local")
+                  if mode in modes and pull}
+        if "learned" in modes and "push" in modes and "progressive" in modes:
+            better = min(modes["push"]["median_ms"], modes["progressive"]["median_ms"])
+            ratios["learned_over_better"] = modes["learned"]["median_ms"] / better
         transfer_ms = floor["transfer_s"] * 1e3
         hidden = None
         if "push" in modes and "progressive" in modes and transfer_ms > 0:
@@ -647,6 +694,7 @@ def summarize(profile: Profile, results: Sequence[dict[str, Any]],
             "host_path_ms": host,
             "handoff_ms": handoff,
             "link_bytes": result.get("link_bytes"),
+            "learned_layers": result.get("learned_layers"),
             "kv_bytes_transferred": result.get("kv_bytes_transferred"),
             "stock": stock_modes,
             "d_itl": result.get("d_itl"),
@@ -676,7 +724,7 @@ def print_table(rows: Sequence[dict[str, Any]], profile: Profile, layers: int) -
           f"[median - floor; local's: over its own floor, D's prefill]; ! = steps ran long{slow}")
     print(f"{'link':>7} {'load':>4} {'prompt':>6} {'conc':>4} {'slow':>4} {'floor':>7} {'paid':>7} "
           + " ".join(f"{m + ' med (p90) [over]':>28}" for m in modes)
-          + "".join(f" {m + '/pull':>9}" for m in ("push", "progressive", "local")
+          + "".join(f" {m + '/pull':>9}" for m in ("push", "progressive", "learned", "local")
                     if m in modes and "pull" in modes)
           + (f" {'hidden (best)':>11}" if "progressive" in modes and "push" in modes else ""))
     for row in rows:
@@ -685,7 +733,7 @@ def print_table(rows: Sequence[dict[str, Any]], profile: Profile, layers: int) -
             f" [{row['modes'][m]['overhead_ms']:>6.1f}]" if m in row["modes"] else f"{'-':>28}"
             for m in modes)
         ratios = "".join(f" {row[f'{m}_over_pull']:>9.2f}"
-                         for m in ("push", "progressive", "local")
+                         for m in ("push", "progressive", "learned", "local")
                          if m in modes and "pull" in modes and f"{m}_over_pull" in row)
         hidden = row["progressive_hidden_share"]
         best = row["progressive_best_hidden_share"]
@@ -707,6 +755,15 @@ def print_table(rows: Sequence[dict[str, Any]], profile: Profile, layers: int) -
                   f"{row['floor_ms']['floor_paid_s'] / k:>7.1f} "
                   + " ".join(f"{row['modes'][m]['median_ms'] / k:>11.1f}" if m in row["modes"]
                              else f"{'-':>11}" for m in modes))
+    if "learned" in modes:
+        print("\nlearned: the router's choice once it had learned (after its learning turns), "
+              "pushes by layer and whole, and its TTFT over the better of push and progressive")
+        for row in rows:
+            chosen = row.get("learned_layers") or {}
+            better = row.get("learned_over_better")
+            print(f"{row['link']:>7} {row['load']:>4} {row['prompt_tokens']:>6}: by layer "
+                  f"{chosen.get('on', '-')}, whole {chosen.get('off', '-')}"
+                  + (f"; learned/better {better:.2f}" if better is not None else ""))
     print("\nfloor parts (ms): prefill + D step, + transfer when paid; the shaped link's "
           "bytes against the KV of the case's transfers")
     for row in rows:
@@ -908,7 +965,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              f"{', '.join(links.LINKS)} (default: {','.join(DEFAULT_LINKS)})")
     parser.add_argument("--modes", default=DEFAULT_MODES, type=_names(MODES, "--modes"),
                         help="modes, comma-separated: pull, push (whole), progressive "
-                             "(layer by layer: X-KV-Push-Layers: on), local (default: all)")
+                             "(layer by layer: X-KV-Push-Layers: on), learned (the router "
+                             "learns which: auto.push_layers: learn; one link and one load "
+                             "per run, as it learns per prompt length only), local "
+                             "(default: pull,push,progressive,local)")
     parser.add_argument("--prompts", type=ints, default=None,
                         help="prompt lengths in tokens, comma-separated (default: "
                              f"{','.join(map(str, DEFAULT_PROMPTS))})")
@@ -973,6 +1033,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--busy-max-tokens must be at most {GPU_MAX_MODEL_LEN - BUSY_PROMPT_TOKENS}")
     if args.layers is not None and args.layers < 1:
         parser.error("--layers must be >= 1")
+    if "learned" in args.modes and (len(args.links) > 1 or len(args.loads) > 1):
+        parser.error("learned needs one link and one load per run: the router learns per "
+                     "prompt length only, and would carry what it learned across them")
     if args.plot is None:
         args.plot = args.out.with_suffix(".png")
     return args
@@ -1060,7 +1123,8 @@ async def run_pair(connector: str, modes: Sequence[str], model_dir: Path,
               kv_extra_config=REGIME_CONNECTOR_CONFIG if connector == DUAL_CONNECTOR
               else None) as p, \
             quiet_router(p.prefill_url, p.decode_url,
-                         DEFAULT_LOG_DIR / f"router-{p.decode.spec.port}.log") as url:
+                         DEFAULT_LOG_DIR / f"router-{p.decode.spec.port}.log",
+                         router_config(args)) as url:
         say(f"pair healthy after {time.monotonic() - started:.0f} s; step logs "
             f"{p.prefill.spec.step_log_path}, {p.decode.spec.step_log_path}")
         return await run_all(p, url, cases, modes, rates, shaper, scale_path, args, rng,

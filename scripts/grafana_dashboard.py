@@ -137,6 +137,11 @@ ROWS: list[tuple[str, list[Panel]]] = [
         Panel("Auto mode decisions", "Requests in auto mode by the mode chosen and why.",
               [(rate("pdproxy_auto_mode_decisions_total", "mode, reason"),
                 "{{mode}} {{reason}}")], width=12),
+        Panel("Push layers decisions", "Pushes the router asked P to write layer by layer "
+              "(on) or whole (off), learned per prompt length (auto.push_layers: learn), "
+              "and why.",
+              [(rate("pdproxy_push_layers_decisions_total", "layers, reason"),
+                "{{layers}} {{reason}}")], width=12),
         Panel("Prefill probes", "Probes of a P's KV coordinates, by server and result.",
               [(rate("pdproxy_prefill_probes_total", "endpoint, result"),
                 "{{result}} {{endpoint}}")], width=12),

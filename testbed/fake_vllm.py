@@ -61,6 +61,8 @@ class Behavior:
     transfer_modes: list[str] = dataclasses.field(default_factory=lambda: ["pull", "push"])
     push_wait_timeout: float = 30.0  # D: how long a push waits for P (a stock lease)
     push_delay: float = 0.0  # D: extra wait on a push after P's "WRITE" (a slow transfer)
+    # D: that wait for a push whose P leg asked for layers (None: push_delay)
+    layered_push_delay: float | None = None
     health_status: int = 200  # what GET /health answers
     waiting: int = 0  # /metrics: requests "queued" on the server (vllm:num_requests_waiting)
     kv_cache_usage: float = 0.0  # /metrics: 0..1, vllm:kv_cache_usage_perc
@@ -101,6 +103,7 @@ class Fabric:
     def __init__(self) -> None:
         self.written: dict[str, asyncio.Event] = {}
         self.writers: dict[str, str] = {}  # transfer id -> engine id of a data-parallel P
+        self.layered: set[str] = set()  # transfer ids whose P leg asked for layers
 
 
     def event(self, transfer_id: str) -> asyncio.Event:
@@ -379,6 +382,8 @@ class FakeVLLM:
         if transfer_id and self.fabric is not None:
             if self.dp_size > 1:
                 self.fabric.writers[transfer_id] = self._engine_of(rank)
+            if params.get("push_layers"):
+                self.fabric.layered.add(transfer_id)
             self.fabric.event(transfer_id).set()  # the prompt is done: "WRITE" the KV to D
         return web.json_response(answer)
 
@@ -405,8 +410,13 @@ class FakeVLLM:
                     message = (f"push told of engine {params['remote_engine_id']}, "
                                f"but {writer} ran the prompt")
                     return web.json_response({"error": {"message": message}}, status=500)
-                if b.push_delay:
-                    await asyncio.sleep(b.push_delay)
+                layered = params["transfer_id"] in self.fabric.layered
+                self.fabric.layered.discard(params["transfer_id"])
+                delay = b.push_delay
+                if layered and b.layered_push_delay is not None:
+                    delay = b.layered_push_delay
+                if delay:
+                    await asyncio.sleep(delay)
         tokens = self._tokens(b, body)
         words = [f"t{i}" for i in range(tokens)]
         rid = request.headers.get("X-Request-Id", "none")

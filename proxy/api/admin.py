@@ -6,6 +6,7 @@
     POST   /admin/endpoints/drain   {"cluster": "decode", "url": "...", "draining": true}
     GET    /admin/auto                               what auto mode has measured: average
                                                      TTFT per mode and prompt-length bucket
+                                                     (and per push layering, where learned)
     GET    /admin/kv                                 kv_aware's index: each server's event
                                                      sources, their state and blocks
 
@@ -175,6 +176,8 @@ def _auto(router: Router, call: AdminCall) -> Answer:
     learner, budget = router.learner, router.local_budget
     return 200, {"learning": learner is not None,
                  "buckets": learner.snapshot() if learner else [],
+                 # with auto.push_layers: learn: pushes written by layer (or whole) per bucket
+                 "push_layers": learner.layers.snapshot() if learner and learner.layers else None,
                  # wherever local may be used: each D's inter-token latency, which the
                  # budget of local requests weighs
                  "local_budget": None if budget is None else {

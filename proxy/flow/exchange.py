@@ -134,6 +134,9 @@ class Exchange:
         # (an unpinned push run as a pull, a failed push recovered by a pull or by D).
         self.used = decision.used
         self.mode = decision.used.value
+        # Whether a push goes layer by layer, where the router learns it (auto.push_layers:
+        # learn) and the client did not say; None: as the client or P's connector says.
+        self.push_layers: bool | None = None
         self.upstream_headers = {wire.REQUEST_ID_HEADER: request.request_id}
         self.started_at = time.perf_counter()
         self.prefill_seconds: float | None = None
@@ -366,6 +369,8 @@ class Exchange:
             if (learner and self.bucket is not None and self.request.stream
                     and down.status == 200 and self.used is self.decision.used):
                 learner.observe(self.used, self.bucket, ttfb)
+                if learner.layers is not None and self.push_layers is not None:
+                    learner.layers.observe(self.push_layers, self.bucket, ttfb)
         local = self.prefill_endpoint is None  # no P leg: D computed the prompt
         if self.trace is not None:
             self._trace_end(down, error, status)

@@ -34,6 +34,13 @@ The rule, per bucket:
   that makes it the faster one is noticed. With `explore` = 0 a slower mode is never
   measured again; the fastest one's average still follows it, so the choice still
   flips when the fastest mode becomes slower than another's last known average.
+* Whether a push is written layer by layer (progressive push) or whole is learned the
+  same way where `auto.push_layers` is `learn` (`LayersLearner` below), for every push
+  whose client did not say: two arms per bucket, whole first (it wins ties, and gets the
+  requests not measured until the bucket has learned). Layers pay where the transfer is
+  long against the prompt's compute (long prompts, slow links) and cost where it is
+  short (the parts' posting on P, for a transfer with little to hide): where that
+  threshold lies depends on the model and the network, so it is measured, not set.
 * Local has a second condition, D's inter-token latency budget (`LocalBudget` below):
   local prefill runs on D, between the decode steps of D's other streams, so it slows
   them. A D over its budget takes no local request: local is then left out of the
@@ -86,6 +93,9 @@ class ModeLearner:
         }
         # Only with auto.local: D's inter-token latency, which decides where local may go.
         self.local_budget = LocalBudget(settings) if settings.local else None
+        # Only with auto.push_layers: learn: whether a push goes layer by layer.
+        self.layers = (LayersLearner(settings, len(self._edges) + 1, self._rng)
+                       if settings.push_layers == "learn" else None)
 
     def bucket(self, prompt_chars: int) -> int:
         """The bucket of a prompt of this many characters."""
@@ -164,6 +174,49 @@ class ModeLearner:
                 "samples": average.count,
             })
         return rows
+
+
+class LayersLearner:
+    """Whether a push is written layer by layer or whole, per bucket, learned from the
+    TTFT of pushes (the module's rule, with two arms: whole, then layers)."""
+
+    def __init__(self, settings: AutoSettings, buckets: int, rng: random.Random) -> None:
+        self.settings = settings
+        self._rng = rng
+        self._stats: dict[tuple[int, bool], _Average] = {
+            (bucket, layers): _Average() for bucket in range(buckets) for layers in (False, True)
+        }
+
+    def choose(self, bucket: int, *, measured: bool) -> tuple[bool, str]:
+        """Whether the next push in this bucket goes layer by layer, and why (a metric
+        label). `measured`: whether its TTFT will be observed (a streamed request)."""
+        whole, layered = self._stats[bucket, False], self._stats[bucket, True]
+        need = self.settings.min_samples
+        if whole.count < need or layered.count < need:
+            if not measured:
+                return False, "layers_not_learned_yet"
+            layers, reason = layered.chosen < whole.chosen, "layers_learning"
+        else:
+            layers = layered.value < whole.value  # a tie: whole
+            reason = "layers_faster_on" if layers else "layers_faster_off"
+            explore = self.settings.explore
+            if measured and explore > 0 and self._rng.random() < explore:
+                layers, reason = not layers, "layers_explore"
+        (layered if layers else whole).chosen += 1
+        return layers, reason
+
+    def observe(self, layers: bool, bucket: int, ttft_seconds: float) -> None:
+        """Count one measured TTFT of a push written layer by layer (or whole)."""
+        if not (math.isfinite(ttft_seconds) and ttft_seconds >= 0):
+            raise ValueError(f"a TTFT must be a finite number >= 0, got {ttft_seconds!r}")
+        self._stats[bucket, layers].add(ttft_seconds, self.settings.smoothing)
+
+    def snapshot(self) -> list[dict[str, object]]:
+        """Per bucket and arm: average TTFT in ms (None before any sample) and samples."""
+        return [{"bucket": bucket, "layers": layers,
+                 "avg_ms": round(average.value * 1000, 3) if average.count else None,
+                 "samples": average.count}
+                for (bucket, layers), average in self._stats.items()]
 
 
 class DecodeStreams:

@@ -77,7 +77,8 @@ async def _push(exchange: Exchange, down: Downstream, coordinates: PrefillCoordi
                 rank: int | None) -> None:
     """Both legs at once; P's pinned to data-parallel `rank` (None: not pinned)."""
     transfer_id = new_transfer_id()
-    p_body = prefill_body(exchange.request, transfer_id=transfer_id)
+    p_body = prefill_body(exchange.request, transfer_id=transfer_id,
+                          push_layers=exchange.push_layers)
     d_body = push_decode_body(exchange.request, coordinates, transfer_id=transfer_id)
     pin = None if rank is None else {wire.DATA_PARALLEL_RANK_HEADER: str(rank)}
     try:

@@ -50,6 +50,8 @@ logger = logging.getLogger("pdproxy.router")
 
 REQUEST_ID_HEADER = b"x-request-id"
 MODE_REASON_HEADER = b"x-kv-transfer-mode-reason"  # only when the asked mode was impossible
+# Whether the router asked P to write the push layer by layer: only where it learns it.
+PUSH_LAYERS_HEADER = wire.PUSH_LAYERS_HEADER.lower().encode()
 
 
 def cluster_api_key(configured: str | None, cluster: str) -> str | None:
@@ -377,6 +379,13 @@ class Router:
         ]
         if decision.is_fallback:
             headers.append((MODE_REASON_HEADER, decision.reason.encode()))
+        layers = self.learner.layers if self.learner else None
+        if (layers is not None and decision.used is Mode.PUSH and bucket is not None
+                and request.push_layers is None):
+            exchange.push_layers, why = layers.choose(bucket, measured=request.stream)
+            said = "on" if exchange.push_layers else "off"
+            self.metrics.child(self.metrics.push_layers_decisions, said, why).inc()
+            headers.append((PUSH_LAYERS_HEADER, said.encode()))
         budget = self.local_budget
         local = decision.used is Mode.LOCAL
         if budget is not None and (request.stream or local):

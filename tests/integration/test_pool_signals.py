@@ -252,6 +252,47 @@ async def test_auto_learns_that_pull_is_faster_when_pushes_are_slow(pool: Pool) 
         assert first["push"]["avg_ms"] > first["pull"]["avg_ms"] + 30
 
 
+async def test_the_router_learns_whether_a_push_goes_layer_by_layer(pool: Pool) -> None:
+    """auto.push_layers: learn, in push mode: pushes take turns whole and by layer, then
+    the faster way (here by layer: D waits 50 ms less for it) gets every push whose
+    client did not say; P's leg carries the choice, the answer says it; a client's
+    X-KV-Push-Layers wins and teaches nothing."""
+    p, d = await pool.add("prefill"), await pool.add("decode")
+    d.behavior.push_delay, d.behavior.layered_push_delay = 0.05, 0.0
+    config = {"prefill": [pool.url(p)], "decode": [pool.url(d)], "mode": "push",
+              "auto": {"min_samples": 3, "explore": 0.0, "push_layers": "learn"},
+              "admin_token": TOKEN}
+    async with serve_router(**config) as (url, _), httpx.AsyncClient(timeout=10) as client:
+        said = []
+        for _ in range(12):
+            r = await complete(client, url, stream=True)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-kv-transfer-mode"] == "push"
+            said.append(r.headers["x-kv-push-layers"])
+        assert said[:6] == ["off", "on"] * 3, said
+        assert said[6:] == ["on"] * 6, said
+        def pushes() -> list[dict[str, Any]]:
+            return [s.body["kv_transfer_params"] for s in p.seen
+                    if s.body.get("kv_transfer_params", {}).get("transfer_id")]
+
+        assert [params["push_layers"] for params in pushes()] == [v == "on" for v in said]
+
+        r = await client.post(f"{url}/v1/completions", headers={"X-KV-Push-Layers": "off"},
+                              json={"model": "fake-model", "max_tokens": 2, "prompt": "hi",
+                                    "stream": True})
+        assert r.status_code == 200 and "x-kv-push-layers" not in r.headers
+        assert pushes()[-1]["push_layers"] is False
+
+        metrics = (await client.get(f"{url}/metrics")).text
+        assert ('pdproxy_push_layers_decisions_total{layers="on",reason="layers_faster_on"} 6.0'
+                in metrics)
+        assert 'pdproxy_push_layers_decisions_total{layers="off",reason="layers_learning"} 3.0' in metrics
+        snapshot = (await client.get(f"{url}/admin/auto", headers=AUTH)).json()
+        first = {row["layers"]: row for row in snapshot["push_layers"] if row["bucket"] == 0}
+        assert first[True]["samples"] == 9 and first[False]["samples"] == 3
+        assert first[False]["avg_ms"] > first[True]["avg_ms"] + 30
+
+
 async def test_auto_never_learns_from_a_pair_that_cannot_push(pool: Pool) -> None:
     p, d = await pool.add("prefill"), await pool.add("decode")
     config = {"prefill": [pool.url(p)],

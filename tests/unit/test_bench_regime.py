@@ -109,3 +109,30 @@ def test_the_summary_of_a_case_with_progressive_push() -> None:
     assert any(line.startswith("progressive hides >= 80%") and "met" in line for line in lines)
     assert any(line.startswith("progressive never slower") and "met" in line for line in lines)
     assert any(line.startswith("progressive <= 0.6x pull") for line in lines)
+
+
+def test_learned_has_its_router_learn_per_prompt_length_one_link_and_load_a_run() -> None:
+    """learned: the router learns layers or whole (auto.push_layers: learn), each of the
+    run's prompt lengths, and the warm-up's, in a bucket of its own."""
+    import yaml
+
+    from proxy.config import build_config
+    from proxy.flow.learn import ModeLearner
+    from proxy.protocol import CHARS_PER_TOKEN
+
+    assert bench.router_config(bench.parse_args(["--quick"])) == bench.REGIME_ROUTER_CONFIG
+    args = bench.parse_args(["--quick", "--modes", "push,progressive,learned",
+                             "--prompts", "1024,4096,8192"])
+    config = build_config({**yaml.safe_load(bench.router_config(args)),
+                           "prefill": ["http://127.0.0.1:1"], "decode": ["http://127.0.0.1:2"]}, {})
+    auto = config.auto
+    assert auto.push_layers == "learn" and auto.explore == 0
+    assert auto.min_samples == bench.LEARN_SAMPLES
+    assert config.timeouts.first_token == 3600  # the regime's own waits kept
+    learner = ModeLearner(auto)
+    buckets = [learner.bucket(n * CHARS_PER_TOKEN)
+               for n in (bench.WARM_PROMPT_TOKENS, 1024, 4096, 8192)]
+    assert len(set(buckets)) == 4, buckets
+    for other in (["--links", "eth25,eth100"], ["--loads", "idle,busy"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--quick", "--modes", "push,learned", *other])

@@ -47,6 +47,8 @@ def feed(learn: ModeLearner, bucket: int, mode: Mode, ttft: float, times: int) -
     ({"bucket_edges": [256, 256]}, "auto.bucket_edges must be positive and strictly increasing"),
     ({"bucket_edges": [1024, 256]}, "auto.bucket_edges must be positive and strictly increasing"),
     ({"bucket_edges": [0, 256]}, "auto.bucket_edges must be positive and strictly increasing"),
+    ({"push_layers": "on"}, "auto.push_layers must be one of connector, learn"),
+    ({"push_layers": "learn", "learn": False}, "auto.push_layers: learn needs auto.learn: true"),
 ])
 def test_bad_settings_are_refused_with_a_clear_message(settings: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -448,3 +450,49 @@ async def test_a_local_requests_mark_ends_at_its_first_byte_or_its_failure() -> 
     assert (streams.local_prefills, streams.local_started) == (0, 2)
     await watched_answer(b, d, [TOKEN_EVENT], local=True, fail=True)  # a 502 answer
     assert (streams.local_prefills, streams.local_started) == (0, 3)
+
+
+# --- whether a push goes layer by layer (auto.push_layers: learn) -----------------------
+
+
+def test_push_layers_are_left_to_the_connector_unless_learned() -> None:
+    assert AutoSettings().push_layers == "connector"
+    assert learner().layers is None
+    assert learner(push_layers="learn").layers is not None
+
+
+def test_layers_take_turns_whole_first_then_the_faster_wins_each_bucket() -> None:
+    learn = learner(push_layers="learn", min_samples=3, explore=0.0)
+    layers = learn.layers
+    assert layers is not None
+    turns = [layers.choose(0, measured=True) for _ in range(6)]
+    assert turns == [(False, "layers_learning"), (True, "layers_learning")] * 3
+    # A request not measured takes no turn, and gets whole until the bucket has learned.
+    assert layers.choose(0, measured=False) == (False, "layers_not_learned_yet")
+    for _ in range(3):
+        layers.observe(False, 0, 0.300)  # whole: the transfer after the prefill
+        layers.observe(True, 0, 0.200)  # by layer: most of it hidden
+        layers.observe(True, 1, 0.090)  # a short prompt: the layers' posts cost more
+        layers.observe(False, 1, 0.080)
+    assert {layers.choose(0, measured=True) for _ in range(20)} == {(True, "layers_faster_on")}
+    assert {layers.choose(1, measured=False) for _ in range(5)} == {(False, "layers_faster_off")}
+    rows = {(row["bucket"], row["layers"]): row for row in layers.snapshot()}
+    assert rows[0, True] == {"bucket": 0, "layers": True, "avg_ms": 200.0, "samples": 3}
+    assert rows[2, False]["avg_ms"] is None and rows[2, False]["samples"] == 0
+
+
+def test_layers_explore_the_slower_arm_and_follow_a_change() -> None:
+    learn = learner(push_layers="learn", min_samples=2, explore=0.25, smoothing=0.5)
+    layers = learn.layers
+    assert layers is not None
+    for _ in range(2):
+        layers.observe(False, 0, 0.100)
+        layers.observe(True, 0, 0.050)
+    picks = collections.Counter(layers.choose(0, measured=True) for _ in range(400))
+    assert set(picks) == {(True, "layers_faster_on"), (False, "layers_explore")}
+    assert 60 < picks[False, "layers_explore"] < 140  # about a quarter
+    for _ in range(4):  # layers got slow (a busier P, say): the average follows
+        layers.observe(True, 0, 0.400)
+    assert layers.choose(0, measured=False) == (False, "layers_faster_off")
+    with pytest.raises(ValueError, match="finite number"):
+        layers.observe(True, 0, float("nan"))

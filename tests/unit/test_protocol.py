@@ -150,6 +150,12 @@ def test_a_push_written_by_layer_or_whole_is_the_clients_choice(value: str | Non
     assert params.get("push_layers", "absent") == ("absent" if sent is None else sent)
     # A pull's P leg never carries it: it names how a push is written.
     assert "push_layers" not in prefill_body(req, transfer_id=None)["kv_transfer_params"]
+    # The router's learned choice goes only where the client said nothing.
+    for learned in (True, False):
+        params = prefill_body(req, transfer_id="t-1", push_layers=learned)["kv_transfer_params"]
+        assert params["push_layers"] is (learned if sent is None else sent)
+        assert "push_layers" not in prefill_body(req, transfer_id=None,
+                                                 push_layers=learned)["kv_transfer_params"]
 
 
 def test_an_unknown_push_layers_value_is_a_400_naming_the_header() -> None:
