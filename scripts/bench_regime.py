@@ -896,7 +896,7 @@ def plot(rows_by_profile: dict[str, list[dict[str, Any]]], path: Path) -> bool:
                 continue
             x = [r["prompt_tokens"] for r in chosen]
             k = [float(r["slowdown"]) for r in chosen]
-            for mode, marker in zip(MODES, "os^D", strict=True):
+            for mode, marker in zip(MODES, "os^*D", strict=True):
                 if all(mode in r["modes"] for r in chosen):
                     ax.plot(x, [r["modes"][mode]["median_ms"] / s
                                 for r, s in zip(chosen, k, strict=True)], f"{marker}-",
