@@ -16,7 +16,7 @@ import tomllib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
 import msgspec
@@ -197,7 +197,7 @@ class RetryBudgetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
 
 
 # auto.push_layers: who decides whether a push is written layer by layer.
-PUSH_LAYERS_POLICIES = ("connector", "learn")
+PushLayersPolicy = Literal["connector", "learn"]
 
 
 def _default_bucket_edges() -> list[int]:
@@ -225,18 +225,17 @@ class AutoSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # (conditional disaggregation by cache). 0: off.
     local_cached_tokens: int = 256
     # Whether a push is written layer by layer (progressive push) or whole, for a request
-    # whose client did not say (X-KV-Push-Layers): "connector" leaves it to P's connector
-    # (its push_layers setting: by default, layers from push_layers_min_tokens tokens);
-    # "learn" has the router learn per bucket which is faster, as it learns modes, and
-    # tell P per request. Applies to every push, in auto mode or not.
-    push_layers: str = "connector"
+    # whose client did not say (X-KV-Push-Layers on or off): "connector" leaves it to P's
+    # connector (its push_layers setting: by default, layers from push_layers_min_tokens
+    # tokens); "learn" has the router learn per bucket which is faster, as it learns
+    # modes, and tell P per request. Applies to every push, in auto mode or not; a push
+    # whose bucket has not learned yet and that is not measured (not streamed) is left
+    # to the connector.
+    push_layers: PushLayersPolicy = "connector"
 
     def __post_init__(self) -> None:
         if self.local and not self.learn:
             raise ValueError("auto.local needs auto.learn: true (local is chosen where measured fastest)")
-        if self.push_layers not in PUSH_LAYERS_POLICIES:
-            raise ValueError(f"auto.push_layers must be one of {', '.join(PUSH_LAYERS_POLICIES)}, "
-                             f"got {self.push_layers!r}")
         if self.push_layers == "learn" and not self.learn:
             raise ValueError("auto.push_layers: learn needs auto.learn: true")
         if not self.local_itl_budget >= 1.0:

@@ -87,9 +87,11 @@ class RouterMetrics:
         )
         self.push_layers_decisions = Counter(
             "pdproxy_push_layers_decisions",
-            "Pushes the router asked P to write layer by layer (layers=on) or whole (off), "
-            "learned per prompt length (auto.push_layers: learn), and why (layers_learning, "
-            "layers_faster_on, layers_faster_off, layers_explore, layers_not_learned_yet)",
+            "Pushes the router chose to have written layer by layer (layers=on), whole (off) "
+            "or as P's connector decides (connector: not measured, before its bucket "
+            "learned), learned per prompt length (auto.push_layers: learn), and why "
+            "(layers_learning, layers_faster_on, layers_faster_off, layers_explore, "
+            "layers_not_learned_yet)",
             ["layers", "reason"],
             registry=r,
         )

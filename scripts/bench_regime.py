@@ -451,9 +451,6 @@ async def run_case(client: httpx.AsyncClient, url: str, case: Case, modes: Seque
     the TTFTs per mode, and when each mode's rounds ran (wall clock)."""
     ttfts: dict[str, list[float]] = {mode: [] for mode in modes}
     windows: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
-    if "learned" in modes:  # the router's learning turns, whole and by layer, unmeasured
-        for _ in range(2 * LEARN_SAMPLES):
-            await batch(client, url, "push", case.prompt_tokens, 1, rng, MODE_HEADERS["learned"])
     rounds = max(1, -(-int(args.requests) // case.concurrency))
     for index in range(rounds):
         order = [*modes[index % len(modes):], *modes[:index % len(modes)]]
@@ -570,6 +567,10 @@ async def run_all(p: Pair, url: str, cases: Sequence[Case], modes: Sequence[str]
                         current = slowdown
                         if shaper is not None:
                             shaper.set(rate.shaped_bps(slowdown))
+                        if "learned" in modes:  # the router's learning turns, not measured
+                            for _ in range(2 * LEARN_SAMPLES):
+                                await batch(client, url, "push", case.prompt_tokens, 1, rng,
+                                            MODE_HEADERS["learned"])
                         since = time.time()
                         sent_before = links.shaped_bytes() if shaper is not None else None
                         chosen_before = (await layer_choices(client, url)
@@ -1033,9 +1034,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--busy-max-tokens must be at most {GPU_MAX_MODEL_LEN - BUSY_PROMPT_TOKENS}")
     if args.layers is not None and args.layers < 1:
         parser.error("--layers must be >= 1")
-    if "learned" in args.modes and (len(args.links) > 1 or len(args.loads) > 1):
-        parser.error("learned needs one link and one load per run: the router learns per "
-                     "prompt length only, and would carry what it learned across them")
+    if "learned" in args.modes and (len(args.links) > 1 or len(args.loads) > 1
+                                    or len(args.concurrency) > 1
+                                    or WARM_PROMPT_TOKENS in args.prompts):
+        parser.error("learned needs one link, one load and one concurrency per run, and "
+                     f"no {WARM_PROMPT_TOKENS}-token prompts (the warm-up's): the router "
+                     "learns per prompt length only, and would carry what it learned across")
     if args.plot is None:
         args.plot = args.out.with_suffix(".png")
     return args

@@ -177,7 +177,7 @@ def _auto(router: Router, call: AdminCall) -> Answer:
     return 200, {"learning": learner is not None,
                  "buckets": learner.snapshot() if learner else [],
                  # with auto.push_layers: learn: pushes written by layer (or whole) per bucket
-                 "push_layers": learner.layers.snapshot() if learner and learner.layers else None,
+                 "push_layers": learner.layers.snapshot() if learner and learner.layers else [],
                  # wherever local may be used: each D's inter-token latency, which the
                  # budget of local requests weighs
                  "local_budget": None if budget is None else {

@@ -52,7 +52,8 @@ _PUSH_LAYERS_HEADER = {
     "schema": {"type": "string", "enum": ["on", "off", "auto"]},
     "description": "For a push: the prefill server writes the KV layer by layer while it "
                    "computes (on) or whole when it is done (off); auto or absent: the "
-                   "prefill server's connector decides (push_layers).",
+                   "router decides where it learns which is faster (auto.push_layers: "
+                   "learn), else the prefill server's connector (push_layers).",
 }
 _REQUEST_ID_HEADER = {
     "name": REQUEST_ID_HEADER, "in": "header", "required": False,
@@ -68,6 +69,11 @@ _ANSWER_HEADERS = {
     "X-KV-Transfer-Recovery": {
         "schema": {"type": "string", "enum": ["pull", "recompute"]},
         "description": "A push whose prefill failed was answered this way (only then)."},
+    PUSH_LAYERS_HEADER: {
+        "schema": {"type": "string", "enum": ["on", "off"]},
+        "description": "Whether the router had the push written layer by layer (only where "
+                       "it learns that, auto.push_layers: learn, and the request ran as a "
+                       "push)."},
 }
 
 

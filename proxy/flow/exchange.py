@@ -40,6 +40,9 @@ from proxy.upstream.client import UpstreamClient
 logger = logging.getLogger("pdproxy.access")
 T = TypeVar("T")
 MODE_HEADER = b"x-kv-transfer-mode"  # the mode a request ran as, in its answer's head
+# Whether the router asked P to write the push layer by layer (where it learns that), in
+# the answer's head; dropped when the request runs as another mode.
+PUSH_LAYERS_HEADER = wire.PUSH_LAYERS_HEADER.lower().encode()
 
 
 class LegState(str, enum.Enum):
@@ -163,7 +166,8 @@ class Exchange:
         self.used = mode
         self.mode = mode.value
         down.headers[:] = [(name, mode.value.encode() if name == MODE_HEADER else value)
-                           for name, value in down.headers]
+                           for name, value in down.headers
+                           if name != PUSH_LAYERS_HEADER or mode is Mode.PUSH]
         self.remark(note)
 
     # --- the legs ---------------------------------------------------------------------

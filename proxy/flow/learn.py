@@ -36,8 +36,10 @@ The rule, per bucket:
   flips when the fastest mode becomes slower than another's last known average.
 * Whether a push is written layer by layer (progressive push) or whole is learned the
   same way where `auto.push_layers` is `learn` (`LayersLearner` below), for every push
-  whose client did not say: two arms per bucket, whole first (it wins ties, and gets the
-  requests not measured until the bucket has learned). Layers pay where the transfer is
+  whose client did not say: two arms per bucket, whole first (it wins ties); a push not
+  measured is left to P's connector until the bucket has learned. Push's own average
+  (against pull's and local's) is then of pushes written both ways, mostly the faster
+  once the bucket has learned. Layers pay where the transfer is
   long against the prompt's compute (long prompts, slow links) and cost where it is
   short (the parts' posting on P, for a transfer with little to hide): where that
   threshold lies depends on the model and the network, so it is measured, not set.
@@ -187,14 +189,16 @@ class LayersLearner:
             (bucket, layers): _Average() for bucket in range(buckets) for layers in (False, True)
         }
 
-    def choose(self, bucket: int, *, measured: bool) -> tuple[bool, str]:
+    def choose(self, bucket: int, *, measured: bool) -> tuple[bool | None, str]:
         """Whether the next push in this bucket goes layer by layer, and why (a metric
-        label). `measured`: whether its TTFT will be observed (a streamed request)."""
+        label); None: as P's connector decides. `measured`: whether its TTFT will be
+        observed (a streamed request): one that is not takes no turn, and is left to the
+        connector until the bucket has learned."""
         whole, layered = self._stats[bucket, False], self._stats[bucket, True]
         need = self.settings.min_samples
         if whole.count < need or layered.count < need:
             if not measured:
-                return False, "layers_not_learned_yet"
+                return None, "layers_not_learned_yet"
             layers, reason = layered.chosen < whole.chosen, "layers_learning"
         else:
             layers = layered.value < whole.value  # a tie: whole

@@ -18,7 +18,7 @@ from connector.protocol import http_params as wire
 from proxy.config import ConfigSource, Mode, Policy, RouterConfig, resolve_secret
 from proxy.errors import InvalidRequest, NoHealthyEndpoint
 from proxy.flow.context import FlowContext
-from proxy.flow.exchange import MODE_HEADER, Exchange
+from proxy.flow.exchange import MODE_HEADER, PUSH_LAYERS_HEADER, Exchange
 from proxy.flow.learn import LocalBudget, ModeLearner
 from proxy.flow.local import ItlWatchedResponse, run_local
 from proxy.flow.modes import ModeDecision, decide_mode
@@ -50,8 +50,6 @@ logger = logging.getLogger("pdproxy.router")
 
 REQUEST_ID_HEADER = b"x-request-id"
 MODE_REASON_HEADER = b"x-kv-transfer-mode-reason"  # only when the asked mode was impossible
-# Whether the router asked P to write the push layer by layer: only where it learns it.
-PUSH_LAYERS_HEADER = wire.PUSH_LAYERS_HEADER.lower().encode()
 
 
 def cluster_api_key(configured: str | None, cluster: str) -> str | None:
@@ -256,8 +254,8 @@ class Router:
         prompt = await self.tokenizer.blocks(request) if self.tokenizer is not None else None
         # auto learns from streamed requests' time to first token, per prompt length
         learner = self.learner
-        bucket = (learner.bucket(prompt_chars(request))
-                  if learner and (requested is Mode.AUTO or request.stream) else None)
+        bucket = (learner.bucket(prompt_chars(request)) if learner and (
+            requested is Mode.AUTO or request.stream or learner.layers is not None) else None)
         budget = learner.local_budget if learner else None  # auto may go local: auto.local
         if requested is Mode.LOCAL:  # no P: D computes the prompt
             return self._local(request, bucket, key, prompt)
@@ -383,9 +381,11 @@ class Router:
         if (layers is not None and decision.used is Mode.PUSH and bucket is not None
                 and request.push_layers is None):
             exchange.push_layers, why = layers.choose(bucket, measured=request.stream)
-            said = "on" if exchange.push_layers else "off"
+            said = {True: "on", False: "off", None: "connector"}[exchange.push_layers]
             self.metrics.child(self.metrics.push_layers_decisions, said, why).inc()
-            headers.append((PUSH_LAYERS_HEADER, said.encode()))
+            exchange.remark(f"push_layers:{said}:{why}")
+            if exchange.push_layers is not None:
+                headers.append((PUSH_LAYERS_HEADER, said.encode()))
         budget = self.local_budget
         local = decision.used is Mode.LOCAL
         if budget is not None and (request.stream or local):

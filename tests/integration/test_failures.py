@@ -234,6 +234,32 @@ async def test_a_push_whose_prefill_fails_is_redone_as_a_pull_on_another_prefill
     assert 'pdproxy_push_recoveries_total{how="pull"} 1.0' in metrics
 
 
+async def test_a_learned_push_redone_as_a_pull_does_not_say_it_went_by_layer(pair: Pair) -> None:
+    """auto.push_layers: learn chose for the push (its first turn: whole); the push ran
+    as a pull, so the answer names pull and carries no X-KV-Push-Layers."""
+    fabric_p = FakeVLLM("prefill", engine_id="engine-p1", side_channel_port=5602,
+                        fabric=pair.prefill.fabric)
+    runner, other_url = await start(fabric_p)
+    try:
+        pair.prefill.behavior.fail_status = 500
+        config = push_config(pair, push_recovery="pull", auto={"push_layers": "learn"},
+                             prefill=[{"url": pair.p_url, **PREFILL_COORDS},
+                                      {"url": other_url, **PREFILL_COORDS,
+                                       "engine_id": "engine-p1", "side_channel_port": 5602}],
+                             balance={"prefill": "round_robin"})
+        async with serve_router(**config) as (url, app):
+            async with httpx.AsyncClient(base_url=url) as client:
+                r = await client.post("/v1/completions", json={**BODY, "stream": True})
+            assert_nothing_in_flight(app)
+    finally:
+        await runner.cleanup()
+    assert r.status_code == 200, r.text
+    assert r.headers["x-kv-transfer-recovery"] == "pull"
+    assert r.headers["x-kv-transfer-mode"] == "pull"
+    assert "x-kv-push-layers" not in r.headers
+    assert pair.prefill.seen[0].body["kv_transfer_params"]["push_layers"] is False
+
+
 async def test_a_push_whose_only_prefill_drops_is_computed_by_decode(pair: Pair) -> None:
     """No other P: D gets the plain request and computes the prompt itself (streamed)."""
     pair.prefill.behavior.drop_connection = True

@@ -133,6 +133,7 @@ def test_learned_has_its_router_learn_per_prompt_length_one_link_and_load_a_run(
     buckets = [learner.bucket(n * CHARS_PER_TOKEN)
                for n in (bench.WARM_PROMPT_TOKENS, 1024, 4096, 8192)]
     assert len(set(buckets)) == 4, buckets
-    for other in (["--links", "eth25,eth100"], ["--loads", "idle,busy"]):
+    for other in (["--links", "eth25,eth100"], ["--loads", "idle,busy"],
+                  ["--concurrency", "1,4"], ["--prompts", "256,1024"]):
         with pytest.raises(SystemExit):
             bench.parse_args(["--quick", "--modes", "push,learned", *other])
