@@ -204,3 +204,31 @@ def test_the_fence_thread_runs_on_the_workers_device() -> None:
         assert seen == [device]
     finally:
         fence.close()
+
+
+def test_a_whole_write_after_a_full_cuda_graph_waits_for_its_replay(
+        cycles_per_ms: float) -> None:
+    """vLLM's full CUDA graphs replay a pass without the per-layer hook, so such a push
+    is written whole after the pass (`full_graph_note`): behind an event recorded after
+    the replay, or `wait_for_forward`, both on the replay's stream."""
+    forward = Forward(cycles_per_ms)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=forward.stream):
+        for _ in forward.layers():
+            pass
+    forward.kv.zero_()  # the capture ran nothing; start from nothing written
+    torch.cuda.synchronize()
+    fence = CudaFence()
+    posted: list[list[float]] = []
+    try:
+        with torch.cuda.stream(forward.stream):
+            graph.replay()
+            fence.after_queued_work(lambda: posted.append(
+                [forward.read(layer) for layer in range(LAYERS)]))
+            assert not forward.stream.query(), "the replay ended before the WRITE was asked"
+            fence.wait_for_forward()
+            assert forward.stream.query(), "wait_for_forward returned before the replay ended"
+        wait_for(lambda: bool(posted), "the whole WRITE posted")
+        assert posted == [[float(layer + 1) for layer in range(LAYERS)]]
+    finally:
+        fence.close()
