@@ -22,29 +22,17 @@ import pytest
 import torch
 
 from connector.prefill.fence import CudaFence, Fence, HostFence, ThreadFence, fence_for
+from tests.gpu.clock import measure_cycles_per_ms, spin
 
 LAYERS = 6
 LAYER_MS = 30.0  # each layer's kernel: long enough that Python runs far ahead of the GPU
 ROW = 1 << 16  # floats of KV per layer
 
 
-def spin(cycles: int) -> None:
-    """A kernel that keeps the GPU busy for `cycles` clock cycles, on the current stream."""
-    torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
-
 
 @pytest.fixture(scope="module")
 def cycles_per_ms() -> float:
-    """How many cycles `torch.cuda._sleep` spins per millisecond on this GPU, measured."""
-    assert torch.cuda.is_available(), "these tests need a CUDA GPU"
-    spin(1_000_000)  # warm up
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    start.record()
-    spin(50_000_000)
-    end.record()
-    end.synchronize()
-    return 50_000_000 / float(start.elapsed_time(end))
+    return measure_cycles_per_ms()
 
 
 class Forward:

@@ -34,6 +34,7 @@ from nixl._api import nixl_agent, nixl_agent_config
 
 from connector.prefill.fence import CudaFence, Fence, HostFence
 from connector.prefill.layers import LayeredWrite, PlannedWrite, RegionLayers
+from tests.gpu.clock import measure_cycles_per_ms, spin
 
 LAYERS = 4
 BLOCKS = 16  # per region
@@ -45,22 +46,10 @@ NOTIFICATION = b"req-1:1"
 WAIT_S = 20.0
 
 
-def spin(cycles: int) -> None:
-    """A kernel that keeps the GPU busy for `cycles` clock cycles, on the current stream."""
-    torch.cuda._sleep(cycles)  # type: ignore[no-untyped-call]
-
 
 @pytest.fixture(scope="module")
 def cycles_per_ms() -> float:
-    assert torch.cuda.is_available(), "these tests need a CUDA GPU"
-    spin(1_000_000)
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    start.record()
-    spin(50_000_000)
-    end.record()
-    end.synchronize()
-    return 50_000_000 / float(start.elapsed_time(end))
+    return measure_cycles_per_ms()
 
 
 class KvCache:

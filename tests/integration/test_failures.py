@@ -4,7 +4,9 @@ P without kv_transfer_params is never a silent recompute, and nothing stays in f
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -203,24 +205,32 @@ async def test_unreachable_server_is_replaced_before_any_byte(pair: Pair, cluste
 # --- push recovery: P fails before D's first byte, the client still gets its answer ----
 
 
-async def test_a_push_whose_prefill_fails_is_redone_as_a_pull_on_another_prefill(pair: Pair) -> None:
+@contextlib.asynccontextmanager
+async def failing_prefill_and_another(pair: Pair, **config: Any) -> AsyncIterator[
+        tuple[FakeVLLM, dict[str, Any]]]:
+    """The pair's P answers 500; a second P of the same fabric is up: (the second P, the
+    router's config for a push mode that recovers by pull, both P round robin)."""
     fabric_p = FakeVLLM("prefill", engine_id="engine-p1", side_channel_port=5602,
                         fabric=pair.prefill.fabric)
     runner, other_url = await start(fabric_p)
     try:
         pair.prefill.behavior.fail_status = 500
-        config = push_config(pair, push_recovery="pull",
-                             prefill=[{"url": pair.p_url, **PREFILL_COORDS},
-                                      {"url": other_url, **PREFILL_COORDS,
-                                       "engine_id": "engine-p1", "side_channel_port": 5602}],
-                             balance={"prefill": "round_robin"})
+        yield fabric_p, push_config(
+            pair, push_recovery="pull", balance={"prefill": "round_robin"},
+            prefill=[{"url": pair.p_url, **PREFILL_COORDS},
+                     {"url": other_url, **PREFILL_COORDS, "engine_id": "engine-p1",
+                      "side_channel_port": 5602}], **config)
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_push_whose_prefill_fails_is_redone_as_a_pull_on_another_prefill(pair: Pair) -> None:
+    async with failing_prefill_and_another(pair) as (fabric_p, config):
         async with serve_router(**config) as (url, app):
             async with httpx.AsyncClient(base_url=url) as client:
                 r = await client.post("/v1/completions", json=BODY)
                 metrics = (await client.get("/metrics")).text
             assert_nothing_in_flight(app)
-    finally:
-        await runner.cleanup()
     assert r.status_code == 200, r.text
     assert r.headers["x-kv-transfer-recovery"] == "pull"
     # it ran as a pull: the header, the request count and the log say so, not push
@@ -237,22 +247,11 @@ async def test_a_push_whose_prefill_fails_is_redone_as_a_pull_on_another_prefill
 async def test_a_learned_push_redone_as_a_pull_does_not_say_it_went_by_layer(pair: Pair) -> None:
     """auto.push_layers: learn chose for the push (its first turn: whole); the push ran
     as a pull, so the answer names pull and carries no X-KV-Push-Layers."""
-    fabric_p = FakeVLLM("prefill", engine_id="engine-p1", side_channel_port=5602,
-                        fabric=pair.prefill.fabric)
-    runner, other_url = await start(fabric_p)
-    try:
-        pair.prefill.behavior.fail_status = 500
-        config = push_config(pair, push_recovery="pull", auto={"push_layers": "learn"},
-                             prefill=[{"url": pair.p_url, **PREFILL_COORDS},
-                                      {"url": other_url, **PREFILL_COORDS,
-                                       "engine_id": "engine-p1", "side_channel_port": 5602}],
-                             balance={"prefill": "round_robin"})
+    async with failing_prefill_and_another(pair, auto={"push_layers": "learn"}) as (_, config):
         async with serve_router(**config) as (url, app):
             async with httpx.AsyncClient(base_url=url) as client:
                 r = await client.post("/v1/completions", json={**BODY, "stream": True})
             assert_nothing_in_flight(app)
-    finally:
-        await runner.cleanup()
     assert r.status_code == 200, r.text
     assert r.headers["x-kv-transfer-recovery"] == "pull"
     assert r.headers["x-kv-transfer-mode"] == "pull"
