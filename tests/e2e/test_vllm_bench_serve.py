@@ -191,13 +191,21 @@ async def test_vllm_bench_serve_through_the_router(
     router_url = proxy_for(dual_pair, mode)
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
         # The router's default is the asked mode, and it says so on the answer.
+        counted = {"mode": mode, "route": COMPLETIONS, "status": "200"}
+        answered_before = metric(await get_metrics(client, router_url), ROUTER_REQUESTS, **counted)
         answer = await client.post(
             router_url + COMPLETIONS,
             json={"model": SERVED_MODEL_NAME, "prompt": "hello", "max_tokens": 1},
         )
         assert answer.status_code == 200, answer.text
         assert answer.headers["x-kv-transfer-mode"] == mode
-        router_before = await get_metrics(client, router_url)
+        # A request is counted once its flow has ended, which can come a moment after the
+        # client has the whole answer (seen in push mode): wait for it, so that the counts
+        # below are the benchmark's alone.
+        router_before = await wait_for_metric(
+            client, router_url,
+            lambda s: metric(s, ROUTER_REQUESTS, **counted) > answered_before)
+        assert metric(router_before, ROUTER_REQUESTS, **counted) == answered_before + 1
         d_before = await get_metrics(client, dual_pair.decode_url)
 
         command = bench_command(router_url, tiny_model, tmp_path, seed=random.randrange(2**31))
