@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from connector.prefill.fence import CudaFence, Fence, HostFence, ThreadFence, fence_for
-from tests.gpu.clock import measure_cycles_per_ms, spin
+from tests.gpu.clock import measure_cycles_per_ms, spin, wait_for
 
 LAYERS = 6
 LAYER_MS = 30.0  # each layer's kernel: long enough that Python runs far ahead of the GPU
@@ -86,13 +86,6 @@ def run_pass(fence: Fence, forward: Forward) -> tuple[list[tuple[int, float]], b
         fence.after_queued_work(partial(write, layer))
     busy = not forward.stream.query()
     return posted, busy
-
-
-def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.005)
 
 
 @pytest.mark.parametrize("fence", [HostFence, ThreadFence], ids=["at once", "a CPU's thread"])

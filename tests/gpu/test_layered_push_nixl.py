@@ -19,7 +19,6 @@ docs/development.md). Fails, not skips, without them.
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,6 +33,7 @@ from nixl._api import nixl_agent, nixl_agent_config
 
 from connector.prefill.fence import CudaFence, Fence, HostFence
 from connector.prefill.layers import LayeredWrite, PlannedWrite, RegionLayers
+from tests.gpu import clock
 from tests.gpu.clock import measure_cycles_per_ms, spin
 
 LAYERS = 4
@@ -85,11 +85,7 @@ def descriptor_ids(blocks: list[int]) -> np.ndarray:
 
 def wait_for(condition: Callable[[], bool], what: str, *, then: Callable[[], object]) -> None:
     """Poll `condition`, calling `then` between looks (to progress an agent)."""
-    deadline = time.monotonic() + WAIT_S
-    while not condition():
-        assert time.monotonic() < deadline, f"not within {WAIT_S} s: {what}"
-        then()
-        time.sleep(0.001)
+    clock.wait_for(condition, what, timeout=WAIT_S, then=then, poll=0.001)
 
 
 @contextmanager
