@@ -17,7 +17,19 @@ step() { printf '[setup] %s\n' "$*"; }
 pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check "$@" >>"$LOG" 2>&1 \
   || { echo "[setup] pip install $* failed; last lines of $LOG:"; tail -30 "$LOG"; exit 1; }; }
 
+# A fresh install writes about 7 GB (.venv 5 GB, vLLM 0.33's code 0.9 GB, pip's unpacking);
+# say so up front rather than fail half-way with "No space left on device".
+need_gb() {
+  local free_gb
+  free_gb=$(df -Pk . "${TMPDIR:-/tmp}" | awk 'NR > 1 { kb = $4; if (min == "" || kb < min) min = kb } END { print int(min / 1048576) }')
+  if [ "$free_gb" -lt "$1" ]; then
+    echo "[setup] $2 needs about $1 GB free here and in ${TMPDIR:-/tmp}; $free_gb GB is free. Free some space and run again."
+    exit 1
+  fi
+}
+
 if [ ! -x "$VENV/bin/python" ]; then
+  need_gb 8 "a fresh install"
   step "creating $VENV with $($PY --version)"
   "$PY" -m venv "$VENV"
 fi
@@ -56,7 +68,9 @@ NEXT_DIR=.vllm-next
 if [ "$(cat "$NEXT_DIR/.version" 2>/dev/null)" != "$NEXT_VLLM" ]; then
   step "fetching vLLM $NEXT_VLLM's code into $NEXT_DIR for the compatibility tests (about 900 MB)"
   rm -rf "$NEXT_DIR"
-  pip_install --no-deps --target "$NEXT_DIR" "vllm==$NEXT_VLLM"
+  need_gb 2 "vLLM $NEXT_VLLM's code"
+  # No pip cache: the 336 MB wheel is unpacked once and never installed again.
+  pip_install --no-deps --no-cache-dir --target "$NEXT_DIR" "vllm==$NEXT_VLLM"
   echo "$NEXT_VLLM" > "$NEXT_DIR/.version"
 else
   step "vllm $NEXT_VLLM's code already in $NEXT_DIR"
