@@ -150,7 +150,9 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
     # (progressive push, connector/prefill/layers.py), when D registered before that pass
     # reached the layer: "auto" for prompts of at least push_layers_min_tokens tokens,
     # "on" for every push, "off" never. A request's kv_transfer_params `push_layers`
-    # (the router's X-KV-Push-Layers header) overrides it. "on" asks vLLM for piecewise
+    # (the router's X-KV-Push-Layers header, or its learned choice) overrides "auto" and
+    # "on"; "off" refuses it: an operator who turns layers off on P keeps them off,
+    # whatever a router asks. "on" asks vLLM for piecewise
     # CUDA graphs on a GPU (a full graph replays the pass without the per-layer hook).
     # Needs early WRITEs (`early_write`) and a model whose KV every layer writes
     # through vLLM's per-layer hook (not Mamba state, one KV cache group); elsewhere,
@@ -228,7 +230,9 @@ class DualConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     def writes_layers(self, asked: bool | None, prompt_tokens: int) -> bool:
         """Whether a push of `prompt_tokens` is written layer by layer, by the request's
-        choice (`asked`, None: none) or this config."""
+        choice (`asked`, None: none) or this config; `off` here refuses a request's `on`."""
+        if self.push_layers == "off":
+            return False
         if asked is not None:
             return asked
         if self.push_layers == "auto":

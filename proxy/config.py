@@ -225,19 +225,19 @@ class AutoSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # (conditional disaggregation by cache). 0: off.
     local_cached_tokens: int = 256
     # Whether a push is written layer by layer (progressive push) or whole, for a request
-    # whose client did not say (X-KV-Push-Layers on or off): "connector" leaves it to P's
-    # connector (its push_layers setting: by default, layers from push_layers_min_tokens
-    # tokens); "learn" has the router learn per bucket which is faster, as it learns
-    # modes, and tell P per request. Applies to every push, in auto mode or not; a push
-    # whose bucket has not learned yet and that is not measured (not streamed) is left
-    # to the connector.
-    push_layers: PushLayersPolicy = "connector"
+    # whose client did not say (X-KV-Push-Layers on or off): "learn" (the default) has
+    # the router learn per bucket which is faster, as it learns modes, and tell P per
+    # request; "connector" leaves it to P's connector (its push_layers setting: by
+    # default, layers from push_layers_min_tokens tokens). Applies to every push, in auto
+    # mode or not; a push whose bucket has not learned yet and that is not measured (not
+    # streamed) is left to the connector, and so is every push with `learn: false` (the
+    # router learns nothing then). A P whose connector has push_layers: off writes whole
+    # whatever the router asks.
+    push_layers: PushLayersPolicy = "learn"
 
     def __post_init__(self) -> None:
         if self.local and not self.learn:
             raise ValueError("auto.local needs auto.learn: true (local is chosen where measured fastest)")
-        if self.push_layers == "learn" and not self.learn:
-            raise ValueError("auto.push_layers: learn needs auto.learn: true")
         if not self.local_itl_budget >= 1.0:
             raise ValueError(
                 f"auto.local_itl_budget must be >= 1 (a ratio), got {self.local_itl_budget!r}")

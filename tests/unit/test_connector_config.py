@@ -202,6 +202,18 @@ def test_only_push_layers_on_asks_vllm_for_piecewise_cuda_graphs() -> None:
     assert not asks({"push_layers": "on"})  # no push_port: the connector's start says so
 
 
+def test_a_requests_push_layers_overrides_auto_and_on_but_never_off() -> None:
+    """The router asks per request (X-KV-Push-Layers, or its learned choice); P's `off`
+    is the operator's and stands."""
+    auto, on, off = (DualConfig.from_extra_config({"push_port": 5700, "push_layers": value})
+                     for value in ("auto", "on", "off"))
+    small, large = auto.push_layers_min_tokens - 1, auto.push_layers_min_tokens
+    assert [auto.writes_layers(None, small), auto.writes_layers(None, large)] == [False, True]
+    assert auto.writes_layers(True, small) and not auto.writes_layers(False, large)
+    assert on.writes_layers(None, small) and not on.writes_layers(False, large)
+    assert not any(off.writes_layers(asked, large) for asked in (None, True, False))
+
+
 def test_a_cpu_servers_writes_wait_on_nothing_but_go_on_the_fences_thread() -> None:
     from types import SimpleNamespace
 

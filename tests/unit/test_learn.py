@@ -47,7 +47,6 @@ def feed(learn: ModeLearner, bucket: int, mode: Mode, ttft: float, times: int) -
     ({"bucket_edges": [256, 256]}, "auto.bucket_edges must be positive and strictly increasing"),
     ({"bucket_edges": [1024, 256]}, "auto.bucket_edges must be positive and strictly increasing"),
     ({"bucket_edges": [0, 256]}, "auto.bucket_edges must be positive and strictly increasing"),
-    ({"push_layers": "learn", "learn": False}, "auto.push_layers: learn needs auto.learn: true"),
 ])
 def test_bad_settings_are_refused_with_a_clear_message(settings: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -454,12 +453,14 @@ async def test_a_local_requests_mark_ends_at_its_first_byte_or_its_failure() -> 
 # --- whether a push goes layer by layer (auto.push_layers: learn) -----------------------
 
 
-def test_push_layers_are_left_to_the_connector_unless_learned() -> None:
-    assert AutoSettings().push_layers == "connector"
+def test_push_layers_are_learned_by_default_and_left_to_the_connector_when_asked() -> None:
+    assert AutoSettings().push_layers == "learn"
     with pytest.raises(msgspec.ValidationError, match="push_layers"):
         msgspec.convert({"push_layers": "on"}, AutoSettings)
-    assert learner().layers is None
-    assert learner(push_layers="learn").layers is not None
+    assert learner().layers is not None
+    assert learner(push_layers="connector").layers is None
+    # Without learning (auto.learn: false) there is no learner at all: P's connector decides.
+    assert AutoSettings(learn=False).push_layers == "learn"
 
 
 def test_layers_take_turns_whole_first_then_the_faster_wins_each_bucket() -> None:
