@@ -86,9 +86,10 @@ class PrefixCacheScorer:
         self._fallback_logged: set[str] = set()
         self._predicted_hits = (None if kv.metrics is None else
                                 kv.metrics.child(kv.metrics.kv_predicted_hits, kv.cluster))
-        # The hits `scores` found for the request being picked, for `picked` (a pick
-        # runs both at once, with no await between them: the index is walked once).
-        self._scored: tuple[PickRequest, dict[str, int | None]] | None = None
+        # The hits `scores` found for the request being picked, with its candidates, for
+        # `picked` (a pick runs both at once, with no await between them: the index is
+        # walked once).
+        self._scored: tuple[PickRequest, Sequence[Endpoint], list[int | None]] | None = None
 
     def hit_tokens(self, url: str, prompt: PromptBlocks, now: float) -> int | None:
         """The prompt's tokens, from its start, that the server holds; None: unknown."""
@@ -101,14 +102,14 @@ class PrefixCacheScorer:
         if prompt is None:
             self._fell_back("no_tokens")
             return [0.0] * len(candidates)
-        hit_tokens, size = self.kv.index.hit_tokens, self.kv.settings.block_size
-        hits = [hit_tokens(e.url, prompt, now, fallback_block_size=size) for e in candidates]
-        self._scored = (request, {e.url: h for e, h in zip(candidates, hits, strict=True)})
-        known = [h for h in hits if h is not None]
-        if not known:
+        hits = self.kv.index.hit_tokens_each([e.url for e in candidates], prompt, now,
+                                             fallback_block_size=self.kv.settings.block_size)
+        self._scored = (request, candidates, hits)
+        best = max((h for h in hits if h is not None), default=None)
+        if best is None:
             self._fell_back("not_synced")
             return [0.0] * len(candidates)
-        best = max(known)  # an unknown server is scored as the best known: not as empty
+        # An unknown server is scored as the best known: not as empty.
         length = prompt.length
         return [float(length - (best if h is None else h)) for h in hits]
 
@@ -119,7 +120,7 @@ class PrefixCacheScorer:
             return
         kv = self.kv
         if scored is not None and scored[0] is request:
-            hit = scored[1][chosen.url]
+            hit = scored[2][scored[1].index(chosen)]
         else:  # a lone candidate is not scored
             hit = self.hit_tokens(chosen.url, prompt, now)
         prompt.predicted[kv.cluster] = hit
