@@ -80,6 +80,8 @@ class _Average(msgspec.Struct):
     chosen: int = 0  # times this mode was chosen (sets the turns while learning)
 
     def add(self, sample: float, smoothing: float) -> None:
+        if not (math.isfinite(sample) and sample >= 0):
+            raise ValueError(f"a TTFT must be a finite number >= 0, got {sample!r}")
         self.value = sample if self.count == 0 else self.value + smoothing * (sample - self.value)
         self.count += 1
 
@@ -108,8 +110,6 @@ class ModeLearner:
         mode = Mode(mode)
         if mode not in LEARNED_MODES:
             raise ValueError(f"only pull, push and local are learned, got {mode.value!r}")
-        if not (math.isfinite(ttft_seconds) and ttft_seconds >= 0):
-            raise ValueError(f"a TTFT must be a finite number >= 0, got {ttft_seconds!r}")
         self._stats[bucket, mode].add(ttft_seconds, self.settings.smoothing)
 
     def choose(
@@ -211,8 +211,6 @@ class LayersLearner:
 
     def observe(self, layers: bool, bucket: int, ttft_seconds: float) -> None:
         """Count one measured TTFT of a push written layer by layer (or whole)."""
-        if not (math.isfinite(ttft_seconds) and ttft_seconds >= 0):
-            raise ValueError(f"a TTFT must be a finite number >= 0, got {ttft_seconds!r}")
         self._stats[bucket, layers].add(ttft_seconds, self.settings.smoothing)
 
     def snapshot(self) -> list[dict[str, object]]:
