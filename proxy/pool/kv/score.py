@@ -105,12 +105,14 @@ class PrefixCacheScorer:
         hits = self.kv.index.hit_tokens_each([e.url for e in candidates], prompt, now,
                                              fallback_block_size=self.kv.settings.block_size)
         self._scored = (request, candidates, hits)
-        best = max((h for h in hits if h is not None), default=None)
-        if best is None:
+        length = prompt.length
+        if None not in hits:  # every candidate in sync: the usual case
+            return [float(length - h) for h in hits if h is not None]
+        known = [h for h in hits if h is not None]
+        if not known:
             self._fell_back("not_synced")
             return [0.0] * len(candidates)
-        # An unknown server is scored as the best known: not as empty.
-        length = prompt.length
+        best = max(known)  # an unknown server is scored as the best known: not as empty
         return [float(length - (best if h is None else h)) for h in hits]
 
     def picked(self, chosen: Endpoint, request: PickRequest, now: float) -> None:
