@@ -456,9 +456,13 @@ async def run_case(client: httpx.AsyncClient, url: str, case: Case, modes: Seque
         order = [*modes[index % len(modes):], *modes[:index % len(modes)]]
         for mode in order:
             start = time.time()
-            ttfts[mode] += await batch(client, url, ROUTER_MODE[mode], case.prompt_tokens,
-                                       case.concurrency, rng, MODE_HEADERS[mode])
+            got = await batch(client, url, ROUTER_MODE[mode], case.prompt_tokens,
+                              case.concurrency, rng, MODE_HEADERS[mode])
+            ttfts[mode] += got
             windows[mode].append((start, time.time()))
+            # A long case (16k tokens slowed 80 times) runs for many minutes: say it lives.
+            say(f"    {case.key} round {index + 1}/{rounds} {mode}: TTFT "
+                f"{statistics.median(got) * 1e3:.1f} ms (slowed), {time.time() - start:.0f} s")
     return ttfts, windows
 
 
@@ -497,6 +501,7 @@ async def calibrate(client: httpx.AsyncClient, url: str, p: Pair, case: Case,
     since = time.time()
     first = [m for m in modes if m in TRANSFER_MODES][:1]
     chosen = first * 2 + [m for m in modes if m == "local"]
+    say(f"    {case.key}: calibrating the slowdown ({len(chosen)} rounds unslowed) ...")
     for mode in chosen:
         await batch(client, url, ROUTER_MODE[mode], case.prompt_tokens, case.concurrency,
                     rng, MODE_HEADERS[mode])
