@@ -207,7 +207,7 @@ def _default_bucket_edges() -> list[int]:
 class AutoSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How `auto` mode learns which mode is faster (see `proxy.flow.learn`)."""
 
-    learn: bool = True  # false: auto is just "push when the pair can"
+    learn: bool = True  # false: auto is just "push when the pair can", and P decides layers
     explore: float = 0.05  # share of requests sent to the slower mode, to keep measuring it
     min_samples: int = 8  # TTFTs each mode needs in a bucket before the faster one is chosen
     smoothing: float = 0.2  # weight of a new TTFT in the moving average

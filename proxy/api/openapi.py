@@ -53,7 +53,9 @@ _PUSH_LAYERS_HEADER = {
     "description": "For a push: the prefill server writes the KV layer by layer while it "
                    "computes (on) or whole when it is done (off); auto or absent: the "
                    "router decides where it learns which is faster (auto.push_layers: "
-                   "learn), else the prefill server's connector (push_layers).",
+                   "learn, the default), else the prefill server's connector "
+                   "(push_layers). A prefill server set to push_layers: off writes whole "
+                   "whatever is asked.",
 }
 _REQUEST_ID_HEADER = {
     "name": REQUEST_ID_HEADER, "in": "header", "required": False,
@@ -71,9 +73,10 @@ _ANSWER_HEADERS = {
         "description": "A push whose prefill failed was answered this way (only then)."},
     PUSH_LAYERS_HEADER: {
         "schema": {"type": "string", "enum": ["on", "off"]},
-        "description": "Whether the router had the push written layer by layer (only where "
-                       "it learns that, auto.push_layers: learn, and the request ran as a "
-                       "push)."},
+        "description": "Whether the router asked for the push to be written layer by "
+                       "layer (only where it learns that, auto.push_layers: learn, and the "
+                       "request ran as a push); a prefill server set to push_layers: off "
+                       "writes whole all the same."},
 }
 
 
