@@ -140,6 +140,12 @@ out: the router, and any load."""),
 the router's RSS growth per 100,000 healthy requests (pull, then push)
 against fake servers, after a warm-up. Leaves out: failures and error
 paths (soak's), real servers, memory outside the router's process."""),
+    "path": Script("scripts.bench_path", """\
+the request path's CPU per request and Python calls per request, measured
+in one process (the fakes, the router and a client on one event loop):
+steady enough to compare revisions a few percent apart; our router against
+the floor router (the least a Python router spends on a pull). Leaves out:
+other processes' scheduling and wake-ups, more than one worker, kv_aware."""),
     "nixl": Script("scripts.bench_nixl", """\
 raw NIXL WRITE throughput and latency between two processes: the
 baseline the push path is compared with. Leaves out: vLLM, the connector

@@ -5,6 +5,7 @@ and keeps many streams open at once through the router."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,21 @@ def test_profile_splits_the_routers_cpu_per_request_by_stage(tmp_path: Path) -> 
     assert not any("_find_and_load" in line for line in lines)
 
 
+def test_the_path_bench_measures_ours_and_the_floor_in_one_process() -> None:
+    """`scripts.bench_path`: CPU and Python calls per request for our router and for the
+    floor router, each answered with 200 (the harness fails the run otherwise)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "scripts.bench_path", "-n", "500", "-c", "8", "--calls"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    found = dict(re.findall(r"round 1 (\w+): [\d.]+ us CPU per request, ([\d.]+) Python calls",
+                            done.stdout))
+    assert set(found) == {"ours", "floor"}, done.stdout
+    # the router's features cost calls the floor does not make
+    assert float(found["ours"]) > float(found["floor"]) > 10, found
+    assert "ours / floor, CPU per request:" in done.stdout
+
+
 # Every scenario of `python -m scripts.bench SCENARIO`, and what its own --help starts with:
 # this module's own scenarios, or the usage line of the script that runs it.
 SCENARIO_HELP = {
@@ -124,6 +140,7 @@ SCENARIO_HELP = {
     "regime": "usage: python -m scripts.bench_regime",
     "idle": "usage: python -m scripts.bench_idle",
     "memory": "usage: python -m scripts.bench_memory",
+    "path": "usage: python -m scripts.bench_path",
     "nixl": "usage: python -m scripts.bench_nixl",
     "soak": "usage: python -m scripts.soak",
     "drill": "usage: python -m scripts.bench drill {flood,stall}",
