@@ -236,9 +236,15 @@ class InferenceCycle:
         for name, value in self.server_state.default_headers:
             head.append(b"%b: %b\r\n" % (name, value))
         framed = close = False
+        headers = list(headers)
+        # uvicorn's checks of every name and value, two searches in all rather than two
+        # per header (a forbidden byte shows as well in the joined names or values)
+        if (HEADER_RE.search(b"".join([name for name, _ in headers]))
+                or HEADER_VALUE_RE.search(b"".join([value for _, value in headers]))):
+            bad = next(name for name, value in headers
+                       if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value))
+            raise RuntimeError(f"Invalid HTTP header: {bad!r}")
         for name, value in headers:
-            if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value):
-                raise RuntimeError(f"Invalid HTTP header: {name!r}")
             name = name.lower()
             if name == b"content-length" and not framed:
                 self._length, framed = int(value), True
