@@ -124,6 +124,7 @@ class Pool:
         if connection.leased is not response:
             return
         connection.leased = None
+        self._deadlines.forget(response)
         if response.complete and connection.reusable and not connection.closed:
             connection.resume_reading()
             self._put_back(connection)
@@ -286,6 +287,12 @@ class Deadlines:
         self._watched.add(response)
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.TICK_S, self._sweep)
+
+    def forget(self, response: Response) -> None:
+        """`response` is released: no more waits on it. Dropped now rather than at the
+        next sweep, so that the set holds the answers in flight, not every answer of the
+        last tick (at thousands of requests a second its table grew with the rate)."""
+        self._watched.discard(response)
 
     def close(self) -> None:
         if self._timer is not None:
