@@ -45,20 +45,31 @@ from scripts import floor_router
 from scripts.benchkit import _FakeProtocol, request_body
 
 
+class BenchFailed(Exception):
+    """The router answered something other than 200, or closed a connection."""
+
+
 class _Client(asyncio.Protocol):
     """One client connection: sends `request` again as soon as each answer ends, until
-    `more()` says stop. Any status but 200 fails the run."""
+    `more()` says stop. An answer other than 200, or the connection closing under it,
+    fails the run (`fail`)."""
 
-    def __init__(self, request: bytes, more: Callable[[], bool]) -> None:
+    def __init__(self, request: bytes, more: Callable[[], bool],
+                 fail: Callable[[str], None]) -> None:
         self._request = request
         self._more = more
+        self._fail = fail
         self._parser = httptools.HttpResponseParser(self)
         self._transport: asyncio.Transport | None = None
+        self._closing = False
         self.answers = 0
-        self.failure: str | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self._closing:
+            self._fail(f"closed a connection ({exc or 'the router closed it'})")
 
     def data_received(self, data: bytes) -> None:
         self._parser.feed_data(data)
@@ -67,8 +78,8 @@ class _Client(asyncio.Protocol):
         self.answers += 1
         status = self._parser.get_status_code()
         if status != 200:
-            self.failure = f"answered {status}"
-        if self._more() and self.failure is None:
+            self._fail(f"answered {status}")
+        elif self._more():
             self.send()
 
     def send(self) -> None:
@@ -76,6 +87,7 @@ class _Client(asyncio.Protocol):
         self._transport.write(self._request)
 
     def close(self) -> None:
+        self._closing = True
         if self._transport is not None:
             self._transport.close()
 
@@ -102,9 +114,14 @@ async def _load(port: int, requests: int, concurrency: int, stream: bool,
             done.set_result(None)
         return False
 
+    def fail(why: str) -> None:
+        if not done.done():
+            done.set_exception(BenchFailed(f"the router {why}"))
+
     clients = []
     for _ in range(concurrency):
-        _, client = await loop.create_connection(lambda: _Client(request, more), "127.0.0.1", port)
+        _, client = await loop.create_connection(lambda: _Client(request, more, fail),
+                                                 "127.0.0.1", port)
         clients.append(client)
     cpu, wall = time.process_time(), time.perf_counter()
     if profile is not None:
@@ -120,9 +137,6 @@ async def _load(port: int, requests: int, concurrency: int, stream: bool,
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         for client in clients:
             client.close()
-    failures = [c.failure for c in clients if c.failure]
-    if failures:
-        raise SystemExit(f"bench_path: the router {failures[0]}")
     return sum(c.answers for c in clients), cpu, wall
 
 
@@ -213,9 +227,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     for round_ in range(args.rounds):
         for target in targets:
-            result = uvloop.run(_measure(target, args))
+            try:
+                result = uvloop.run(_measure(target, args))
+            except BenchFailed as exc:
+                print(f"bench_path: {target}: {exc}", file=sys.stderr)
+                return 1
             results.append(result)
-            calls = (f", {result['calls_per_request']} Python calls"
+            # cProfile's own overhead is in the CPU of a profiled round: not a measurement
+            calls = (f" under cProfile, {result['calls_per_request']} Python calls"
                      if "calls_per_request" in result else "")
             print(f"round {round_ + 1} {target}: {result['cpu_us_per_request']} us CPU per "
                   f"request{calls} ({result['req_per_s']} req/s, {result['requests']} requests)",

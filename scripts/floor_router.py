@@ -119,8 +119,11 @@ class Client(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.parser.feed_data(data)
 
+    def on_message_begin(self) -> None:
+        self.url = b""
+
     def on_url(self, url: bytes) -> None:
-        self.url = url
+        self.url += url  # it may come in pieces
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -139,7 +142,7 @@ class Client(asyncio.Protocol):
 
 
 class Pull:
-    """One request's pull, as callbacks: P's answer, then D's relayed."""
+    """One request's pull: P's answer, then D's relayed (`start`: as callbacks)."""
 
     __slots__ = ("client", "request", "p_answer", "stream", "d_body", "started")
 
@@ -152,24 +155,34 @@ class Pull:
         self.started = False
 
     def start(self) -> None:
+        self.client.p.send(self.client.url, self.prefill_body(), self.p_answer.append,
+                           self._p_done)
+
+    def prefill_body(self) -> bytes:
         body = dict(self.request, max_tokens=1, stream=False,
                     kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
         body.pop("stream_options", None)
-        self.client.p.send(self.client.url, _encode(body), self.p_answer.append, self._p_done)
+        return _encode(body)
+
+    def decode_body(self) -> bytes:
+        answer = _decode(b"".join(self.p_answer))
+        return _encode(dict(self.request, kv_transfer_params=answer.get("kv_transfer_params")))
+
+    def on_d_part(self) -> Callable[[bytes], None]:
+        return self._d_part if self.stream else self.d_body.append
 
     def _p_done(self, status: int) -> None:
-        answer = _decode(b"".join(self.p_answer))
-        body = dict(self.request, kv_transfer_params=answer.get("kv_transfer_params"))
-        on_part = self._d_part if self.stream else self.d_body.append
-        self.client.d.send(self.client.url, _encode(body), on_part, self._d_done)
+        self.client.d.send(self.client.url, self.decode_body(), self.on_d_part(), self.d_done)
 
     def _d_part(self, part: bytes) -> None:
+        """A streamed part, relayed as it comes (its head with the first; 200 whatever D
+        said, as D's status comes with its head)."""
         head = b"" if self.started else (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                                          b"transfer-encoding: chunked\r\n\r\n")
         self.started = True
-        self.client.write(b"%b%x\r\n%b\r\n" % (head, len(part), part))
+        self.client.write(b"%b%x\r\n%b\r\n" % (head, len(part), part) if part else head)
 
-    def _d_done(self, status: int) -> None:
+    def d_done(self, status: int) -> None:
         if self.stream:
             if not self.started:
                 self._d_part(b"")
@@ -181,27 +194,16 @@ class Pull:
 
 
 async def pull_in_a_task(client: Client, request: dict[str, Any]) -> None:
-    """`Pull` as a coroutine: the same work, each upstream answer awaited."""
-    body = dict(request, max_tokens=1, stream=False,
-                kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
-    body.pop("stream_options", None)
-    p_answer = _decode((await _call(client.p, client.url, _encode(body)))[1])
-    body = dict(request, kv_transfer_params=p_answer.get("kv_transfer_params"))
-    status, answer = await _call(client.d, client.url, _encode(body))
-    if request.get("stream"):
-        client.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                     b"transfer-encoding: chunked\r\n\r\n%x\r\n%b\r\n0\r\n\r\n"
-                     % (len(answer), answer))
-    else:
-        client.write(b"HTTP/1.1 %d OK\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n%b" % (status, len(answer), answer))
-
-
-async def _call(pool: Pool, path: bytes, body: bytes) -> tuple[int, bytes]:
-    parts: list[bytes] = []
-    done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-    pool.send(path, body, parts.append, done.set_result)
-    return await done, b"".join(parts)
+    """`Pull` as a coroutine: the same work, each upstream answer's end awaited (a stream's
+    parts are still relayed as they come)."""
+    pull = Pull(client, request)
+    loop = asyncio.get_running_loop()
+    p_done: asyncio.Future[int] = loop.create_future()
+    client.p.send(client.url, pull.prefill_body(), pull.p_answer.append, p_done.set_result)
+    await p_done
+    d_done: asyncio.Future[int] = loop.create_future()
+    client.d.send(client.url, pull.decode_body(), pull.on_d_part(), d_done.set_result)
+    pull.d_done(await d_done)
 
 
 def _drop(_: object) -> None:

@@ -44,6 +44,7 @@ logger = logging.getLogger("uvicorn.error")  # where uvicorn's own cycle logs an
 
 # The paths served on this cycle, as the request line spells them (no query string).
 INFERENCE_PATHS = {route.value.encode("ascii"): route for route in Route}
+_PATH = {route: route.value for route in Route}  # a dict lookup, not an enum's property
 
 _CHUNKED_END = b"0\r\n\r\n"
 
@@ -123,7 +124,7 @@ class InferenceCycle:
         self.response_started = False
         self.response_complete = False
         self.message_event = _Arrival()
-        self.scope: Scope = {"type": "http", "method": "POST", "path": route.value,
+        self.scope: Scope = {"type": "http", "method": "POST", "path": _PATH[route],
                              "headers": headers, "extensions": extensions}
         self.on_response = on_response
         self._serve = serve

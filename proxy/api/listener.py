@@ -181,7 +181,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self.url = b""
         self.expect_100_continue = False
         self.headers = []
-        self._stop_request_timer()
+        if self._request_timer is not None:  # (the check here: a call less per request)
+            self._stop_request_timer()
         self._request_began = self.loop.time()
 
     def on_headers_complete(self) -> None:
@@ -221,7 +222,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         self._request_began = None
-        self._stop_request_timer()
+        if self._request_timer is not None:
+            self._stop_request_timer()
         super().on_message_complete()
 
     def _request_overdue(self) -> None:

@@ -137,6 +137,7 @@ class Exchange:
         # (an unpinned push run as a pull, a failed push recovered by a pull or by D).
         self.used = decision.used
         self.mode = decision.used.value
+        self.path = request.route.value  # the route's path, read on every leg
         # Whether a push goes layer by layer, where the router learns it (auto.push_layers:
         # learn) and the client did not say; None: as the client or P's connector says.
         self.push_layers: bool | None = None
@@ -233,11 +234,11 @@ class Exchange:
         with p.lease(self.prefill_work()), running:
             try:
                 answer = await self.context.client.post_json(
-                    f"{p.url}{self.request.route.value}",
+                    f"{p.url}{self.path}",
                     body,
                     headers=sent,
                     endpoint=p.url,
-                    cluster=p.cluster.value,
+                    cluster=p.cluster_label,
                     timeout=self.context.config.timeouts.prefill,
                 )
             except UpstreamError as exc:
@@ -289,11 +290,11 @@ class Exchange:
         with d.lease(), running:
             try:
                 async with self.context.client.stream(
-                    f"{d.url}{self.request.route.value}",
+                    f"{d.url}{self.path}",
                     body,
                     headers=sent,
                     endpoint=d.url,
-                    cluster=d.cluster.value,
+                    cluster=d.cluster_label,
                 ) as answer:
                     if not self.request.stream:
                         content = await answer.read()
@@ -331,7 +332,7 @@ class Exchange:
         assert self.trace is not None
         leg = self.leg(endpoint)
         span, sent = self.trace.leg(leg.cluster.value, leg.attempt, endpoint.name, endpoint.url,
-                                    self.request.route.value, headers)
+                                    self.path, headers)
         return _traced(leg, span, self), sent
 
     def _decode_first_byte(self, sent_at: float) -> None:
@@ -363,7 +364,7 @@ class Exchange:
         """Account for the exchange once, whatever happened: metrics and one log line."""
         metrics = self.context.metrics
         status = "client_closed" if client_left else str(down.status or (error.status if error else 0))
-        metrics.child(metrics.requests, self.request.route.value, self.mode, status).inc()
+        metrics.child(metrics.requests, self.path, self.mode, status).inc()
         if isinstance(error, Overloaded):
             metrics.child(metrics.rejected, error.reason).inc()
         if down.first_byte_at is not None:
@@ -387,7 +388,7 @@ class Exchange:
             "request_id=%s route=%s mode=%s requested=%s why=%s prefill=%s decode=%s status=%s "
             "ttfb_ms=%s prefill_ms=%s decode_ttfb_ms=%s total_ms=%.1f legs=%s%s%s%s%s",
             self.request.request_id,
-            self.request.route.value,
+            self.path,
             self.mode,
             self.decision.requested.value,
             self.decision.reason,

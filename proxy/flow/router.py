@@ -10,8 +10,10 @@ itself) picks no P at all, so it is served while every P is down.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from connector.protocol import http_params as wire
@@ -356,26 +358,28 @@ class Router:
                             decision=decision, bucket=bucket, prefix=key, prompt=prompt)
         if self.tracing is not None:
             exchange.traced(self.tracing.adopt())
-        if decision.is_fallback:
+        fallback = decision.is_fallback
+        if fallback:
             self.metrics.mode_fallbacks.labels(
                 decision.requested.value, decision.used.value, decision.reason
             ).inc()
             exchange.remark(f"mode_fallback:{decision.reason}")
 
-        async def flow(down: Downstream) -> None:
-            if decision.used is Mode.PUSH:
-                assert coordinates is not None  # decide_mode pushes only with coordinates
-                await run_push(exchange, down, coordinates)
-            elif decision.used is Mode.LOCAL:
-                await run_local(exchange, down)
-            else:
-                await run_pull(exchange, down)
+        # The decided flow, run with the client's Downstream (a partial: no frame of its own)
+        flow: Callable[[Downstream], Awaitable[None]]
+        if decision.used is Mode.PUSH:
+            assert coordinates is not None  # decide_mode pushes only with coordinates
+            flow = functools.partial(run_push, exchange, coordinates=coordinates)
+        elif decision.used is Mode.LOCAL:
+            flow = functools.partial(run_local, exchange)
+        else:
+            flow = functools.partial(run_pull, exchange)
 
         headers = [
-            (MODE_HEADER, decision.used.value.encode()),
+            (MODE_HEADER, exchange.mode.encode()),
             (REQUEST_ID_HEADER, request.request_id.encode()),
         ]
-        if decision.is_fallback:
+        if fallback:
             headers.append((MODE_REASON_HEADER, decision.reason.encode()))
         layers = self.learner.layers if self.learner else None
         if (layers is not None and decision.used is Mode.PUSH and bucket is not None

@@ -45,6 +45,9 @@ class Endpoint:
         self.config = config
         self.url = config.url.rstrip("/")
         self.cluster = cluster
+        # The cluster as metrics, logs and errors spell it, read on every leg (an enum's
+        # `.value` is two Python calls in 3.11: scripts.bench_path --calls)
+        self.cluster_label: str = cluster.value
         # How clients are told of it ("prefill server <name>"): its configured name, else
         # its number in its cluster (never its URL: see show_upstream_urls).
         self.name = config.name or str(number)

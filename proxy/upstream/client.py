@@ -105,10 +105,11 @@ def upstream_error(
 
 class StreamedResponse:
     """An open upstream response: status, content type, and its body as it arrives.
-    `name`: how errors name the server to the client (None: by its URL)."""
+    `client` names the server in its errors (`UpstreamClient.shown`), only when one
+    happens: the name is a string built per answer otherwise."""
 
-    def __init__(self, response: Response, *, endpoint: str, cluster: str, name: str | None,
-                 max_body_bytes: int, max_event_bytes: int) -> None:
+    def __init__(self, response: Response, *, endpoint: str, cluster: str,
+                 client: UpstreamClient, max_body_bytes: int, max_event_bytes: int) -> None:
         self.status = response.status
         self.content_type = response.headers.get("content-type", "application/json")
         self.max_event_bytes = max_event_bytes  # one SSE event's cap (relay.EventFramer)
@@ -116,7 +117,7 @@ class StreamedResponse:
         self._response = response
         self._endpoint = endpoint
         self._cluster = cluster
-        self._name = name
+        self._client = client
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body chunks as they come; a silence longer than `stream_idle` is a timeout."""
@@ -148,12 +149,14 @@ class StreamedResponse:
                     "(limits.max_upstream_event_bytes)")
 
         log = f"{said(f'{self._cluster} server {self._endpoint}')} ({self.max_event_bytes} bytes)"
+        name = self._client._name(self._endpoint, self._cluster)
         return UpstreamAnswerTooLarge(
-            log if self._name is None else said(self._name), kind="event_too_large",
+            log if name is None else said(name), kind="event_too_large",
             endpoint=self._endpoint, cluster=self._cluster, log_message=log)
 
     def _error(self, exc: BaseException, what: str) -> UpstreamError:
-        return upstream_error(exc, self._endpoint, self._cluster, what, name=self._name)
+        return upstream_error(exc, self._endpoint, self._cluster, what,
+                              name=self._client._name(self._endpoint, self._cluster))
 
 
 class _Lane:
@@ -286,8 +289,9 @@ class UpstreamClient:
         except TRANSPORT_ERRORS as exc:
             raise upstream_error(exc, endpoint, cluster, "its answer",
                                  name=self._name(endpoint, cluster)) from exc
-        _raise_for_status(response.status, content, endpoint, cluster,
-                          self._name(endpoint, cluster))
+        if response.status >= 400:  # the name is built only for the error
+            _raise_for_status(response.status, content, endpoint, cluster,
+                              self._name(endpoint, cluster))
         return content
 
     def _decode_json(self, content: bytes, endpoint: str, cluster: str, type: Any = Any) -> Any:
@@ -346,12 +350,12 @@ class OpenStream:
         self._held = (pool, connection, response)
         try:
             response.expect_within(client._timeouts.stream_idle, per_chunk=True)
-            name = client._name(endpoint, cluster)
-            streamed = StreamedResponse(response, endpoint=endpoint, cluster=cluster, name=name,
-                                        max_body_bytes=client._max_body,
+            streamed = StreamedResponse(response, endpoint=endpoint, cluster=cluster,
+                                        client=client, max_body_bytes=client._max_body,
                                         max_event_bytes=client._max_event)
             if response.status >= 400:
-                _raise_for_status(response.status, await streamed.read(), endpoint, cluster, name)
+                _raise_for_status(response.status, await streamed.read(), endpoint, cluster,
+                                  client._name(endpoint, cluster))
         except BaseException:
             self._release()
             raise

@@ -4,11 +4,15 @@ and keeps many streams open at once through the router."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -121,7 +125,7 @@ def test_the_path_bench_measures_ours_and_the_floor_in_one_process() -> None:
         [sys.executable, "-m", "scripts.bench_path", "-n", "500", "-c", "8", "--calls"],
         capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    found = dict(re.findall(r"round 1 (\w+): [\d.]+ us CPU per request, ([\d.]+) Python calls",
+    found = dict(re.findall(r"round 1 (\w+): [\d.]+ us CPU per request under cProfile, ([\d.]+) Python calls",
                             done.stdout))
     assert set(found) == {"ours", "floor"}, done.stdout
     # the router's features cost calls the floor does not make
@@ -187,3 +191,24 @@ def test_each_scripts_own_module_command_still_runs() -> None:
         out, err = started.communicate(timeout=120)
         assert started.returncode == 0, f"{module} --help: {err[-2000:]}"
         assert out.startswith(f"usage: python -m {module} "), out[:300]
+
+
+async def test_the_path_bench_stops_at_an_answer_other_than_200() -> None:
+    """`scripts.bench_path`'s client fails the run at once on a 500 (a router that broke
+    the path must not hang the bench until its timeout, nor pass as measured)."""
+    from scripts.bench_path import BenchFailed, _load
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n")
+        await writer.drain()
+        await reader.read()  # until the client closes
+        writer.close()
+
+    server = await asyncio.start_server(answer, "127.0.0.1", 0)
+    async with server:
+        port = server.sockets[0].getsockname()[1]
+        started = time.monotonic()
+        with pytest.raises(BenchFailed, match="answered 500"):
+            await _load(port, 100, 4, False, None)
+        assert time.monotonic() - started < 10

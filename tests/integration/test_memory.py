@@ -73,8 +73,8 @@ async def send(session: aiohttp.ClientSession, url: str,
 
 async def proxy_heap() -> tracemalloc.Snapshot:
     """What lines of proxy/ allocated and is still alive, once settled: garbage collected,
-    and short-lived state let go (the upstream client's deadline sweep drops finished
-    answers within a tick of 50 ms). Snapshots until two in a row, 0.1 s apart, hold the
+    and short-lived state let go (the upstream client's deadline sweep forgets an answer
+    when it is released). Snapshots until two in a row, 0.1 s apart, hold the
     same bytes; at most 5 s."""
     previous = -1
     async with asyncio.timeout(5):

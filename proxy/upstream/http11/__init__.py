@@ -31,7 +31,7 @@ client, and these rules:
   answer arrived (it timed the idle connection out as we sent) is sent once more, on a
   new connection: the server closed without reading it.
 
-Only `upstream.py` uses this module; it maps the errors raised here (`PoolTimeout`,
+Only `proxy.upstream.client` uses this module; it maps the errors raised here (`PoolTimeout`,
 `ConnectFailed`, `ConnectionLost`, `MalformedAnswer`, `httptools.HttpParserError`,
 TimeoutError from its own bounds) to the router's own.
 """

@@ -80,7 +80,7 @@ class Response:
         """Hand out the oldest buffered chunk (reading resumes below the high water)."""
         chunk = self._chunks.popleft()
         self._buffered -= len(chunk)
-        if self._buffered < HIGH_WATER:
+        if self._buffered < HIGH_WATER and self._connection.reading_paused:
             self._connection.resume_reading()
         if self.complete and not self._chunks:
             self._connection.handed_out(self)
@@ -105,6 +105,14 @@ class Response:
         declared = self.headers.get("content-length", "")
         if limit is not None and declared.isdigit() and int(declared) > limit:
             raise AnswerTooLarge(f"Content-Length {declared} over {limit} bytes")
+        if self.complete:  # all in (the usual whole answer): handed out in one piece
+            if limit is not None and self._buffered > limit:
+                raise AnswerTooLarge(f"body over {limit} bytes")
+            body = b"".join(self._chunks)
+            self._chunks.clear()
+            self._buffered = 0
+            self._connection.handed_out(self)
+            return body
         parts = []
         size = 0
         while chunk := await self.read_chunk():
@@ -123,7 +131,8 @@ class Response:
         self._buffered += len(chunk)
         if self._buffered >= HIGH_WATER:
             self._connection.pause_reading()
-        self._wake()
+        if self._waiter is not None:
+            self._wake()
 
     def _finish(self, error: BaseException | None = None) -> None:
         if self.complete or self.error is not None:
@@ -136,7 +145,8 @@ class Response:
             self.error = error
             if not self.head.done():
                 self.head.set_exception(error)
-        self._wake()
+        if self._waiter is not None:
+            self._wake()
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -172,7 +182,7 @@ class Connection(asyncio.Protocol):
         self.head_bytes = 0
         self._head_size = 0
         self._interim = False  # the message being parsed is a 1xx interim answer
-        self._reading_paused = False
+        self.reading_paused = False  # public: Response and Pool skip a call when not
         self.closed = False
         self.dropped = False  # closed by the server (or the network), not by us
         self.idle_since = time.monotonic()
@@ -280,13 +290,13 @@ class Connection(asyncio.Protocol):
         return response
 
     def pause_reading(self) -> None:
-        if not self._reading_paused and self._transport is not None:
-            self._reading_paused = True
+        if not self.reading_paused and self._transport is not None:
+            self.reading_paused = True
             self._transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if self._reading_paused and self._transport is not None and not self.closed:
-            self._reading_paused = False
+        if self.reading_paused and self._transport is not None and not self.closed:
+            self.reading_paused = False
             self._transport.resume_reading()
 
     def close(self) -> None:

@@ -126,7 +126,8 @@ class Pool:
         connection.leased = None
         self._deadlines.forget(response)
         if response.complete and connection.reusable and not connection.closed:
-            connection.resume_reading()
+            if connection.reading_paused:
+                connection.resume_reading()
             self._put_back(connection)
         else:
             connection.close()
@@ -154,7 +155,9 @@ class Pool:
     def _head(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
         # One string formatted and encoded once (a line at a time was 1% of the router's
         # CPU per request, the profile scenario).
-        fields = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+        fields = ""
+        for name, value in headers.items():  # a loop: a comprehension is a call more
+            fields += f"{name}: {value}\r\n"
         return b"".join((f"{method} {path} HTTP/1.1\r\nHost: ".encode("latin-1"),
                          self._host_header, b"\r\nContent-Length: %d\r\n" % len(body),
                          self.extra_headers, fields.encode("latin-1"), b"\r\n"))
