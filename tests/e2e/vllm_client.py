@@ -28,16 +28,20 @@ MAX_TOKENS = 12
 
 
 def make_body(path: str) -> dict[str, Any]:
-    """A greedy request with a fresh random prompt of about 130-260 tokens.
+    """A greedy request with a fresh random prompt of about 130-260 tokens, generating
+    exactly MAX_TOKENS tokens.
 
     Fresh, so no server has it in its prefix cache; random words, so outputs differ
-    from prompt to prompt (a prompt that only differed in a nonce would not).
+    from prompt to prompt (a prompt that only differed in a nonce would not). EOS is
+    ignored: a random prompt on which the tiny model ends early would fail the checks
+    that every answer is MAX_TOKENS long (it did, once in many runs).
     """
     prompt = sample_text(uuid.uuid4().int % 2**32, lines=8)
     body: dict[str, Any] = {
         "model": "tiny",
         "max_tokens": MAX_TOKENS,
         "temperature": 0,
+        "ignore_eos": True,
         "return_token_ids": True,
     }
     if path == CHAT:
