@@ -159,19 +159,18 @@ async def _measure_on(target: str, args: argparse.Namespace, ports: list[int]) -
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
     profile = cProfile.Profile() if args.calls or args.profile else None
+
+    async def warmed_up_load(port: int) -> tuple[int, float, float]:
+        await _load(port, args.requests // 5, args.concurrency, args.stream, None)
+        return await _load(port, args.requests, args.concurrency, args.stream, profile)
+
     if target == "direct":  # the client straight to the fake D: the harness's own share
-        port = ports[1]
-        await _load(port, args.requests // 5, args.concurrency, args.stream, None)  # warm-up
-        answers, cpu, wall = await _load(port, args.requests, args.concurrency, args.stream,
-                                         profile)
+        answers, cpu, wall = await warmed_up_load(ports[1])
     elif target == "floor":
         p, d = floor_router.Pool(p_url), floor_router.Pool(d_url)
         server = await loop.create_server(lambda: floor_router.Client(p, d, False), "127.0.0.1", 0)
         async with server:
-            port = server.sockets[0].getsockname()[1]
-            await _load(port, args.requests // 5, args.concurrency, args.stream, None)  # warm-up
-            answers, cpu, wall = await _load(port, args.requests, args.concurrency, args.stream,
-                                             profile)
+            answers, cpu, wall = await warmed_up_load(server.sockets[0].getsockname()[1])
     else:
         # here, not at the top: --checkout may put another revision's proxy/ first
         from proxy.api.app import create_app, serving
@@ -180,10 +179,7 @@ async def _measure_on(target: str, args: argparse.Namespace, ports: list[int]) -
         config = build_config({"prefill": [{"url": p_url}], "decode": [{"url": d_url}],
                                "mode": "pull", "log_level": "warning"}, {})
         async with serving(create_app(config), config=config) as (url, _):
-            port = int(url.rsplit(":", 1)[1])
-            await _load(port, args.requests // 5, args.concurrency, args.stream, None)  # warm-up
-            answers, cpu, wall = await _load(port, args.requests, args.concurrency, args.stream,
-                                             profile)
+            answers, cpu, wall = await warmed_up_load(int(url.rsplit(":", 1)[1]))
     result: dict[str, Any] = {"target": target, "requests": answers,
                               "cpu_us_per_request": round(cpu / answers * 1e6, 1),
                               "req_per_s": round(answers / wall)}

@@ -289,9 +289,7 @@ class UpstreamClient:
         except TRANSPORT_ERRORS as exc:
             raise upstream_error(exc, endpoint, cluster, "its answer",
                                  name=self._name(endpoint, cluster)) from exc
-        if response.status >= 400:  # the name is built only for the error
-            _raise_for_status(response.status, content, endpoint, cluster,
-                              self._name(endpoint, cluster))
+        _raise_for_status(response.status, content, endpoint, cluster, self)
         return content
 
     def _decode_json(self, content: bytes, endpoint: str, cluster: str, type: Any = Any) -> Any:
@@ -353,9 +351,9 @@ class OpenStream:
             streamed = StreamedResponse(response, endpoint=endpoint, cluster=cluster,
                                         client=client, max_body_bytes=client._max_body,
                                         max_event_bytes=client._max_event)
-            if response.status >= 400:
+            if response.status >= 400:  # its body, for the error
                 _raise_for_status(response.status, await streamed.read(), endpoint, cluster,
-                                  client._name(endpoint, cluster))
+                                  client)
         except BaseException:
             self._release()
             raise
@@ -372,8 +370,11 @@ class OpenStream:
 
 
 def _raise_for_status(status: int, content: bytes, endpoint: str, cluster: str,
-                      name: str | None) -> None:
+                      client: UpstreamClient) -> None:
+    """An error status raises, naming the server as `client` shows it (the name is built
+    only then: on every answer's path it was a string per leg)."""
     if status >= 400:
+        name = client._name(endpoint, cluster)
         log = f"{cluster} server {endpoint} answered {status}"
         raise UpstreamStatusError(
             log if name is None else f"{name} answered {status}",

@@ -4,8 +4,6 @@ Real HTTP: the floor in its own process, aiohttp as P, D and the client."""
 
 from __future__ import annotations
 
-import asyncio
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,6 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from scripts.benchkit import process
 from testbed.ports import free_port
 
 P_PARAMS = {"remote_engine_id": "engine-0", "remote_block_ids": [[1, 2, 3]]}
@@ -64,23 +63,15 @@ async def test_the_floor_does_a_pulls_work(upstreams: tuple[str, str, list[dict[
                                            tasks: bool) -> None:
     p_url, d_url, p_seen, d_seen = upstreams
     port = free_port()
-    floor = subprocess.Popen(
-        [sys.executable, "-m", "scripts.floor_router", "--prefill", p_url, "--decode", d_url,
-         "--port", str(port), *(["--tasks"] if tasks else [])])
-    try:
+    command = [sys.executable, "-m", "scripts.floor_router", "--prefill", p_url,
+               "--decode", d_url, "--port", str(port), *(["--tasks"] if tasks else [])]
+    # started, and waited for until it listens (bounded), by the benchmarks' own helper
+    with process(command, f"http://127.0.0.1:{port}", "the floor router"):
         url = f"http://127.0.0.1:{port}/v1/completions"
         async with aiohttp.ClientSession() as client:
-            for _ in range(200):  # it listens within 10 s
-                try:
-                    async with client.post(url, json={"prompt": "hi", "max_tokens": 5}) as answer:
-                        assert answer.status == 200
-                        assert await answer.json() == {"choices": [{"text": "from D"}]}
-                    break
-                except aiohttp.ClientConnectorError:
-                    assert floor.poll() is None, "the floor router exited"
-                    await asyncio.sleep(0.05)
-            else:
-                pytest.fail("the floor router did not listen within 10 s")
+            async with client.post(url, json={"prompt": "hi", "max_tokens": 5}) as answer:
+                assert answer.status == 200
+                assert await answer.json() == {"choices": [{"text": "from D"}]}
             async with client.post(url, json={"prompt": "hi", "max_tokens": 5,
                                               "stream": True}) as answer:
                 assert answer.status == 200
@@ -92,6 +83,3 @@ async def test_the_floor_does_a_pulls_work(upstreams: tuple[str, str, list[dict[
                 for b in p_seen] == [(1, False, True)] * 2
         assert [(b["max_tokens"], b.get("stream"), b["kv_transfer_params"]) for b in d_seen] \
             == [(5, None, P_PARAMS), (5, True, P_PARAMS)]
-    finally:
-        floor.terminate()
-        floor.wait(timeout=10)
