@@ -16,10 +16,16 @@ weighs small functions more).
     python -m scripts.bench_path                      # ours and the floor, 20,000 requests
     python -m scripts.bench_path --target ours --stream --profile 30
     python -m scripts.bench_path --target ours --checkout ../before   # another revision
+    python -m scripts.bench_path --target ours,kv --servers 2 --prompt-tokens 1024 --rounds 3
+
+`--target kv` runs our router with kv_aware on both clusters, against fakes with a
+prefix cache that publishes KV events and answers /tokenize (`--servers` of each; a
+policy scores only between candidates): `--target ours,kv --servers 2 --prompt-tokens
+1024` prints kv_aware's CPU over the default policy's, measured on the same fakes.
 
 Leaves out: the load generator's and the fakes' own processes (all share one), more than
-one worker, kv_aware's index (the default policy), and the kernel's cost of waking
-another process, which the overhead scenario has.
+one worker, and the kernel's cost of waking another process, which the overhead scenario
+has.
 """
 
 from __future__ import annotations
@@ -42,7 +48,9 @@ import httptools
 import uvloop
 
 from scripts import floor_router
-from scripts.benchkit import _FakeProtocol, request_body
+from scripts.benchkit import DEFAULT_PROMPT, _BenchKV, _FakeProtocol, request_body
+
+TARGETS = ("ours", "kv", "floor", "direct")
 
 
 class BenchFailed(Exception):
@@ -93,10 +101,11 @@ class _Client(asyncio.Protocol):
 
 
 async def _load(port: int, requests: int, concurrency: int, stream: bool,
-                profile: cProfile.Profile | None) -> tuple[int, float, float]:
+                profile: cProfile.Profile | None,
+                prompt: str = DEFAULT_PROMPT) -> tuple[int, float, float]:
     """`requests` answers over `concurrency` connections: (answers, CPU s, wall s)."""
     loop = asyncio.get_running_loop()
-    body = json.dumps(request_body(stream)).encode()
+    body = json.dumps(request_body(stream, prompt)).encode()
     request = (b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json"
                b"\r\nContent-Length: %d\r\n\r\n%b" % (len(body), body))
     sent = concurrency
@@ -141,19 +150,48 @@ async def _load(port: int, requests: int, concurrency: int, stream: bool,
 
 
 async def _measure(target: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One round of `target`, on fresh fakes: `args.servers` P and as many D (with a
+    prefix cache each when kv_aware runs in this invocation, so that both policies
+    meet the same fakes)."""
     loop = asyncio.get_running_loop()
     async with contextlib.AsyncExitStack() as fakes:
-        ports = []
-        for role in ("prefill", "decode"):
-            fake = await loop.create_server(functools.partial(_FakeProtocol, role), "127.0.0.1", 0)
-            await fakes.enter_async_context(fake)
-            ports.append(fake.sockets[0].getsockname()[1])
-        return await _measure_on(target, args, ports)
+        urls: dict[str, list[str]] = {"prefill": [], "decode": []}
+        for role in urls:
+            for _ in range(args.servers):
+                kv = None
+                if args.kv_fakes:
+                    kv = _BenchKV()
+                    fakes.push_async_callback(kv.cache.aclose)
+                fake = await loop.create_server(
+                    functools.partial(_FakeProtocol, role, kv=kv), "127.0.0.1", 0)
+                await fakes.enter_async_context(fake)
+                urls[role].append(f"http://127.0.0.1:{fake.sockets[0].getsockname()[1]}")
+        return await _measure_on(target, args, urls["prefill"], urls["decode"])
 
 
-async def _measure_on(target: str, args: argparse.Namespace, ports: list[int]) -> dict[str, Any]:
+async def _kv_synced(url: str, sources: int) -> None:
+    """Wait (bounded) until the router's KV index is in sync with `sources` publishers,
+    so that no measured pick falls back to load alone."""
+    import httpx
+
+    synced: list[str] = []
+    try:
+        async with httpx.AsyncClient() as client, asyncio.timeout(30):
+            while len(synced) < sources:
+                await asyncio.sleep(0.05)
+                text = (await client.get(f"{url}/metrics")).text
+                synced = [line for line in text.splitlines()
+                          if line.startswith("pdproxy_kv_index_synced{") and line.endswith(" 1.0")]
+    except TimeoutError:
+        raise BenchFailed(f"followed the KV events of {len(synced)} of {sources} fake servers "
+                          f"after 30 s") from None
+
+
+async def _measure_on(target: str, args: argparse.Namespace, p_urls: list[str],
+                      d_urls: list[str]) -> dict[str, Any]:
     loop = asyncio.get_running_loop()
-    p_url, d_url = (f"http://127.0.0.1:{port}" for port in ports)
+    p_url, d_url = p_urls[0], d_urls[0]
+    ports = [int(url.rsplit(":", 1)[1]) for url in (p_url, d_url)]
     # as `pd-proxy serve` runs: the start's objects frozen, collections rarer (proxy.serve)
     gc.collect()
     gc.freeze()
@@ -161,8 +199,9 @@ async def _measure_on(target: str, args: argparse.Namespace, ports: list[int]) -
     profile = cProfile.Profile() if args.calls or args.profile else None
 
     async def warmed_up_load(port: int) -> tuple[int, float, float]:
-        await _load(port, args.requests // 5, args.concurrency, args.stream, None)
-        return await _load(port, args.requests, args.concurrency, args.stream, profile)
+        await _load(port, args.requests // 5, args.concurrency, args.stream, None, args.prompt)
+        return await _load(port, args.requests, args.concurrency, args.stream, profile,
+                           args.prompt)
 
     if target == "direct":  # the client straight to the fake D: the harness's own share
         answers, cpu, wall = await warmed_up_load(ports[1])
@@ -176,9 +215,14 @@ async def _measure_on(target: str, args: argparse.Namespace, ports: list[int]) -
         from proxy.api.app import create_app, serving
         from proxy.config import build_config
 
-        config = build_config({"prefill": [{"url": p_url}], "decode": [{"url": d_url}],
+        policy = "kv_aware" if target == "kv" else "least_outstanding"
+        config = build_config({"prefill": [{"url": u} for u in p_urls],
+                               "decode": [{"url": u} for u in d_urls],
+                               "balance": {"prefill": policy, "decode": policy},
                                "mode": "pull", "log_level": "warning"}, {})
         async with serving(create_app(config), config=config) as (url, _):
+            if target == "kv":
+                await _kv_synced(url, len(p_urls) + len(d_urls))
             answers, cpu, wall = await warmed_up_load(int(url.rsplit(":", 1)[1]))
     result: dict[str, Any] = {"target": target, "requests": answers,
                               "cpu_us_per_request": round(cpu / answers * 1e6, 1),
@@ -195,15 +239,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m scripts.bench_path", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", choices=["ours", "floor", "direct", "both"], default="both",
-                        help="our router, the floor router, or both in turn (default); direct: "
-                             "the client straight to the fake D (what the harness itself "
-                             "spends: about two thirds of its share under a router, which "
-                             "adds the fake P's)")
+    parser.add_argument("--target", type=_targets, default="ours,floor",
+                        help="comma-separated, measured in turn each round: ours (default "
+                             "policy), kv (ours with kv_aware), floor (the floor router), "
+                             "direct (the client straight to the fake D: what the harness "
+                             "itself spends, about two thirds of its share under a router, "
+                             "which adds the fake P's); both: ours,floor (default)")
     parser.add_argument("--requests", "-n", type=int, default=20_000,
                         help="requests measured, after a fifth as many to warm up")
     parser.add_argument("--concurrency", "-c", type=int, default=32)
     parser.add_argument("--stream", action="store_true", help="streamed requests")
+    parser.add_argument("--servers", type=int, default=1,
+                        help="fake P and D servers, each (ours and kv; a policy scores only "
+                             "between candidates)")
+    parser.add_argument("--prompt-tokens", type=int, metavar="N",
+                        help="a prompt of N words (one token each to the fake tokenizer; "
+                             "default: a 2-word prompt)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure each target this many times (fresh servers each)")
     parser.add_argument("--calls", action="store_true",
@@ -214,12 +265,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="run our router from another checkout's proxy/ and connector/ "
                              "(the fakes and the client stay this one's)")
     args = parser.parse_args(argv)
+    if args.servers < 1 or (args.prompt_tokens is not None and args.prompt_tokens < 1):
+        parser.error("--servers and --prompt-tokens must be >= 1")
+    args.prompt = (DEFAULT_PROMPT if args.prompt_tokens is None
+                   else " ".join(f"word{i}" for i in range(args.prompt_tokens)))
+    args.kv_fakes = "kv" in args.target
     logging.getLogger("pdproxy").setLevel(logging.ERROR)  # the start's notices (open routes)
     if args.checkout:
         if "proxy" in sys.modules:
             parser.error("--checkout: the router's code was imported already")
         sys.path.insert(0, args.checkout)
-    targets = ["ours", "floor"] if args.target == "both" else [args.target]
+    targets = args.target
     results = []
     for round_ in range(args.rounds):
         for target in targets:
@@ -235,12 +291,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"round {round_ + 1} {target}: {result['cpu_us_per_request']} us CPU per "
                   f"request{calls} ({result['req_per_s']} req/s, {result['requests']} requests)",
                   flush=True)
-    if len(targets) == 2:
-        ratios = sorted(ours["cpu_us_per_request"] / floor["cpu_us_per_request"]
-                        for ours, floor in zip(results[::2], results[1::2], strict=True))
-        print(f"ours / floor, CPU per request: {ratios[len(ratios) // 2]:.2f} "
-              f"(median of {len(ratios)} rounds)")
+    for first, second in (("ours", "floor"), ("kv", "ours")):
+        if first in targets and second in targets:
+            ratios = sorted(a["cpu_us_per_request"] / b["cpu_us_per_request"]
+                            for a, b in zip(results[targets.index(first)::len(targets)],
+                                            results[targets.index(second)::len(targets)],
+                                            strict=True))
+            print(f"{first} / {second}, CPU per request: {ratios[len(ratios) // 2]:.2f} "
+                  f"(median of {len(ratios)} rounds)")
     return 0
+
+
+def _targets(text: str) -> list[str]:
+    names = ["ours", "floor"] if text == "both" else text.split(",")
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"targets are a comma-separated list of "
+                                         f"{', '.join(TARGETS)} (or both), each once")
+    return names
 
 
 if __name__ == "__main__":

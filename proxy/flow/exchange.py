@@ -248,7 +248,7 @@ class Exchange:
         p.outlier.success()
         p.observe_latency(self.prefill_seconds)
         metrics = self.context.metrics
-        metrics.child(metrics.prefill_latency, self.mode).observe(self.prefill_seconds)
+        metrics.prefill_latency.observe((self.mode,), self.prefill_seconds)
         if not isinstance(answer, dict):
             raise self.context.client.protocol_error(p.url, p.cluster.value,
                                                      "answered with JSON that is not an object")
@@ -267,8 +267,7 @@ class Exchange:
             return
         self.prefill_cached = cached
         metrics = self.context.metrics
-        metrics.child(metrics.kv_actual_hits, ClusterName.PREFILL.value).observe(
-            min(1.0, cached / prompt))
+        metrics.kv_actual_hits.observe((ClusterName.PREFILL.value,), min(1.0, cached / prompt))
 
     def prefill_work(self) -> int:
         """The prompt tokens P's leg computes, by kv_aware's prediction (0 without it)."""
@@ -339,7 +338,7 @@ class Exchange:
         self.decode_first_byte_seconds = time.perf_counter() - sent_at
         self.decode_endpoint.observe_latency(self.decode_first_byte_seconds)
         metrics = self.context.metrics
-        metrics.child(metrics.decode_first_token, self.mode).observe(self.decode_first_byte_seconds)
+        metrics.decode_first_token.observe((self.mode,), self.decode_first_byte_seconds)
 
     def _upstream_failed(self, endpoint: Endpoint, exc: UpstreamError) -> None:
         endpoint.last_error = str(exc)
@@ -364,12 +363,12 @@ class Exchange:
         """Account for the exchange once, whatever happened: metrics and one log line."""
         metrics = self.context.metrics
         status = "client_closed" if client_left else str(down.status or (error.status if error else 0))
-        metrics.child(metrics.requests, self.path, self.mode, status).inc()
+        metrics.requests.inc((self.path, self.mode, status))
         if isinstance(error, Overloaded):
             metrics.child(metrics.rejected, error.reason).inc()
         if down.first_byte_at is not None:
             ttfb = down.first_byte_at - self.started_at
-            metrics.child(metrics.time_to_first_byte, self.mode).observe(ttfb)
+            metrics.time_to_first_byte.observe((self.mode,), ttfb)
             learner = self.context.learner
             if (learner and self.bucket is not None and self.request.stream
                     and down.status == 200 and self.used is self.decision.used):

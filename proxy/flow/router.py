@@ -272,7 +272,7 @@ class Router:
             if self._local_by_cache(prompt, decode, budget):
                 decision = ModeDecision(requested=requested, used=Mode.LOCAL,
                                         reason="auto_local_cached")
-                self.metrics.child(self.metrics.auto_decisions, "local", decision.reason).inc()
+                self.metrics.auto_decisions.inc(("local", decision.reason))
                 return self._respond(request, None, decode, decision, bucket, key, prompt)
         try:
             prefill = self.prefill.pick(key=key, mode=wanted, model=request.model,
@@ -283,7 +283,7 @@ class Router:
             # auto may go local: with no P to be had, D computes the prompt
             decode = decode or self.decode.pick(key=key, model=request.model, prompt=prompt)
             decision = ModeDecision(requested=requested, used=Mode.LOCAL, reason="auto_no_prefill")
-            self.metrics.child(self.metrics.auto_decisions, "local", decision.reason).inc()
+            self.metrics.auto_decisions.inc(("local", decision.reason))
             return self._respond(request, None, decode, decision, bucket, key, prompt)
         if decode is None:
             decode = self.decode.pick(key=key, mode=wanted, model=request.model, prompt=prompt)
@@ -299,8 +299,7 @@ class Router:
             auto_local=budget is not None,
         )
         if requested is Mode.AUTO:
-            self.metrics.child(self.metrics.auto_decisions, decision.used.value,
-                               decision.reason).inc()
+            self.metrics.auto_decisions.inc((decision.used.value, decision.reason))
         return self._respond(request, prefill, decode, decision, bucket, key, prompt,
                              coordinates)
 
@@ -386,7 +385,7 @@ class Router:
                 and request.push_layers is None):
             exchange.push_layers, why = layers.choose(bucket, measured=request.stream)
             said = {True: "on", False: "off", None: "connector"}[exchange.push_layers]
-            self.metrics.child(self.metrics.push_layers_decisions, said, why).inc()
+            self.metrics.push_layers_decisions.inc((said, why))
             exchange.remark(f"push_layers:{said}:{why}")
             if exchange.push_layers is not None:
                 headers.append((PUSH_LAYERS_HEADER, said.encode()))

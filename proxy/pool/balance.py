@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 from proxy.config import Balance, Policy
 from proxy.pool.kv.score import KvContext, PrefixCacheScorer, QueuedWork
-from proxy.pool.load import endpoint_load
+from proxy.pool.load import LoadWeights
 from proxy.pool.pick import AfterPick, Chooser, PickRequest, Scorer
 
 if TYPE_CHECKING:
@@ -116,12 +116,12 @@ class LoadScore:
     """load_aware's score: in flight plus what each server's /metrics report."""
 
     def __init__(self, settings: Balance) -> None:
-        self._settings = settings
+        self._weights = LoadWeights.of(settings)
 
     def scores(self, candidates: Sequence[Endpoint], request: PickRequest,
                now: float) -> list[float]:
-        load = endpoint_load(self._settings, now)
-        return [load(e) for e in candidates]
+        reported = self._weights.reported
+        return [e.in_flight + reported(e.load, now) for e in candidates]
 
 
 def _hash(text: str) -> int:

@@ -11,8 +11,7 @@ reports; this module knows nothing of endpoints, so `endpoints` can hold a repor
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import msgspec
 from prometheus_client.parser import text_string_to_metric_families
@@ -109,21 +108,29 @@ def load_score(
 
     A missing report, or one older than `max_age` seconds (the server stopped answering
     /metrics), counts as nothing: the score is `in_flight` alone."""
-    if report is None or now - report.at > max_age:
-        return float(in_flight)
-    return in_flight + waiting_weight * report.waiting + kv_cache_weight * report.kv_cache_usage
+    return in_flight + LoadWeights(max_age, waiting_weight, kv_cache_weight).reported(report, now)
 
 
-class Loaded(Protocol):
-    """What `endpoint_load` reads of a server (an `Endpoint`)."""
+class LoadWeights:
+    """`load_score`'s weights and staleness bound, built once per balancer from its
+    settings; `reported` is what a server's report adds to its in-flight count. One
+    call per candidate: a closure calling `load_score` with keywords was two, on every
+    kv_aware and load_aware pick."""
 
-    in_flight: int
-    load: LoadReport | None
+    __slots__ = ("max_age", "waiting_weight", "kv_cache_weight")
 
+    def __init__(self, max_age: float, waiting_weight: float, kv_cache_weight: float) -> None:
+        self.max_age = max_age
+        self.waiting_weight = waiting_weight
+        self.kv_cache_weight = kv_cache_weight
 
-def endpoint_load(settings: Balance, now: float) -> Callable[[Loaded], float]:
-    """`load_score` of a server, with the balance settings' weights and staleness."""
-    max_age = max(STALE_SCRAPES * settings.scrape_interval, STALE_AFTER_S)
-    waiting, kv_cache = settings.waiting_weight, settings.kv_cache_weight
-    return lambda e: load_score(e.in_flight, e.load, now=now, max_age=max_age,
-                                waiting_weight=waiting, kv_cache_weight=kv_cache)
+    @classmethod
+    def of(cls, settings: Balance) -> LoadWeights:
+        return cls(max(STALE_SCRAPES * settings.scrape_interval, STALE_AFTER_S),
+                   settings.waiting_weight, settings.kv_cache_weight)
+
+    def reported(self, report: LoadReport | None, now: float) -> float:
+        """The report's share of `load_score`: 0.0 for none, or one too old."""
+        if report is None or now - report.at > self.max_age:
+            return 0.0
+        return self.waiting_weight * report.waiting + self.kv_cache_weight * report.kv_cache_usage

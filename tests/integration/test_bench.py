@@ -133,6 +133,22 @@ def test_the_path_bench_measures_ours_and_the_floor_in_one_process() -> None:
     assert "ours / floor, CPU per request:" in done.stdout
 
 
+def test_the_path_bench_compares_kv_aware_with_the_default_policy_on_the_same_fakes() -> None:
+    """`scripts.bench_path --target ours,kv`: kv_aware (its index in sync with the fakes'
+    KV events before anything is measured) makes more calls per request than the default
+    policy, and the ratio of their CPU is printed."""
+    done = subprocess.run(
+        [sys.executable, "-m", "scripts.bench_path", "--target", "ours,kv", "--servers", "2",
+         "--prompt-tokens", "64", "-n", "500", "-c", "8", "--calls"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    found = dict(re.findall(r"round 1 (\w+): [\d.]+ us CPU per request under cProfile, ([\d.]+) Python calls",
+                            done.stdout))
+    assert set(found) == {"ours", "kv"}, done.stdout
+    assert float(found["kv"]) > float(found["ours"]) + 20, found  # tokenizing, scoring, credit
+    assert "kv / ours, CPU per request:" in done.stdout
+
+
 # Every scenario of `python -m scripts.bench SCENARIO`, and what its own --help starts with:
 # this module's own scenarios, or the usage line of the script that runs it.
 SCENARIO_HELP = {

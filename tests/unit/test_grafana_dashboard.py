@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
+from proxy.metrics import LoopCounter, LoopHistogram
 from scripts import grafana_dashboard
 from testbed.fake_kv_cache import FakePrefixCache
 from testbed.fake_vllm import Fabric, FakeVLLM, start
@@ -48,7 +49,8 @@ def metric_names(expr: str) -> set[str]:
 def touch_every_series(metrics: Any) -> None:
     """A labeled metric has no series until a label set is used: use one on each."""
     for metric in vars(metrics).values():
-        if isinstance(metric, Counter | Gauge | Histogram) and metric._labelnames:
+        if isinstance(metric, Counter | Gauge | Histogram | LoopCounter | LoopHistogram) \
+                and metric._labelnames:
             metric.labels(*("x" for _ in metric._labelnames))
 
 

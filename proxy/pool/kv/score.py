@@ -35,7 +35,7 @@ from proxy.config import Balance, KvAware
 from proxy.metrics import RouterMetrics
 from proxy.pool.kv.blocks import PromptBlocks
 from proxy.pool.kv.index import KvIndex
-from proxy.pool.load import endpoint_load
+from proxy.pool.load import LoadWeights
 from proxy.pool.pick import PickRequest
 
 if TYPE_CHECKING:
@@ -84,8 +84,8 @@ class PrefixCacheScorer:
     def __init__(self, kv: KvContext) -> None:
         self.kv = kv
         self._fallback_logged: set[str] = set()
-        self._predicted_hits = (None if kv.metrics is None else
-                                kv.metrics.child(kv.metrics.kv_predicted_hits, kv.cluster))
+        self._predicted_hits = None if kv.metrics is None else kv.metrics.kv_predicted_hits
+        self._cluster_label = (kv.cluster,)
         # The hits `scores` found for the request being picked, with its candidates, for
         # `picked` (a pick runs both at once, with no await between them: the index is
         # walked once).
@@ -129,7 +129,7 @@ class PrefixCacheScorer:
         if kv.tracks_work:  # P: the tokens it will compute calibrate a request's weight
             kv.calibration.observe(prompt.length - (hit or 0))
         if self._predicted_hits is not None and hit is not None and prompt.length:
-            self._predicted_hits.observe(hit / prompt.length)
+            self._predicted_hits.observe(self._cluster_label, hit / prompt.length)
         if kv.settings.credit_s > 0:
             kv.index.credit(chosen.url, prompt, now + kv.settings.credit_s,
                             fallback_block_size=kv.settings.block_size)
@@ -154,12 +154,12 @@ class QueuedWork:
 
     def __init__(self, kv: KvContext, balance: Balance) -> None:
         self.kv = kv
-        self.balance = balance
+        self._weights = LoadWeights.of(balance)
 
     def scores(self, candidates: Sequence[Endpoint], request: PickRequest,
                now: float) -> list[float]:
-        load = endpoint_load(self.balance, now)
+        reported = self._weights.reported  # load_aware's score, less in flight
         per_request = self.kv.calibration.tokens_per_request
         if self.kv.tracks_work:
-            return [e.pending_tokens + per_request * (load(e) - e.in_flight) for e in candidates]
-        return [per_request * load(e) for e in candidates]
+            return [e.pending_tokens + per_request * reported(e.load, now) for e in candidates]
+        return [per_request * (e.in_flight + reported(e.load, now)) for e in candidates]

@@ -52,6 +52,7 @@ logger = logging.getLogger("pdproxy.kv")
 _CHAT_OPTIONS: tuple[str, ...] = ("add_generation_prompt", "continue_final_message", "add_special_tokens",
                  "chat_template", "chat_template_kwargs", "tools")
 _COMPLETION_OPTIONS: tuple[str, ...] = ("add_special_tokens",)
+_HIT, _MISS = ("hit",), ("miss",)  # pdproxy_kv_tokenize_cache_total's label sets
 
 
 def token_ids_of(request: ClientRequest) -> list[int] | None:
@@ -185,8 +186,7 @@ class PromptTokenizer:
         self._lora_names = lora_names  # adapters the servers' events named
         self._failing = False  # warned once per failing streak
         self.cache = TokenizedPrompts(cache_tokens)
-        self._hit = metrics.kv_tokenize_cache.labels("hit")
-        self._miss = metrics.kv_tokenize_cache.labels("miss")
+        self._cache_results = metrics.kv_tokenize_cache
 
     async def blocks(self, request: ClientRequest) -> PromptBlocks | None:
         lora = request.model if request.model in self._lora_names() else None
@@ -200,10 +200,10 @@ class PromptTokenizer:
             key = _cache_key(tokens if tokens is not None else body, lora, salt)
             entry = self.cache.get(key)
             if entry is not None:
-                self._hit.inc()
+                self._cache_results.inc(_HIT)
                 return PromptBlocks(entry.tokens, lora=lora, cache_salt=salt,
                                     keys_by_size=entry.keys_by_size, held_by=entry.held_by)
-            self._miss.inc()
+            self._cache_results.inc(_MISS)
         if tokens is None:
             assert body is not None
             tokens = await self._tokenize(request, body)
