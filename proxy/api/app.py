@@ -133,12 +133,14 @@ class RouterApp:
         await self._serve(route, scope["method"], scope["headers"],
                           lambda: _read_body(scope, receive, max_body), scope, receive, send)
 
-    async def serve_inference(self, cycle: InferenceCycle) -> None:
+    def serve_inference(self, cycle: InferenceCycle) -> Awaitable[None]:
         """An inference request on the router's own listener (`listener`), which read
-        its head: the same as through ASGI, its body read from the cycle."""
+        its head: the same as through ASGI, its body read from the cycle. (Not a
+        coroutine of its own: `_serve`'s is awaited directly, one frame less to resume
+        at each of the request's waits.)"""
         max_body = self._max_body
-        await self._serve(cycle.route, "POST", cycle.headers, lambda: cycle.read_body(max_body),
-                          cycle.scope, cycle.receive, cycle.send)
+        return self._serve(cycle.route, "POST", cycle.headers, lambda: cycle.read_body(max_body),
+                           cycle.scope, cycle.receive, cycle.send)
 
     async def _serve(
         self, route: Route, method: str, headers: list[tuple[bytes, bytes]],
@@ -152,7 +154,8 @@ class RouterApp:
             return
         self.in_flight += 1
         try:
-            await self._infer(route, method, headers, read_body, scope, receive, send)
+            response = await self._respond(route, method, headers, read_body)
+            await response(scope, receive, send)
         finally:
             self.in_flight -= 1
 
@@ -169,10 +172,12 @@ class RouterApp:
         reason = error.reason if isinstance(error, Overloaded) else "unauthorized"
         metrics.child(metrics.rejected, reason).inc()
 
-    async def _infer(
+    async def _respond(
         self, route: Route, method: str, headers: list[tuple[bytes, bytes]],
-        read_body: Callable[[], Awaitable[bytes]], scope: Scope, receive: Receive, send: Send,
-    ) -> None:
+        read_body: Callable[[], Awaitable[bytes]],
+    ) -> ASGIApp:
+        """The request's answer: its exchange's response, or an error's. Returned, not
+        run: the exchange runs in `_serve`'s frame, not under another one."""
         try:
             if method != "POST":
                 raise MethodNotAllowed(f"method {method} not allowed on {route.value}")
@@ -195,7 +200,7 @@ class RouterApp:
         except Exception as exc:
             logger.exception("unexpected error on POST %s", route.value)
             response = _json_error(internal_error(exc))
-        await response(scope, receive, send)
+        return response
 
 
 def create_app(

@@ -33,7 +33,7 @@ from proxy.pool.endpoints import ClusterName, Endpoint
 from proxy.pool.kv.blocks import PromptBlocks
 from proxy.pool.outlier import counts_as_failure
 from proxy.pool.retry import retry_reason
-from proxy.protocol import ClientRequest
+from proxy.protocol import ClientRequest, Route
 from proxy.tracing import LegSpan, RequestTrace
 from proxy.upstream.client import UpstreamClient
 
@@ -43,6 +43,10 @@ MODE_HEADER = b"x-kv-transfer-mode"  # the mode a request ran as, in its answer'
 # Whether the router asked P to write the push layer by layer (where it learns that), in
 # the answer's head; dropped when the request runs as another mode.
 PUSH_LAYERS_HEADER = wire.PUSH_LAYERS_HEADER.lower().encode()
+# A mode's and a route's strings, looked up: an enum's `.value` is two Python calls in
+# Python 3.11, and each exchange reads both.
+_MODE_LABEL = {mode: mode.value for mode in Mode}
+_ROUTE_PATH = {route: route.value for route in Route}
 
 
 class LegState(str, enum.Enum):
@@ -136,8 +140,8 @@ class Exchange:
         # The mode the request actually ran as: the decision's, until a flow falls back
         # (an unpinned push run as a pull, a failed push recovered by a pull or by D).
         self.used = decision.used
-        self.mode = decision.used.value
-        self.path = request.route.value  # the route's path, read on every leg
+        self.mode = _MODE_LABEL[decision.used]
+        self.path = _ROUTE_PATH[request.route]  # the route's path, read on every leg
         # Whether a push goes layer by layer, where the router learns it (auto.push_layers:
         # learn) and the client did not say; None: as the client or P's connector says.
         self.push_layers: bool | None = None
@@ -165,7 +169,7 @@ class Exchange:
         (not sent yet: the head goes with the first byte), the metrics' mode label and the
         access log say so, and auto's learner does not learn from it."""
         self.used = mode
-        self.mode = mode.value
+        self.mode = _MODE_LABEL[mode]
         down.headers[:] = [(name, mode.value.encode() if name == MODE_HEADER else value)
                            for name, value in down.headers
                            if name != PUSH_LAYERS_HEADER or mode is Mode.PUSH]

@@ -383,7 +383,9 @@ class Cluster:
             if not ejected:
                 raise self._none_healthy(exclude, model)
             candidates = ejected  # every one ejected: ejection filters no one out
-        if mode is not None and mode is not Mode.LOCAL:
+        # A lone candidate is picked whether or not it can do `mode` (the mode then
+        # falls back): it is not asked, on the usual leg's path of one server a cluster.
+        if mode is not None and mode is not Mode.LOCAL and len(candidates) > 1:
             able = [e for e in candidates if e.can(mode)]
             if able:
                 candidates = able

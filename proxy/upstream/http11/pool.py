@@ -106,16 +106,23 @@ class Pool:
         head = self._head(method, path, body, headers)
         deadline = time.monotonic() + timeout
         connection = self._idle_connection() or await self._lease(connect_timeout, fresh=False)
-        reused = connection.requests > 0
-        try:
-            return connection, await self._exchange(connection, head, body, deadline)
-        except ConnectionLost:
-            if not (reused and connection.dropped and connection.head_bytes == 0):
-                raise
-        # A stale keep-alive connection: its server closed it as we sent, with no byte
-        # of an answer. It closed without reading the request: send it once more.
-        connection = await self._lease(connect_timeout, fresh=True)
-        return connection, await self._exchange(connection, head, body, deadline)
+        while True:  # at most twice: the second time on a new connection
+            reused = connection.requests > 0
+            response = connection.send(head, body)
+            response.deadline = deadline
+            self._deadlines.watch(response)
+            try:
+                await response.head
+                return connection, response
+            except BaseException as exc:
+                self.release(connection, response)
+                # A stale keep-alive connection: its server closed it as we sent, with no
+                # byte of an answer. It closed without reading the request: send it once
+                # more.
+                if not (isinstance(exc, ConnectionLost) and reused and connection.dropped
+                        and connection.head_bytes == 0):
+                    raise
+            connection = await self._lease(connect_timeout, fresh=True)
 
     def release(self, connection: Connection, response: Response) -> None:
         """Done with a response, on every path: a complete answer's connection goes back
@@ -161,19 +168,6 @@ class Pool:
         return b"".join((f"{method} {path} HTTP/1.1\r\nHost: ".encode("latin-1"),
                          self._host_header, b"\r\nContent-Length: %d\r\n" % len(body),
                          self.extra_headers, fields.encode("latin-1"), b"\r\n"))
-
-    async def _exchange(self, connection: Connection, head: bytes, body: bytes,
-                        deadline: float) -> Response:
-        """Send on `connection` and wait for the answer's head (released on failure)."""
-        response = connection.send(head, body)
-        response.deadline = deadline
-        self._deadlines.watch(response)
-        try:
-            await response.head
-        except BaseException:
-            self.release(connection, response)
-            raise
-        return response
 
     async def _lease(self, connect_timeout: float, *, fresh: bool) -> Connection:
         """A connection for one request: an idle one (unless `fresh`), else a new one
@@ -251,7 +245,7 @@ class Pool:
         if self.closed:
             connection.close()
             return
-        waiter = self._slots.first_waiter()
+        waiter = self._slots.first_waiter() if self._slots.waiters else None
         if waiter is None:
             connection.idle_since = time.monotonic()
             self._idle.append(connection)
