@@ -122,11 +122,13 @@ class FakePrefixCache:
             hits += 1
         return hits * self.block_size
 
-    def serve(self, tokens: list[int]) -> int:
+    def serve(self, tokens: list[int], hashes: list[bytes] | None = None) -> int:
         """Run a prompt through the cache: the tokens that hit, from its start; its
         blocks become the most recently used, new ones are stored (evicting the least
-        recently used), and one batch of events says what changed."""
-        hashes = self.hashes(tokens)
+        recently used), and one batch of events says what changed. `hashes`: the
+        prompt's `hashes(tokens)`, when the caller kept them."""
+        if hashes is None:
+            hashes = self.hashes(tokens)
         hits = 0
         for h in hashes:
             if h not in self.blocks:

@@ -6,10 +6,12 @@ import pytest
 from proxy.config import Mode
 from proxy.errors import InvalidRequest, PayloadTooLarge
 from proxy.protocol import (
+    MAX_JSON_DEPTH,
     ClientRequest,
     PrefillCoordinates,
     Route,
     coordinates_from_answer,
+    opening_brackets,
     parse_request,
     prefill_body,
     pull_decode_body,
@@ -162,3 +164,21 @@ def test_an_unknown_push_layers_value_is_a_400_naming_the_header() -> None:
     with pytest.raises(InvalidRequest, match="X-KV-Push-Layers must be on, off or auto"):
         parse_request(Route.COMPLETIONS, b'{"model":"m","prompt":"x"}',
                       {"x-kv-push-layers": "yes"}, max_body_bytes=100)
+
+
+@pytest.mark.parametrize("raw", [
+    b"", b"{}", b'{"prompt": "a [ b { c"}', b'{"messages": [' + b'{"a": [1]},' * 7 + b'{}]}',
+    b"[" * 16 + b"{", b"[" * 17, b"{" * 9 + b"[" * 9, b'{"x": "' + b"[{" * 500 + b'"}',
+])
+def test_opening_brackets_are_counted_few_or_many(raw: bytes) -> None:
+    assert opening_brackets(raw) == raw.count(b"[") + raw.count(b"{")
+
+
+def test_a_body_nested_past_the_limit_is_refused_and_one_at_it_is_not() -> None:
+    def body(depth: int) -> bytes:
+        return b'{"model": "m", "prompt": "p", "x": ' + b"[" * (depth - 1) + b"]" * (depth - 1) + b"}"
+
+    parse_request(Route.COMPLETIONS, body(MAX_JSON_DEPTH), {}, max_body_bytes=10_000)
+    with pytest.raises(InvalidRequest, match="nested more than 200 levels deep"):
+        parse_request(Route.COMPLETIONS, body(MAX_JSON_DEPTH + 1), {}, max_body_bytes=10_000)
+

@@ -387,7 +387,11 @@ class KvIndex:
                 if source.state is not synced:
                     continue
                 size = source.block_size or self._block_size(source, fallback_block_size)
-                held = source.hits(prompt.keys(size), now, held_by=held_by) * size
+                keys = prompt.keys(size)
+                # `hits`'s first check, made here: a call less per candidate when the
+                # source holds the whole prompt (a prompt sent again)
+                held = (len(keys) if held_by.get(source) == source.removals
+                        else source.hits(keys, now, held_by=held_by)) * size
                 if held > best:
                     best = held
             found.append(None if best < 0 else min(best, length))
@@ -396,9 +400,13 @@ class KvIndex:
     def credit(self, url: str, prompt: PromptBlocks, until: float, *,
                fallback_block_size: int) -> None:
         """Count the prompt's blocks as held by every source of the server until `until`."""
-        for source in self._by_url.get(url, {}).values():
-            source.credit(prompt.keys(self._block_size(source, fallback_block_size)), until,
-                          held_by=prompt.held_by)
+        held_by = prompt.held_by
+        for source in self._by_url.get(url, _NO_SOURCES).values():
+            if held_by.get(source) == source.removals:
+                continue  # it stored them all (`SourceIndex.credit`'s first check, made
+                # here: three calls less a pick, for a prompt sent again)
+            size = source.block_size or self._block_size(source, fallback_block_size)
+            source.credit(prompt.keys(size), until, held_by=held_by)
 
     def _block_size(self, source: SourceIndex, fallback: int) -> int:
         """A source's block size; one whose events have stored nothing yet (so a burst's

@@ -55,12 +55,6 @@ _COMPLETION_OPTIONS: tuple[str, ...] = ("add_special_tokens",)
 _HIT, _MISS = ("hit",), ("miss",)  # pdproxy_kv_tokenize_cache_total's label sets
 
 
-def token_ids_of(request: ClientRequest) -> list[int] | None:
-    """A completion's prompt given as token ids (one prompt, not a batch), else None;
-    `parse_request` checked them."""
-    return request.token_ids
-
-
 def tokenize_body(request: ClientRequest) -> dict[str, Any] | None:
     """The body of vLLM's /tokenize for this request, or None when it cannot be scored
     (non-text content, a batch, no prompt)."""
@@ -191,7 +185,7 @@ class PromptTokenizer:
     async def blocks(self, request: ClientRequest) -> PromptBlocks | None:
         lora = request.model if request.model in self._lora_names() else None
         salt = cache_salt_of(request)
-        tokens = token_ids_of(request)
+        tokens = request.token_ids  # a completion's prompt given as ids (parse_request checked them)
         body = None if tokens is not None else tokenize_body(request)
         if tokens is None and body is None:
             return None
