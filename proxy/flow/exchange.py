@@ -11,7 +11,6 @@ import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -47,6 +46,7 @@ PUSH_LAYERS_HEADER = wire.PUSH_LAYERS_HEADER.lower().encode()
 # Python 3.11, and each exchange reads both.
 _MODE_LABEL = {mode: mode.value for mode in Mode}
 _ROUTE_PATH = {route: route.value for route in Route}
+_PREFILL = ClusterName.PREFILL.value  # kv_aware's predictions are by cluster name
 
 
 class LegState(str, enum.Enum):
@@ -56,53 +56,60 @@ class LegState(str, enum.Enum):
     CANCELLED = "cancelled"  # the client left, or the other leg failed first
 
 
-@dataclass(slots=True)
 class Leg:
-    """One call to one server for this request: P's or D's leg, a retry's second try."""
+    """One call to one server for this request (P's or D's leg, a retry's second try),
+    and its lease on the server: `with exchange.leg(endpoint, tokens):` counts one
+    request in flight there (and `tokens` prompt tokens it computes, kv_aware's queue)
+    for the block, always given back, and the leg's state follows how the block ends,
+    whatever the path. (One object, a class: this is on every leg's path; a lease and a
+    state keeper apart were five calls more a leg.)"""
 
-    cluster: ClusterName
-    server: str  # its URL
-    attempt: int  # 1, then 2 for a retry or a recovery on this cluster
-    state: LegState = LegState.RUNNING
+    __slots__ = ("cluster", "endpoint", "attempt", "tokens", "state")
+
+    def __init__(self, endpoint: Endpoint, attempt: int, tokens: int = 0) -> None:
+        self.cluster = endpoint.cluster
+        self.endpoint = endpoint
+        self.attempt = attempt  # 1, then 2 for a retry or a recovery on this cluster
+        self.tokens = tokens
+        self.state = LegState.RUNNING
 
     def __str__(self) -> str:
         return f"{self.cluster.value}#{self.attempt}={self.state.value}"
 
-
-class _running:
-    """`with _running(leg):` the leg's state follows how its block ends, whatever the path
-    (a class, not a generator: this is on every leg's path)."""
-
-    __slots__ = ("_leg",)
-
-    def __init__(self, leg: Leg) -> None:
-        self._leg = leg
-
     def __enter__(self) -> Leg:
-        return self._leg
+        endpoint = self.endpoint
+        endpoint.in_flight += 1
+        endpoint.pending_tokens += self.tokens
+        return self
 
     def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        endpoint = self.endpoint
+        endpoint.in_flight -= 1
+        endpoint.pending_tokens -= self.tokens
         if kind is None:
-            self._leg.state = LegState.DONE
+            self.state = LegState.DONE
         elif issubclass(kind, asyncio.CancelledError):
-            self._leg.state = LegState.CANCELLED
+            self.state = LegState.CANCELLED
         else:
-            self._leg.state = LegState.FAILED
+            self.state = LegState.FAILED
 
 
-class _traced(_running):
-    """`_running` for a traced request's leg: its span ends with it, saying its state, its
-    error and, for D's, when the first byte came."""
+class _traced:
+    """A traced request's leg (`with` it as the leg itself): its span ends with it,
+    saying its state, its error and, for D's, when the first byte came."""
 
-    __slots__ = ("_span", "_exchange")
+    __slots__ = ("_leg", "_span", "_exchange")
 
     def __init__(self, leg: Leg, span: LegSpan, exchange: Exchange) -> None:
-        super().__init__(leg)
+        self._leg = leg
         self._span = span
         self._exchange = exchange
 
+    def __enter__(self) -> Leg:
+        return self._leg.__enter__()
+
     def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
-        super().__exit__(kind)
+        self._leg.__exit__(kind)
         leg, exchange, error = self._leg, self._exchange, rest[0] if rest else None
         assert exchange.trace is not None
         prefill = leg.cluster is ClusterName.PREFILL
@@ -153,10 +160,14 @@ class Exchange:
         self.notes: list[str] = []  # remarks for the access log (fallback, recompute, ...)
         self.legs: list[Leg] = []  # every call to a server for it, in the order made
 
-    def leg(self, endpoint: Endpoint) -> Leg:
-        """A new leg to `endpoint`, its attempt counted within its cluster."""
-        attempt = 1 + sum(1 for leg in self.legs if leg.cluster is endpoint.cluster)
-        leg = Leg(endpoint.cluster, endpoint.url, attempt)
+    def leg(self, endpoint: Endpoint, tokens: int = 0) -> Leg:
+        """A new leg to `endpoint`, its attempt counted within its cluster; `tokens`: the
+        prompt tokens it computes there (P's, by kv_aware's prediction)."""
+        attempt = 1
+        for leg in self.legs:  # a loop: a generator is two calls more
+            if leg.cluster is endpoint.cluster:
+                attempt += 1
+        leg = Leg(endpoint, attempt, tokens)
         self.legs.append(leg)
         return leg
 
@@ -231,11 +242,11 @@ class Exchange:
         p = self.prefill_server
         started = time.perf_counter()
         sent = self.upstream_headers if headers is None else {**self.upstream_headers, **headers}
-        if self.trace is None:
-            running = _running(self.leg(p))
-        else:
-            running, sent = self._traced_leg(p, sent)
-        with p.lease(self.prefill_work()), running:
+        leg = self.leg(p, self.prefill_work())
+        running: Leg | _traced = leg
+        if self.trace is not None:
+            running, sent = self._traced_leg(leg, sent)
+        with running:
             try:
                 answer = await self.context.client.post_json(
                     f"{p.url}{self.path}",
@@ -271,14 +282,14 @@ class Exchange:
             return
         self.prefill_cached = cached
         metrics = self.context.metrics
-        metrics.kv_actual_hits.observe((ClusterName.PREFILL.value,), min(1.0, cached / prompt))
+        metrics.kv_actual_hits.observe((_PREFILL,), min(1.0, cached / prompt))
 
     def prefill_work(self) -> int:
         """The prompt tokens P's leg computes, by kv_aware's prediction (0 without it)."""
         prompt = self.prompt
         if prompt is None:
             return 0
-        hit = prompt.predicted.get(ClusterName.PREFILL.value)
+        hit = prompt.predicted.get(_PREFILL)
         return len(prompt) - (hit or 0)
 
     async def relay_decode(self, body: dict[str, Any], down: Downstream) -> None:
@@ -286,11 +297,11 @@ class Exchange:
         d = self.decode_endpoint
         sent_at = time.perf_counter()
         sent = self.upstream_headers
-        if self.trace is None:
-            running = _running(self.leg(d))
-        else:
-            running, sent = self._traced_leg(d, sent)
-        with d.lease(), running:
+        leg = self.leg(d)
+        running: Leg | _traced = leg
+        if self.trace is not None:
+            running, sent = self._traced_leg(leg, sent)
+        with running:
             try:
                 async with self.context.client.stream(
                     f"{d.url}{self.path}",
@@ -329,11 +340,10 @@ class Exchange:
                       prompt_tokens=None if prompt is None else len(prompt),
                       predicted=None if prompt is None else prompt.predicted)
 
-    def _traced_leg(self, endpoint: Endpoint,
-                    headers: dict[str, str]) -> tuple[_running, dict[str, str]]:
+    def _traced_leg(self, leg: Leg, headers: dict[str, str]) -> tuple[_traced, dict[str, str]]:
         """A traced leg: its span, and `headers` with the `traceparent` that names it."""
         assert self.trace is not None
-        leg = self.leg(endpoint)
+        endpoint = leg.endpoint
         span, sent = self.trace.leg(leg.cluster.value, leg.attempt, endpoint.name, endpoint.url,
                                     self.path, headers)
         return _traced(leg, span, self), sent

@@ -188,17 +188,18 @@ async def relay_events(answer: StreamedResponse, down: Downstream, *,
     `first_byte` is called once, just before the head goes out. An event over
     `limits.max_upstream_event_bytes` ends it as D's broken answer."""
     framer = EventFramer(answer.max_event_bytes)
-    async for chunk in answer.chunks():
+    while chunk := await answer.read_chunk():
         try:
             events = framer.feed(chunk)
         except EventTooLarge as exc:
             raise answer.event_too_large() from exc
-        if answer.at_end:
+        last = answer.at_end
+        if last:
             events += framer.rest()  # D's last bytes go out as they are
         if events and not down.started:
             first_byte()
             await down.start(answer.status, answer.content_type)
-        if answer.at_end:  # the last chunk: send it with the end
+        if last:  # the last chunk: send it with the end
             break
         if events:
             await down.write(events)

@@ -193,32 +193,6 @@ class Endpoint:
         self.recent_latency = seconds if previous is None else (
             previous + LATENCY_SMOOTHING * (seconds - previous))
 
-    def lease(self, tokens: int = 0) -> Lease:
-        """`with endpoint.lease():` counts one request in flight for the block, and
-        `tokens` prompt tokens it computes (kv_aware's queue)."""
-        return Lease(self, tokens)
-
-
-class Lease:
-    """A request in flight on an endpoint, always given back (a class, not a generator:
-    this is on every request's path)."""
-
-    __slots__ = ("_endpoint", "_tokens")
-
-    def __init__(self, endpoint: Endpoint, tokens: int = 0) -> None:
-        self._endpoint = endpoint
-        self._tokens = tokens
-
-    def __enter__(self) -> Endpoint:
-        self._endpoint.in_flight += 1
-        self._endpoint.pending_tokens += self._tokens
-        return self._endpoint
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._endpoint.in_flight -= 1
-        self._endpoint.pending_tokens -= self._tokens
-
-
 class DataParallelRanks:
     """The engines of a data-parallel P (vLLM's `--data-parallel-size`), one URL for all:
     each rank's coordinates and the pushes in flight on each. A push is pinned to the rank

@@ -4,18 +4,18 @@ three roles of a policy's pipeline: scorers, a chooser, and hooks told of the ch
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
+
+import msgspec
 
 if TYPE_CHECKING:
     from proxy.pool.endpoints import Endpoint
     from proxy.pool.kv.blocks import PromptBlocks
 
 
-@dataclass(frozen=True, slots=True)
-class PickRequest:
+class PickRequest(msgspec.Struct, frozen=True):
     """What a pick knows of the request: its prompt's prefix (prefix_affinity) and its
-    token blocks (kv_aware)."""
+    token blocks (kv_aware). (A frozen dataclass took 0.2 us to build, on every pick.)"""
 
     key: str | None = None
     prompt: PromptBlocks | None = None

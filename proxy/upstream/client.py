@@ -29,7 +29,6 @@ log's text.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httptools
@@ -119,16 +118,15 @@ class StreamedResponse:
         self._cluster = cluster
         self._client = client
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        """Body chunks as they come; a silence longer than `stream_idle` is a timeout."""
-        while True:
-            try:
-                chunk = await self._response.read_chunk()  # no wait when one is buffered
-            except TRANSPORT_ERRORS as exc:
-                raise self._error(exc, "the rest of its answer") from exc
-            if not chunk:
-                return
-            yield chunk
+    async def read_chunk(self) -> bytes:
+        """The next body chunk as it comes, b"" at the end; a silence longer than
+        `stream_idle` is a timeout. (A coroutine, not an async generator: each of those
+        is registered with the event loop and weakly referenced, three calls more a
+        stream.)"""
+        try:
+            return await self._response.read_chunk()  # no wait when one is buffered
+        except TRANSPORT_ERRORS as exc:
+            raise self._error(exc, "the rest of its answer") from exc
 
     @property
     def at_end(self) -> bool:

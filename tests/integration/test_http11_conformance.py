@@ -506,7 +506,8 @@ async def test_control_lane_is_not_blocked_by_a_full_request_lane(
                                              endpoint=server.url, cluster="prefill",
                                              timeout=GUARD_S, control=True)
             finish.set()
-            assert [chunk async for chunk in held.chunks()] == [b"first", b"last"]
+            assert [await held.read_chunk(), await held.read_chunk()] == [b"first", b"last"]
+            assert await held.read_chunk() == b""
     finally:
         await upstream.aclose()
 

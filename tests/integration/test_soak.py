@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from proxy.pool.endpoints import Lease
+from proxy.flow.exchange import Leg
 from scripts.soak import LoopLag, Outcome, SoakOptions, classify, run_soak
 from testbed.fake_vllm import FAULT_KINDS, MODEL, FakeVLLM, start
 
@@ -42,7 +42,7 @@ async def test_soak_garbage_from_decode_is_a_clean_error(tmp_path: Path) -> None
 
 
 async def test_soak_reports_a_leaked_in_flight_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(Lease, "__exit__", lambda self, *exc: None)  # never gives a lease back
+    monkeypatch.setattr(Leg, "__exit__", lambda self, *exc: None)  # never gives a lease back
     report = await run_soak(small(tmp_path, requests=20, fault_rate=0.0, settle=0.3))
     assert report["outcomes"]["ok"] == 20
     assert report["leaks"]["in_flight"] and not report["passed"]
