@@ -42,7 +42,7 @@ class Response:
         self._connection = connection
         self.status = 0
         self.headers: dict[str, str] = {}
-        self.head = asyncio.get_running_loop().create_future()  # set when headers are in
+        self.head = connection.loop.create_future()  # set when headers are in
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self._waiter: asyncio.Future[None] | None = None
@@ -69,7 +69,7 @@ class Response:
                 return b""
             if self.idle is not None:  # the server is late only while we wait for it
                 self.deadline = time.monotonic() + self.idle
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._connection.loop.create_future()
             try:
                 await self._waiter
             finally:
@@ -169,6 +169,9 @@ class Connection(asyncio.Protocol):
     """One keep-alive connection to a server, carrying one request at a time."""
 
     def __init__(self, pool: Owner) -> None:
+        # Its event loop, for its answers' futures: read once (3.11's
+        # `asyncio.get_running_loop()` makes a getpid system call each time).
+        self.loop = asyncio.get_running_loop()
         self._pool = pool
         self._max_header_bytes = pool.max_header_bytes
         self._transport: asyncio.Transport | None = None
