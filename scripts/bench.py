@@ -144,8 +144,9 @@ paths (soak's), real servers, memory outside the router's process."""),
 the request path's CPU per request and Python calls per request, measured
 in one process (the fakes, the router and a client on one event loop):
 steady enough to compare revisions a few percent apart; our router against
-the floor router (the least a Python router spends on a pull). Leaves out:
-other processes' scheduling and wake-ups, more than one worker, kv_aware."""),
+the floor router (the least a Python router spends on a pull), or kv_aware
+against the default policy on the same fakes. Leaves out: other processes'
+scheduling and wake-ups, more than one worker."""),
     "nixl": Script("scripts.bench_nixl", """\
 raw NIXL WRITE throughput and latency between two processes: the
 baseline the push path is compared with. Leaves out: vLLM, the connector

@@ -36,6 +36,7 @@ import contextlib
 import cProfile
 import functools
 import gc
+import importlib
 import json
 import logging
 import pstats
@@ -274,6 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.checkout:
         if "proxy" in sys.modules:
             parser.error("--checkout: the router's code was imported already")
+        # the fakes' prefix cache (imported when a fake starts) stays this checkout's
+        importlib.import_module("testbed.fake_kv_cache")
         sys.path.insert(0, args.checkout)
     targets = args.target
     results = []
