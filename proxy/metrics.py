@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import metrics as prometheus_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -38,6 +39,8 @@ class LoopCounter(Collector):
         self._labelnames = tuple(labelnames)
         self.values: dict[tuple[str, ...], float] = {}
         self._created: dict[tuple[str, ...], float] = {}
+        if not self._labelnames:
+            self.inc((), 0.0)  # exposed at 0 from the start, as prometheus_client's
         registry.register(self)
 
     def inc(self, labels: tuple[str, ...] = (), amount: float = 1.0) -> None:
@@ -59,8 +62,9 @@ class LoopCounter(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        created = _created_series()
         for labels, value in list(self.values.items()):
-            family.add_metric(labels, value, created=self._created[labels])
+            family.add_metric(labels, value, created=self._created[labels] if created else None)
         yield family
 
 
@@ -105,16 +109,24 @@ class LoopHistogram(Collector):
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)
         les = [floatToGoString(b) for b in self._bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
+        created = _created_series()
         for labels, series in list(self.series.items()):
             cumulative, buckets = 0.0, []
             for le, count in zip(les, series[:-1], strict=True):
                 cumulative += count
                 buckets.append((le, cumulative))
             family.add_metric(labels, buckets, series[-1])
-            family.add_sample(f"{self._name}_created", dict(zip(self._labelnames, labels,
-                                                                strict=True)),
-                              self._created[labels])
+            if created:
+                family.add_sample(f"{self._name}_created",
+                                  dict(zip(self._labelnames, labels, strict=True)),
+                                  self._created[labels])
         yield family
+
+
+def _created_series() -> bool:
+    """Whether `_created` series are exposed: prometheus_client's own switch
+    (PROMETHEUS_DISABLE_CREATED_SERIES, `disable_created_metrics()`), as its metrics do."""
+    return bool(getattr(prometheus_metrics, "_use_created", True))
 
 
 class _Bound:

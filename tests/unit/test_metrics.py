@@ -54,6 +54,23 @@ def test_loop_metrics_expose_what_prometheus_client_would() -> None:
     assert 'y_total{a="5",b="6"} 0.0' in text and 'x_seconds_count{mode="local"} 0.0' in text
 
 
+def test_created_series_follow_prometheus_clients_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prometheus_client import metrics as prometheus_metrics
+
+    registry = CollectorRegistry()
+    counter = LoopCounter("c_total", "a counter", ["a"], registry=registry)
+    histogram = LoopHistogram("h_seconds", "a histogram", ["a"], buckets=(1.0,), registry=registry)
+    plain = LoopCounter("p", "no labels", registry=registry)
+    counter.inc(("x",))
+    histogram.observe(("x",), 0.5)
+    assert "c_created" in generate_latest(registry).decode()
+    assert "p_total 0.0" in generate_latest(registry).decode()  # at 0 before any inc
+    monkeypatch.setattr(prometheus_metrics, "_use_created", False)
+    text = generate_latest(registry).decode()
+    assert "_created" not in text and 'h_seconds_count{a="x"} 1.0' in text
+    assert plain.values == {(): 0.0}
+
+
 def test_a_series_bound_with_the_wrong_number_of_labels_is_refused() -> None:
     metrics = RouterMetrics()
     with pytest.raises(ValueError, match="3 label values expected, got 2"):

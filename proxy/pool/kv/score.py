@@ -86,6 +86,8 @@ class PrefixCacheScorer:
         self._fallback_logged: set[str] = set()
         self._predicted_hits = None if kv.metrics is None else kv.metrics.kv_predicted_hits
         self._cluster_label = (kv.cluster,)
+        if self._predicted_hits is not None:
+            self._predicted_hits.labels(kv.cluster)  # exposed from the start, at 0
         # The hits `scores` found for the request being picked, with its candidates, for
         # `picked` (a pick runs both at once, with no await between them: the index is
         # walked once).

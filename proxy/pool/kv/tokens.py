@@ -181,6 +181,8 @@ class PromptTokenizer:
         self._failing = False  # warned once per failing streak
         self.cache = TokenizedPrompts(cache_tokens)
         self._cache_results = metrics.kv_tokenize_cache
+        for result in (_HIT, _MISS):  # both exposed at 0 from the start
+            metrics.kv_tokenize_cache.labels(*result)
 
     async def blocks(self, request: ClientRequest) -> PromptBlocks | None:
         lora = request.model if request.model in self._lora_names() else None
