@@ -16,7 +16,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import metrics as prometheus_metrics
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -27,21 +32,47 @@ _LATENCY_BUCKETS = (
 )  # fmt: skip
 
 
-class LoopCounter(Collector):
+class _LoopMetric(Collector):
+    """What `LoopCounter` and `LoopHistogram` share: a name, labels, each label set's
+    start time (its `_created` series), `labels()` in prometheus_client's way (for
+    updates off the request path and for tests) and registration."""
+
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str],
+                 registry: CollectorRegistry) -> None:
+        self._name = name
+        self._documentation = documentation
+        self._labelnames = tuple(labelnames)
+        self._created: dict[tuple[str, ...], float] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> _Bound:
+        """The series of `values`, bound, and exposed from now on even at 0, as
+        prometheus_client's."""
+        bound = _Bound(self, values)
+        self._expose(values)
+        return bound
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    def _expose(self, labels: tuple[str, ...]) -> None:
+        raise NotImplementedError
+
+    def _family(self) -> Metric:
+        raise NotImplementedError
+
+
+class LoopCounter(_LoopMetric):
     """A labelled counter updated only on the event loop's thread: `inc(labels)` adds to
     a float in a dict (one Python call), read at scrape time. Its exposition is
     prometheus_client's `Counter`'s (`_total` and `_created` per label set)."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (), *,
                  registry: CollectorRegistry) -> None:
-        self._name = name.removesuffix("_total")
-        self._documentation = documentation
-        self._labelnames = tuple(labelnames)
         self.values: dict[tuple[str, ...], float] = {}
-        self._created: dict[tuple[str, ...], float] = {}
+        super().__init__(name.removesuffix("_total"), documentation, labelnames, registry)
         if not self._labelnames:
             self.inc((), 0.0)  # exposed at 0 from the start, as prometheus_client's
-        registry.register(self)
 
     def inc(self, labels: tuple[str, ...] = (), amount: float = 1.0) -> None:
         try:
@@ -50,25 +81,21 @@ class LoopCounter(Collector):
             self._created[labels] = time.time()
             self.values[labels] = amount
 
-    def labels(self, *values: str) -> _Bound:
-        """The series of `values`, bound, and exposed from now on even at 0, as
-        prometheus_client's (its way, for updates off the request path and for tests)."""
-        bound = _Bound(self, values)
-        self.inc(values, 0.0)
-        return bound
+    def _expose(self, labels: tuple[str, ...]) -> None:
+        self.inc(labels, 0.0)
 
-    def describe(self) -> Iterator[CounterMetricFamily]:
-        yield CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        family = self._family()
         created = _created_series()
         for labels, value in list(self.values.items()):
             family.add_metric(labels, value, created=self._created[labels] if created else None)
         yield family
 
 
-class LoopHistogram(Collector):
+class LoopHistogram(_LoopMetric):
     """A labelled histogram updated only on the event loop's thread: `observe(labels,
     value)` bumps one bucket's count and the sum in a list (one Python call and a
     bisect), made cumulative at scrape time. Its exposition is prometheus_client's
@@ -76,38 +103,31 @@ class LoopHistogram(Collector):
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (), *,
                  buckets: Sequence[float], registry: CollectorRegistry) -> None:
-        self._name = name
-        self._documentation = documentation
-        self._labelnames = tuple(labelnames)
         self._bounds = tuple(float(b) for b in buckets)  # +Inf is the last count's
         # per label set: a count per bucket (value <= bound, the first that holds), the
         # +Inf bucket's, then the sum of the values
         self.series: dict[tuple[str, ...], list[float]] = {}
-        self._created: dict[tuple[str, ...], float] = {}
-        registry.register(self)
+        super().__init__(name, documentation, labelnames, registry)
 
     def observe(self, labels: tuple[str, ...], value: float) -> None:
         series = self.series.get(labels) or self._start(labels)
         series[bisect.bisect_left(self._bounds, value)] += 1
         series[-1] += value
 
-    def labels(self, *values: str) -> _Bound:
-        """The series of `values`, bound and exposed from now on (as `LoopCounter.labels`)."""
-        bound = _Bound(self, values)
-        if values not in self.series:
-            self._start(values)
-        return bound
+    def _expose(self, labels: tuple[str, ...]) -> None:
+        if labels not in self.series:
+            self._start(labels)
 
     def _start(self, labels: tuple[str, ...]) -> list[float]:
         self._created[labels] = time.time()
         series = self.series[labels] = [0.0] * (len(self._bounds) + 2)
         return series
 
-    def describe(self) -> Iterator[HistogramMetricFamily]:
-        yield HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)
+    def _family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        family = self._family()
         les = [floatToGoString(b) for b in self._bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
         created = _created_series()
         for labels, series in list(self.series.items()):
@@ -134,7 +154,7 @@ class _Bound:
 
     __slots__ = ("_metric", "_labels")
 
-    def __init__(self, metric: LoopCounter | LoopHistogram, labels: tuple[str, ...]) -> None:
+    def __init__(self, metric: _LoopMetric, labels: tuple[str, ...]) -> None:
         if len(labels) != len(metric._labelnames):
             raise ValueError(f"{metric._name}: {len(metric._labelnames)} label values "
                              f"expected, got {len(labels)}")

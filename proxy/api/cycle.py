@@ -38,13 +38,12 @@ from starlette.types import Message, Scope
 from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
 
 from proxy.errors import InvalidRequest
-from proxy.protocol import Route, body_too_large, refuse_declared_too_large
+from proxy.protocol import ROUTE_PATH, Route, body_too_large, refuse_declared_too_large
 
 logger = logging.getLogger("uvicorn.error")  # where uvicorn's own cycle logs an app's failure
 
 # The paths served on this cycle, as the request line spells them (no query string).
 INFERENCE_PATHS = {route.value.encode("ascii"): route for route in Route}
-_PATH = {route: route.value for route in Route}  # a dict lookup, not an enum's property
 
 _CHUNKED_END = b"0\r\n\r\n"
 
@@ -124,7 +123,7 @@ class InferenceCycle:
         self.response_started = False
         self.response_complete = False
         self.message_event = _Arrival()
-        self.scope: Scope = {"type": "http", "method": "POST", "path": _PATH[route],
+        self.scope: Scope = {"type": "http", "method": "POST", "path": ROUTE_PATH[route],
                              "headers": headers, "extensions": extensions}
         self.on_response = on_response
         self._serve = serve

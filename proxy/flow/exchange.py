@@ -32,7 +32,7 @@ from proxy.pool.endpoints import ClusterName, Endpoint
 from proxy.pool.kv.blocks import PromptBlocks
 from proxy.pool.outlier import counts_as_failure
 from proxy.pool.retry import retry_reason
-from proxy.protocol import ClientRequest, Route
+from proxy.protocol import ROUTE_PATH, ClientRequest
 from proxy.tracing import LegSpan, RequestTrace
 from proxy.upstream.client import UpstreamClient
 
@@ -42,10 +42,8 @@ MODE_HEADER = b"x-kv-transfer-mode"  # the mode a request ran as, in its answer'
 # Whether the router asked P to write the push layer by layer (where it learns that), in
 # the answer's head; dropped when the request runs as another mode.
 PUSH_LAYERS_HEADER = wire.PUSH_LAYERS_HEADER.lower().encode()
-# A mode's and a route's strings, looked up: an enum's `.value` is two Python calls in
-# Python 3.11, and each exchange reads both.
+# A mode's string, looked up: an enum's `.value` is two Python calls in Python 3.11.
 _MODE_LABEL = {mode: mode.value for mode in Mode}
-_ROUTE_PATH = {route: route.value for route in Route}
 _PREFILL = ClusterName.PREFILL.value  # kv_aware's predictions are by cluster name
 
 
@@ -148,7 +146,7 @@ class Exchange:
         # (an unpinned push run as a pull, a failed push recovered by a pull or by D).
         self.used = decision.used
         self.mode = _MODE_LABEL[decision.used]
-        self.path = _ROUTE_PATH[request.route]  # the route's path, read on every leg
+        self.path = ROUTE_PATH[request.route]  # the route's path, read on every leg
         # Whether a push goes layer by layer, where the router learns it (auto.push_layers:
         # learn) and the client did not say; None: as the client or P's connector says.
         self.push_layers: bool | None = None

@@ -25,7 +25,7 @@ entry in `POLICIES`:
   swamp a server. Adding or removing a server moves only the prefixes that hashed to it.
   Without a prefix it scores by in flight.
 - `LoadScore`: what each server's vLLM says of itself (its /metrics, scraped by
-  `proxy.pool.scrape`), folded by `proxy.pool.load.load_score`.
+  `proxy.pool.scrape`), folded by `proxy.pool.load.LoadWeights`.
 - The KV scorers are in `proxy.pool.kv.score`.
 
 A `Balancer` holds one cluster's pipeline and its state (turns, ring); the endpoints and

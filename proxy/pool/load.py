@@ -3,7 +3,7 @@
 The router's own count of requests in flight on a server only sees what this router sent.
 vLLM's Prometheus gauges see the server itself: its queue of requests waiting for a slot
 (other routers' requests included), the requests it is running, and how full its KV cache
-is. `parse_vllm_metrics` reads one /metrics answer into a `LoadReport`, and `load_score`
+is. `parse_vllm_metrics` reads one /metrics answer into a `LoadReport`, and `LoadWeights`
 folds a report into the number a balancer compares. `proxy.pool.scrape` fetches the
 reports; this module knows nothing of endpoints, so `endpoints` can hold a report.
 """
@@ -86,17 +86,10 @@ def parse_vllm_metrics(text: str, at: float) -> LoadReport | None:
                       at=at, num_blocks=num_blocks)
 
 
-def load_score(
-    in_flight: int,
-    report: LoadReport | None,
-    *,
-    now: float,
-    max_age: float,
-    waiting_weight: float,
-    kv_cache_weight: float,
-) -> float:
-    """How loaded a server is, lower is better: `in_flight + waiting_weight * waiting +
-    kv_cache_weight * kv_cache_usage`.
+class LoadWeights:
+    """How loaded a server is, lower is better: its load score is `in_flight +
+    waiting_weight * waiting + kv_cache_weight * kv_cache_usage`, of which `reported`
+    is the part its last report gives.
 
     - `in_flight`: the requests this router has sent the server and not seen finish.
       Always current, but blind to everything else the server is doing.
@@ -107,15 +100,9 @@ def load_score(
       queue shows it.
 
     A missing report, or one older than `max_age` seconds (the server stopped answering
-    /metrics), counts as nothing: the score is `in_flight` alone."""
-    return in_flight + LoadWeights(max_age, waiting_weight, kv_cache_weight).reported(report, now)
-
-
-class LoadWeights:
-    """`load_score`'s weights and staleness bound, built once per balancer from its
-    settings; `reported` is what a server's report adds to its in-flight count. One
-    call per candidate: a closure calling `load_score` with keywords was two, on every
-    kv_aware and load_aware pick."""
+    /metrics), counts as nothing: the score is `in_flight` alone. Built once per
+    balancer from its settings (`of`): one call per candidate, where a closure calling
+    a scoring function with keywords was two, on every kv_aware and load_aware pick."""
 
     __slots__ = ("max_age", "waiting_weight", "kv_cache_weight")
 
@@ -130,7 +117,7 @@ class LoadWeights:
                    settings.waiting_weight, settings.kv_cache_weight)
 
     def reported(self, report: LoadReport | None, now: float) -> float:
-        """The report's share of `load_score`: 0.0 for none, or one too old."""
+        """The report's share of the load score: 0.0 for none, or one too old."""
         if report is None or now - report.at > self.max_age:
             return 0.0
         return self.waiting_weight * report.waiting + self.kv_cache_weight * report.kv_cache_usage

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.pool.load import LoadReport, load_score, parse_vllm_metrics
+from proxy.pool.load import LoadReport, LoadWeights, parse_vllm_metrics
 
 # Trimmed from a real vLLM /metrics answer, with two engines (data parallel 2).
 VLLM_METRICS = """\
@@ -108,6 +108,12 @@ def test_malformed_text_gives_no_report_and_never_raises(bad: str) -> None:
 
 
 WEIGHTS = {"waiting_weight": 2.0, "kv_cache_weight": 10.0}
+
+
+def load_score(in_flight: int, report: LoadReport | None, *, now: float, max_age: float,
+               waiting_weight: float, kv_cache_weight: float) -> float:
+    """A server's load score, as `LoadScore` adds it up."""
+    return in_flight + LoadWeights(max_age, waiting_weight, kv_cache_weight).reported(report, now)
 
 
 def test_score_of_a_fresh_report_adds_the_queue_and_the_kv_cache() -> None:
