@@ -34,7 +34,7 @@ from proxy.pool.health import HealthChecker
 from proxy.pool.kv.blocks import PromptBlocks
 from proxy.pool.kv.index import KvIndex
 from proxy.pool.kv.score import Calibration, KvContext
-from proxy.pool.kv.tokens import PromptTokenizer
+from proxy.pool.kv.tokens import PromptTokenizer, Tokenize
 from proxy.pool.membership import ConfigWatcher, Membership
 from proxy.pool.models import ModelCatalog
 from proxy.pool.probe import CoordinateProber
@@ -253,7 +253,11 @@ class Router:
         self.retry_budget.request()
         key = prefix_key(request, self.config.balance.prefix_chars) if self._needs_prefix else None
         # kv_aware: the prompt's token ids, from the request or a server's /tokenize
-        prompt = await self.tokenizer.blocks(request) if self.tokenizer is not None else None
+        prompt: PromptBlocks | None = None
+        if self.tokenizer is not None:
+            found = self.tokenizer.lookup(request)
+            # a prompt not seen lately: a server tokenizes it
+            prompt = await self.tokenizer.tokenize(found) if isinstance(found, Tokenize) else found
         # auto learns from streamed requests' time to first token, per prompt length
         learner = self.learner
         bucket = (learner.bucket(prompt_chars(request)) if learner and (

@@ -16,7 +16,7 @@ entry in `POLICIES`:
 | `power_of_two` | `InFlight` | `LowerOfTwo`: two distinct at random, the lower (close to least outstanding, without every router herding onto the same server) |
 | `prefix_affinity` | `PrefixRing` | `Lowest` |
 | `load_aware` | `LoadScore` | `Lowest` |
-| `kv_aware` | `PrefixCacheScorer` (1 for P, `decode_token_weight` for D), `QueuedWork` (1) | `Lowest`, then the cache scorer credits the chosen server |
+| `kv_aware` | `KvCost`: the prompt tokens a server lacks (times 1 for P, `decode_token_weight` for D) plus the work queued on it | `Lowest`, then `KvCost` credits the chosen server |
 
 - `PrefixRing`: requests whose prompts start alike go to the same endpoint, so its
   prefix cache hits: consistent hashing of the prompt's first `prefix_chars` characters
@@ -26,7 +26,7 @@ entry in `POLICIES`:
   Without a prefix it scores by in flight.
 - `LoadScore`: what each server's vLLM says of itself (its /metrics, scraped by
   `proxy.pool.scrape`), folded by `proxy.pool.load.LoadWeights`.
-- The KV scorers are in `proxy.pool.kv.score`.
+- `KvCost` is in `proxy.pool.kv.score`.
 
 A `Balancer` holds one cluster's pipeline and its state (turns, ring); the endpoints and
 their counts live on the `Endpoint` objects.
@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from proxy.config import Balance, Policy
-from proxy.pool.kv.score import KvContext, PrefixCacheScorer, QueuedWork
+from proxy.pool.kv.score import KvContext, KvCost
 from proxy.pool.load import LoadWeights
 from proxy.pool.pick import AfterPick, Chooser, PickRequest, Scorer
 
@@ -176,11 +176,16 @@ class Pipeline:
         self.scorers = scorers
         self.chooser = chooser
         self.after = after
+        # A lone scorer of weight 1 (every policy but round_robin) gives the costs as
+        # they are: no sum to build, a loop and a list less on every pick.
+        self._alone = scorers[0][0] if len(scorers) == 1 and scorers[0][1] == 1.0 else None
 
     def pick(self, candidates: Sequence[Endpoint], request: PickRequest) -> Endpoint:
         now = time.monotonic()
         if len(candidates) == 1:
             chosen = candidates[0]
+        elif self._alone is not None:
+            chosen = self.chooser.choose(candidates, self._alone.scores(candidates, request, now))
         else:
             costs = [0.0] * len(candidates)
             for scorer, weight in self.scorers:
@@ -195,9 +200,8 @@ class Pipeline:
 def _kv_aware(settings: Balance, rng: random.Random, kv: KvContext | None) -> Pipeline:
     if kv is None:  # no KV index to score with: load alone
         return Pipeline([(LoadScore(settings), 1.0)], Lowest())
-    cache = PrefixCacheScorer(kv)
-    return Pipeline([(cache, kv.token_weight), (QueuedWork(kv, settings), 1.0)], Lowest(),
-                    after=[cache])
+    cost = KvCost(kv, settings)
+    return Pipeline([(cost, 1.0)], Lowest(), after=[cost])
 
 
 POLICIES: dict[Policy, Callable[[Balance, random.Random, KvContext | None], Pipeline]] = {

@@ -131,13 +131,13 @@ def test_a_requests_weight_follows_what_routed_requests_compute() -> None:
     holds(index, eps[0].url, 0)
     holds(index, eps[1].url, 0)
     b = balancer(index, credit_s=0, tokens_per_request=1024)
-    calibration = b.pipeline.scorers[1][0].kv.calibration  # type: ignore[attr-defined]
+    calibration = b.pipeline.scorers[0][0].kv.calibration  # type: ignore[attr-defined]
     for _ in range(200):  # 128-token prompts nobody holds: 128 computed each
         b.pick(eps, prompt=PromptBlocks(TOKENS))
     assert abs(calibration.tokens_per_request - 128) < 1
     fixed = balancer(index, credit_s=0, tokens_per_request=1024, calibrate=False)
     fixed.pick(eps, prompt=PromptBlocks(TOKENS))
-    assert fixed.pipeline.scorers[1][0].kv.calibration.tokens_per_request == 1024  # type: ignore[attr-defined]
+    assert fixed.pipeline.scorers[0][0].kv.calibration.tokens_per_request == 1024  # type: ignore[attr-defined]
 
 
 def test_the_kv_series_are_exposed_at_zero_before_any_request() -> None:

@@ -1,8 +1,8 @@
-"""kv_aware's two scorers: the cost of sending a prompt to each candidate, in prompt
-tokens of work (`proxy.pool.balance` weighs and adds them, and picks the lowest):
+"""kv_aware's scorer: the cost of sending a prompt to each candidate, in prompt tokens
+of work (`proxy.pool.balance` picks the lowest):
 
-    cost = token_weight x PrefixCacheScorer (prompt tokens the server does not hold)
-           + QueuedWork (the work already queued on it)
+    cost = token_weight x the prompt tokens the server does not hold
+           + the work already queued on it
 
 The queued work of a P is the prompt tokens its legs from this router are computing
 (each leg's lease carries its predicted miss), plus `tokens_per_request` (calibrated:
@@ -77,12 +77,15 @@ class KvContext:
     metrics: RouterMetrics | None = None
 
 
-class PrefixCacheScorer:
-    """The prompt's tokens each candidate lacks; after the pick, the chosen server is
-    credited with the prompt's blocks and the prediction is recorded."""
+class KvCost:
+    """The cost above for every candidate, in one pass; after the pick, the chosen server
+    is credited with the prompt's blocks and the prediction is recorded. (The cache and
+    the queue were two scorers the pipeline weighed and added: one pass is a scorer call,
+    a list and the pipeline's sum less a pick, two picks a request.)"""
 
-    def __init__(self, kv: KvContext) -> None:
+    def __init__(self, kv: KvContext, balance: Balance) -> None:
         self.kv = kv
+        self._weights = LoadWeights.of(balance)
         self._fallback_logged: set[str] = set()
         self._predicted_hits = None if kv.metrics is None else kv.metrics.kv_predicted_hits
         self._cluster_label = (kv.cluster,)
@@ -100,22 +103,38 @@ class PrefixCacheScorer:
 
     def scores(self, candidates: Sequence[Endpoint], request: PickRequest,
                now: float) -> list[float]:
+        kv = self.kv
         prompt = request.prompt
         if prompt is None:
             self._fell_back("no_tokens")
-            return [0.0] * len(candidates)
-        hits = self.kv.index.hit_tokens_each([e.url for e in candidates], prompt, now,
-                                             fallback_block_size=self.kv.settings.block_size)
-        self._scored = (request, candidates, hits)
-        length = prompt.length
-        if None not in hits:  # every candidate in sync: the usual case
-            return [float(length - h) for h in hits if h is not None]
-        known = [h for h in hits if h is not None]
+            length, held = 0, [0] * len(candidates)  # by load alone
+        else:
+            found = kv.index.hit_tokens_each([e.url for e in candidates], prompt, now,
+                                             fallback_block_size=kv.settings.block_size)
+            self._scored = (request, candidates, found)
+            length = prompt.length
+            if None in found:
+                held = self._unknown_as_best(found, length)
+            else:  # every candidate in sync: the usual case
+                held = found  # type: ignore[assignment]
+        weight, reported = kv.token_weight, self._weights.reported
+        per_request = kv.calibration.tokens_per_request
+        if kv.tracks_work:
+            return [weight * (length - h) + e.pending_tokens + per_request * reported(e.load, now)
+                    for e, h in zip(candidates, held, strict=True)]
+        return [weight * (length - h) + per_request * (e.in_flight + reported(e.load, now))
+                for e, h in zip(candidates, held, strict=True)]
+
+    def _unknown_as_best(self, found: list[int | None], length: int) -> list[int]:
+        """Hits where some candidate is unknown (its events not in sync): it is scored as
+        holding as much as the best known, not as empty; with none known, every
+        candidate alike (the choice falls to load)."""
+        known = [h for h in found if h is not None]
         if not known:
             self._fell_back("not_synced")
-            return [0.0] * len(candidates)
-        best = max(known)  # an unknown server is scored as the best known: not as empty
-        return [float(length - (best if h is None else h)) for h in hits]
+            return [length] * len(found)
+        best = max(known)
+        return [best if h is None else h for h in found]
 
     def picked(self, chosen: Endpoint, request: PickRequest, now: float) -> None:
         scored, self._scored = self._scored, None
@@ -145,23 +164,3 @@ class PrefixCacheScorer:
             logger.warning("kv_aware (%s): no server's KV events known for a request (%s); "
                            "picking by load alone (logged once; counted in "
                            "pdproxy_kv_fallbacks_total)", kv.cluster, reason)
-
-
-class QueuedWork:
-    """The work ahead of a request on each candidate, in prompt tokens. A P's own queue
-    is known token by token: the prompt tokens its legs from this router compute
-    (`pending_tokens`); what only its /metrics show (other routers' requests waiting, a
-    full KV cache) counts `tokens_per_request` per unit of load_aware's score. D's work
-    is decoding: every unit of its load_aware score counts `tokens_per_request`."""
-
-    def __init__(self, kv: KvContext, balance: Balance) -> None:
-        self.kv = kv
-        self._weights = LoadWeights.of(balance)
-
-    def scores(self, candidates: Sequence[Endpoint], request: PickRequest,
-               now: float) -> list[float]:
-        reported = self._weights.reported  # load_aware's score, less in flight
-        per_request = self.kv.calibration.tokens_per_request
-        if self.kv.tracks_work:
-            return [e.pending_tokens + per_request * reported(e.load, now) for e in candidates]
-        return [per_request * (e.in_flight + reported(e.load, now)) for e in candidates]

@@ -161,6 +161,17 @@ def _cache_key(*parts: Any) -> int:
         return hash(b"json:" + msgspec.json.encode(parts))
 
 
+class Tokenize(msgspec.Struct, frozen=True):
+    """A prompt `PromptTokenizer.lookup` could not find: what `tokenize` needs to ask a
+    server for its ids and to cache them."""
+
+    request: ClientRequest
+    body: dict[str, Any]
+    key: int | None  # its key in the cache (None: no cache)
+    lora: str | None
+    salt: str | None
+
+
 class PromptTokenizer:
     """A request's `PromptBlocks`, from its token ids or a server's `POST /tokenize`,
     through the cache of prompts seen lately.
@@ -184,7 +195,11 @@ class PromptTokenizer:
         for result in (_HIT, _MISS):  # both exposed at 0 from the start
             metrics.kv_tokenize_cache.labels(*result)
 
-    async def blocks(self, request: ClientRequest) -> PromptBlocks | None:
+    def lookup(self, request: ClientRequest) -> PromptBlocks | Tokenize | None:
+        """The request's blocks when its ids are at hand (given, or a prompt seen lately),
+        without a wait; a `Tokenize` when a server must be asked (`tokenize`); None when it
+        cannot be scored. (A coroutine per request for a prompt sent again was a frame,
+        its creation and its end more on every kv_aware request.)"""
         lora = request.model if request.model in self._lora_names() else None
         salt = cache_salt_of(request)
         tokens = request.token_ids  # a completion's prompt given as ids (parse_request checked them)
@@ -202,9 +217,18 @@ class PromptTokenizer:
             self._cache_results.inc(_MISS)
         if tokens is None:
             assert body is not None
-            tokens = await self._tokenize(request, body)
-            if tokens is None:
-                return None
+            return Tokenize(request, body, key, lora, salt)
+        return self._blocks(tokens, key, lora, salt)
+
+    async def tokenize(self, pending: Tokenize) -> PromptBlocks | None:
+        """A `lookup`'s prompt, by a server's /tokenize (None: it failed, see above)."""
+        tokens = await self._tokenize(pending.request, pending.body)
+        if tokens is None:
+            return None
+        return self._blocks(tokens, pending.key, pending.lora, pending.salt)
+
+    def _blocks(self, tokens: Sequence[int], key: int | None, lora: str | None,
+                salt: str | None) -> PromptBlocks:
         if key is None:
             return PromptBlocks(tokens, lora=lora, cache_salt=salt)
         entry = self.cache.put(key, tokens)
