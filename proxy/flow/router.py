@@ -162,7 +162,7 @@ class Router:
             self.tokenizer = PromptTokenizer(
                 self.client, lambda: self.decode.endpoints + self.prefill.endpoints,
                 timeout=balance.kv_aware.tokenize_timeout, metrics=self.metrics,
-                lora_names=index.lora_names,
+                lora_names=index.lora_names(),  # live: the index keeps it current
                 cache_tokens=balance.kv_aware.tokenize_cache_tokens)
         self._warmup: asyncio.Task[None] | None = None
         self.context = FlowContext(

@@ -387,14 +387,15 @@ class KvIndex:
                 if source.state is not synced:
                     continue
                 size = source.block_size or self._block_size(source, fallback_block_size)
-                keys = prompt.keys(size)
-                # `hits`'s first check, made here: a call less per candidate when the
-                # source holds the whole prompt (a prompt sent again)
-                held = (len(keys) if held_by.get(source) == source.removals
-                        else source.hits(keys, now, held_by=held_by)) * size
+                # `hits`'s first check, made here: a source that holds the whole prompt
+                # (a prompt sent again) holds its full blocks, counted without a call
+                if held_by.get(source) == source.removals:
+                    held = length // size * size
+                else:
+                    held = source.hits(prompt.keys(size), now, held_by=held_by) * size
                 if held > best:
                     best = held
-            found.append(None if best < 0 else min(best, length))
+            found.append(None if best < 0 else best)  # full blocks: never past the prompt
         return found
 
     def credit(self, url: str, prompt: PromptBlocks, until: float, *,

@@ -182,13 +182,13 @@ class PromptTokenizer:
 
     def __init__(self, client: UpstreamClient, servers: Callable[[], Sequence[Endpoint]],
                  *, timeout: float, metrics: RouterMetrics,
-                 lora_names: Callable[[], Collection[str]] = frozenset,
+                 lora_names: Collection[str] = frozenset(),
                  cache_tokens: int = 0) -> None:
         self._client = client
         self._servers = servers
         self._timeout = timeout
         self._metrics = metrics
-        self._lora_names = lora_names  # adapters the servers' events named
+        self._lora_names = lora_names  # adapters the servers' events named (live)
         self._failing = False  # warned once per failing streak
         self.cache = TokenizedPrompts(cache_tokens)
         self._cache_results = metrics.kv_tokenize_cache
@@ -200,7 +200,7 @@ class PromptTokenizer:
         without a wait; a `Tokenize` when a server must be asked (`tokenize`); None when it
         cannot be scored. (A coroutine per request for a prompt sent again was a frame,
         its creation and its end more on every kv_aware request.)"""
-        lora = request.model if request.model in self._lora_names() else None
+        lora = request.model if request.model in self._lora_names else None
         salt = cache_salt_of(request)
         tokens = request.token_ids  # a completion's prompt given as ids (parse_request checked them)
         body = None if tokens is not None else tokenize_body(request)
