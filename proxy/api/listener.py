@@ -106,7 +106,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._request_began: float | None = None  # loop time of a request's first byte
         self._idle_since: float | None = None  # loop time it went idle (None: in use)
         # Given to each request in its scope: tells the running flow of a lost connection.
-        self._connection = ClientConnection()
+        self._connection = ClientConnection(self.loop)
         self.extensions = {CLIENT_CONNECTION: self._connection}
         # The router's own path for inference requests (`cycle.InferenceCycle`), when the
         # app uvicorn serves is the router's itself. None while uvicorn's access log is on

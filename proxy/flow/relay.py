@@ -38,11 +38,14 @@ class ClientConnection:
     time on a connection). A task per request waiting on ASGI's `receive` for the
     disconnect did the same for about a tenth of the router's CPU per request."""
 
-    __slots__ = ("_on_lost", "_gone")
+    __slots__ = ("_on_lost", "_gone", "loop")
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._on_lost: Callable[[], None] | None = None
         self._gone = False
+        # The connection's event loop (None: not known), for the request's task to be
+        # found without `get_running_loop`, a getpid system call in 3.11.
+        self.loop = loop
 
     def on_lost(self, callback: Callable[[], None] | None) -> None:
         """Call `callback` when the connection is lost (None: no longer); at once if it
@@ -232,7 +235,8 @@ class FlowResponse:
         """Run the flow in this task; it is cancelled if the client leaves."""
         down = Downstream(send, streaming=self._streaming, headers=self._headers)
         failure: RouterError | None = None
-        this = asyncio.current_task()
+        connection: ClientConnection | None = scope.get("extensions", {}).get(CLIENT_CONNECTION)
+        this = asyncio.current_task(None if connection is None else connection.loop)
         assert this is not None  # ASGI apps run inside tasks
         client_left = False
 
@@ -243,7 +247,6 @@ class FlowResponse:
                 client_left = True
                 this.cancel()
 
-        connection: ClientConnection | None = scope.get("extensions", {}).get(CLIENT_CONNECTION)
         watcher: asyncio.Task[None] | None = None
         if connection is not None:
             connection.on_lost(on_client_gone)
