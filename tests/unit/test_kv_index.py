@@ -269,6 +269,31 @@ def test_a_source_with_no_stored_block_yet_takes_another_servers_block_size() ->
     assert fresh.hits(prompt.keys(BS), now=0) == 4  # credited in the other server's size
 
 
+
+def test_the_lent_block_size_follows_the_server_that_lends_it() -> None:
+    """The block size lent to a source with nothing stored is remembered, and looked up
+    again once its lender is gone; with no lender left, the fallback."""
+    index = KvIndex()
+    index.source("http://p", 0).accept(0, batch(stored([1], None, TOKENS[:4])))
+    fresh = index.source("http://q", 0)
+    fresh.start_empty()
+
+    def credited_in(size: int) -> bool:  # credited afresh, in blocks of `size` tokens
+        fresh.release()
+        prompt = PromptBlocks(TOKENS)
+        index.credit("http://q", prompt, until=10.0, fallback_block_size=3 * BS)
+        return fresh.hits(prompt.keys(size), now=0) == len(TOKENS) // size
+
+    assert credited_in(BS)  # p's
+    index.forget("http://p")
+    assert credited_in(3 * BS)  # nobody lends one: the fallback
+    index.source("http://r", 0).accept(0, batch(BlockStored(
+        block_hashes=(1,), parent_block_hash=None, token_ids=TOKENS[:8], block_size=2 * BS)))
+    assert credited_in(2 * BS)  # a new lender, found again
+    index.forget("http://r")
+    assert credited_in(3 * BS)
+
+
 def test_prompt_blocks_compute_keys_once_per_block_size() -> None:
     prompt = PromptBlocks(TOKENS)
     assert prompt.keys(BS) is prompt.keys(BS)

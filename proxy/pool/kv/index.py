@@ -311,6 +311,8 @@ class SourceIndex:
         if held_by is not None and held_by.get(self) == self.removals:
             return len(keys)
         held, credits = self._keys, self._credits
+        if not held and not credits:
+            return 0  # nothing stored yet: a server no request of this prompt went to
         # The leading keys stored, counted in C (a prompt sent again: all of them); a
         # Python loop over every key was 3.5% of kv_aware's CPU per request, 1k-token
         # prompts (the profile scenario). Credits are looked up from the first one not.
@@ -338,6 +340,10 @@ class KvIndex:
     def __init__(self, *, max_blocks: int = DEFAULT_MAX_BLOCKS) -> None:
         self.max_blocks = max_blocks
         self._by_url: dict[str, dict[int, SourceIndex]] = {}
+        # A source whose events gave its block size, lent to those whose events have
+        # not yet (`_block_size`): found once, not by a walk over every source per
+        # candidate (a server that has stored nothing is scored on every pick).
+        self._sized: SourceIndex | None = None
         # Every source's adapters, kept as their events name them (read per request:
         # building the union of every source's names each time was 1% of kv_aware's
         # CPU per request, the profile scenario).
@@ -361,6 +367,8 @@ class KvIndex:
         """A server left: its entries go with it."""
         for source in self._by_url.pop(url, {}).values():
             source.release()
+            if source is self._sized:
+                self._sized = None
         self._lora_names.clear()
         self._lora_names.update(name for s in self.all_sources() for name in s.lora_names)
 
@@ -412,5 +420,9 @@ class KvIndex:
     def _block_size(self, source: SourceIndex, fallback: int) -> int:
         """A source's block size; one whose events have stored nothing yet (so a burst's
         credit counts before its first events) takes another server's, else `fallback`."""
-        return source.block_size or next(
-            (s.block_size for s in self.all_sources() if s.block_size), fallback)
+        if source.block_size:
+            return source.block_size
+        sized = self._sized
+        if sized is None or not sized.block_size:
+            sized = self._sized = next((s for s in self.all_sources() if s.block_size), None)
+        return (sized.block_size if sized is not None else None) or fallback
