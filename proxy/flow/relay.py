@@ -44,7 +44,8 @@ class ClientConnection:
         self._on_lost: Callable[[], None] | None = None
         self._gone = False
         # The connection's event loop (None: not known), for the request's task to be
-        # found without `get_running_loop`, a getpid system call in 3.11.
+        # found without `get_running_loop`, a getpid system call in 3.11 (strace on the
+        # router: 1.1 getpid calls per request before, 0.1 after).
         self.loop = loop
 
     def on_lost(self, callback: Callable[[], None] | None) -> None:

@@ -34,7 +34,7 @@ from proxy.pool.health import HealthChecker
 from proxy.pool.kv.blocks import PromptBlocks
 from proxy.pool.kv.index import KvIndex
 from proxy.pool.kv.score import Calibration, KvContext
-from proxy.pool.kv.tokens import PromptTokenizer, Tokenize
+from proxy.pool.kv.tokens import PromptTokenizer
 from proxy.pool.membership import ConfigWatcher, Membership
 from proxy.pool.models import ModelCatalog
 from proxy.pool.probe import CoordinateProber
@@ -162,7 +162,7 @@ class Router:
             self.tokenizer = PromptTokenizer(
                 self.client, lambda: self.decode.endpoints + self.prefill.endpoints,
                 timeout=balance.kv_aware.tokenize_timeout, metrics=self.metrics,
-                lora_names=index.lora_names(),  # live: the index keeps it current
+                lora_names=index.lora_names,
                 cache_tokens=balance.kv_aware.tokenize_cache_tokens)
         self._warmup: asyncio.Task[None] | None = None
         self.context = FlowContext(
@@ -253,11 +253,7 @@ class Router:
         self.retry_budget.request()
         key = prefix_key(request, self.config.balance.prefix_chars) if self._needs_prefix else None
         # kv_aware: the prompt's token ids, from the request or a server's /tokenize
-        prompt: PromptBlocks | None = None
-        if self.tokenizer is not None:
-            found = self.tokenizer.lookup(request)
-            # a prompt not seen lately: a server tokenizes it
-            prompt = await self.tokenizer.tokenize(found) if isinstance(found, Tokenize) else found
+        prompt = await self.tokenizer.blocks(request) if self.tokenizer is not None else None
         # auto learns from streamed requests' time to first token, per prompt length
         learner = self.learner
         bucket = (learner.bucket(prompt_chars(request)) if learner and (

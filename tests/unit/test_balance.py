@@ -11,9 +11,10 @@ import msgspec
 import pytest
 
 from proxy.config import Balance, EndpointConfig, Policy, build_config
-from proxy.pool.balance import Balancer
+from proxy.pool.balance import Balancer, Lowest, Pipeline
 from proxy.pool.endpoints import Cluster, ClusterName, Endpoint
 from proxy.pool.load import LoadReport
+from proxy.pool.pick import PickRequest
 from proxy.protocol import Route, parse_request, prefix_key
 
 
@@ -90,6 +91,23 @@ def test_prefix_affinity_without_a_prompt_acts_as_least_outstanding() -> None:
     eps = endpoints(2)
     eps[0].in_flight = 3
     assert Balancer(Policy.PREFIX_AFFINITY).pick(eps, None) is eps[1]
+
+
+def test_a_pipeline_of_several_scorers_picks_by_their_weighted_sum() -> None:
+    class Given:
+        def __init__(self, costs: list[float]) -> None:
+            self.costs = costs
+
+        def scores(self, candidates: object, request: object, now: float) -> list[float]:
+            return self.costs
+
+    eps = endpoints(2)
+    pipeline = Pipeline([(Given([0.0, 2.0]), 1.0), (Given([3.0, 0.0]), 1.0)], Lowest())
+    assert pipeline.pick(eps, PickRequest()) is eps[1]  # 3 + 0 > 0 + 2
+    pipeline = Pipeline([(Given([0.0, 2.0]), 3.0), (Given([3.0, 0.0]), 1.0)], Lowest())
+    assert pipeline.pick(eps, PickRequest()) is eps[0]  # 0 + 3 < 6 + 0
+    pipeline = Pipeline([(Given([0.0, 2.0]), 1.0)], Lowest())  # one of weight 1: as given
+    assert pipeline.pick(eps, PickRequest()) is eps[0]
 
 
 def test_a_cluster_filters_before_its_policy_picks() -> None:

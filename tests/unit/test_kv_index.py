@@ -269,10 +269,9 @@ def test_a_source_with_no_stored_block_yet_takes_another_servers_block_size() ->
     assert fresh.hits(prompt.keys(BS), now=0) == 4  # credited in the other server's size
 
 
-
 def test_the_lent_block_size_follows_the_server_that_lends_it() -> None:
-    """The block size lent to a source with nothing stored is remembered, and looked up
-    again once its lender is gone; with no lender left, the fallback."""
+    """A source with nothing stored takes a lender's block size while its server stays,
+    then another's; with no lender left, the fallback."""
     index = KvIndex()
     index.source("http://p", 0).accept(0, batch(stored([1], None, TOKENS[:4])))
     fresh = index.source("http://q", 0)
@@ -322,6 +321,19 @@ def test_a_prompt_held_whole_is_remembered_until_a_key_leaves() -> None:
     assert prompt.held_by[source] != source.removals
     source.accept(4, batch(AllBlocksCleared()))
     assert index.hit_tokens("http://p", prompt, now=11.0, fallback_block_size=BS) == 0
+
+
+def test_a_prompt_held_whole_counts_its_full_blocks_only() -> None:
+    index = KvIndex()
+    index.source("http://p", 0).accept(0, batch(stored([1, 2, 3, 4], None, TOKENS)))
+    prompt = PromptBlocks(TOKENS + [7, 7])  # four full blocks and two tokens more
+
+    def hit_tokens() -> int | None:
+        return index.hit_tokens("http://p", prompt, now=0, fallback_block_size=BS)
+
+    assert hit_tokens() == 16  # walked: the four blocks
+    assert prompt.held_by  # remembered as held whole
+    assert hit_tokens() == 16  # from the memo: still not the two tokens past them
 
 
 def test_a_prompt_held_whole_is_walked_again_when_the_block_size_changes() -> None:

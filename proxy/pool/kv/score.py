@@ -64,7 +64,7 @@ class Calibration:
 
 @dataclass(frozen=True, slots=True)
 class KvContext:
-    """What one cluster's kv_aware scorers share: the router's index and how this cluster
+    """What one cluster's kv_aware scorer uses: the router's index and how this cluster
     weighs it (P: `token_weight` 1, its queue counted in prompt tokens; D:
     `decode_token_weight`, its queue in requests)."""
 
@@ -81,7 +81,9 @@ class KvCost:
     """The cost above for every candidate, in one pass; after the pick, the chosen server
     is credited with the prompt's blocks and the prediction is recorded. (The cache and
     the queue were two scorers the pipeline weighed and added: one pass is a scorer call,
-    a list and the pipeline's sum less a pick, two picks a request.)"""
+    a list and the pipeline's sum less a pick, two picks a request; with the cuts of its
+    round, kv_aware's extra went from 84 to 65 Python calls per request, see "kv_aware's
+    CPU per request" in docs/benchmarks.md.)"""
 
     def __init__(self, kv: KvContext, balance: Balance) -> None:
         self.kv = kv
@@ -120,7 +122,8 @@ class KvCost:
         weight, reported = kv.token_weight, self._weights.reported
         per_request = kv.calibration.tokens_per_request
         if kv.tracks_work:
-            return [weight * (length - h) + e.pending_tokens + per_request * reported(e.load, now)
+            # (summed as the two scorers' costs were: the same ties)
+            return [weight * (length - h) + (e.pending_tokens + per_request * reported(e.load, now))
                     for e, h in zip(candidates, held, strict=True)]
         return [weight * (length - h) + per_request * (e.in_flight + reported(e.load, now))
                 for e, h in zip(candidates, held, strict=True)]

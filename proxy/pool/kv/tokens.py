@@ -161,17 +161,6 @@ def _cache_key(*parts: Any) -> int:
         return hash(b"json:" + msgspec.json.encode(parts))
 
 
-class Tokenize(msgspec.Struct, frozen=True):
-    """A prompt `PromptTokenizer.lookup` could not find: what `tokenize` needs to ask a
-    server for its ids and to cache them."""
-
-    request: ClientRequest
-    body: dict[str, Any]
-    key: int | None  # its key in the cache (None: no cache)
-    lora: str | None
-    salt: str | None
-
-
 class PromptTokenizer:
     """A request's `PromptBlocks`, from its token ids or a server's `POST /tokenize`,
     through the cache of prompts seen lately.
@@ -182,25 +171,21 @@ class PromptTokenizer:
 
     def __init__(self, client: UpstreamClient, servers: Callable[[], Sequence[Endpoint]],
                  *, timeout: float, metrics: RouterMetrics,
-                 lora_names: Collection[str] = frozenset(),
+                 lora_names: Callable[[], Collection[str]] = frozenset,
                  cache_tokens: int = 0) -> None:
         self._client = client
         self._servers = servers
         self._timeout = timeout
         self._metrics = metrics
-        self._lora_names = lora_names  # adapters the servers' events named (live)
+        self._lora_names = lora_names  # adapters the servers' events named
         self._failing = False  # warned once per failing streak
         self.cache = TokenizedPrompts(cache_tokens)
         self._cache_results = metrics.kv_tokenize_cache
         for result in (_HIT, _MISS):  # both exposed at 0 from the start
             metrics.kv_tokenize_cache.labels(*result)
 
-    def lookup(self, request: ClientRequest) -> PromptBlocks | Tokenize | None:
-        """The request's blocks when its ids are at hand (given, or a prompt seen lately),
-        without a wait; a `Tokenize` when a server must be asked (`tokenize`); None when it
-        cannot be scored. (A coroutine per request for a prompt sent again was a frame,
-        its creation and its end more on every kv_aware request.)"""
-        lora = request.model if request.model in self._lora_names else None
+    async def blocks(self, request: ClientRequest) -> PromptBlocks | None:
+        lora = request.model if request.model in self._lora_names() else None
         salt = cache_salt_of(request)
         tokens = request.token_ids  # a completion's prompt given as ids (parse_request checked them)
         body = None if tokens is not None else tokenize_body(request)
@@ -217,18 +202,9 @@ class PromptTokenizer:
             self._cache_results.inc(_MISS)
         if tokens is None:
             assert body is not None
-            return Tokenize(request, body, key, lora, salt)
-        return self._blocks(tokens, key, lora, salt)
-
-    async def tokenize(self, pending: Tokenize) -> PromptBlocks | None:
-        """A `lookup`'s prompt, by a server's /tokenize (None: it failed, see above)."""
-        tokens = await self._tokenize(pending.request, pending.body)
-        if tokens is None:
-            return None
-        return self._blocks(tokens, pending.key, pending.lora, pending.salt)
-
-    def _blocks(self, tokens: Sequence[int], key: int | None, lora: str | None,
-                salt: str | None) -> PromptBlocks:
+            tokens = await self._tokenize(request, body)
+            if tokens is None:
+                return None
         if key is None:
             return PromptBlocks(tokens, lora=lora, cache_salt=salt)
         entry = self.cache.put(key, tokens)
