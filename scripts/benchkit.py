@@ -233,13 +233,14 @@ class _BenchKV:
             f'num_gpu_blocks="{num_blocks}"}} 1.0\n').encode()
 
     @staticmethod
-    def _memo(memo: dict[Any, Any], key: Any, make: Any) -> Any:
-        found = memo.get(key)
-        if found is None:
-            if len(memo) > 10_000:
+    def _memo(memo: dict[Any, Any], key: Any, make: Any, limit: int = 10_000) -> Any:
+        """`make()`, remembered under `key` (None too) in `memo`, which is emptied past
+        `limit` entries."""
+        if key not in memo:
+            if len(memo) > limit:
                 memo.clear()
-            found = memo[key] = make()
-        return found
+            memo[key] = make()
+        return memo[key]
 
     def tokens(self, body: dict[str, Any]) -> list[int] | None:
         from testbed.fake_kv_cache import fake_chat_tokens, fake_tokenize
@@ -259,11 +260,7 @@ class _BenchKV:
             tokens = self.tokens(msgspec.json.decode(raw))
             return (tokens, self.cache.hashes(tokens)) if tokens else None
 
-        if raw not in self._served:
-            if len(self._served) > 1_000:
-                self._served.clear()
-            self._served[raw] = prompt()
-        found = self._served[raw]
+        found = self._memo(self._served, raw, prompt, limit=1_000)
         if found is not None:
             self.cache.serve(*found)
 

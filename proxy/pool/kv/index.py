@@ -342,7 +342,7 @@ class KvIndex:
         self.max_blocks = max_blocks
         self._by_url: dict[str, dict[int, SourceIndex]] = {}
         # A source whose events gave its block size, lent to those whose events have
-        # not yet (`_block_size`): kept, not found by a walk over every source per
+        # not yet (`_lent_block_size`): kept, not found by a walk over every source per
         # candidate (a server that has stored nothing is scored on every pick: the walk
         # and `hits`'s were a third of kv_aware's extra in the profile scenario).
         self._sized: SourceIndex | None = None
@@ -396,7 +396,7 @@ class KvIndex:
             for source in by_url.get(url, _NO_SOURCES).values():
                 if source.state is not synced:
                     continue
-                size = source.block_size or self._block_size(source, fallback_block_size)
+                size = source.block_size or self._lent_block_size(fallback_block_size)
                 # `hits`'s first check, made here: a source that holds the whole prompt
                 # (a prompt sent again) holds its full blocks, counted without a call
                 if held_by.get(source) == source.removals:
@@ -416,16 +416,14 @@ class KvIndex:
             if held_by.get(source) == source.removals:
                 continue  # it stored them all (`SourceIndex.credit`'s first check, made
                 # here: three calls less a pick, for a prompt sent again)
-            size = source.block_size or self._block_size(source, fallback_block_size)
+            size = source.block_size or self._lent_block_size(fallback_block_size)
             source.credit(prompt.keys(size), until, held_by=held_by)
 
-    def _block_size(self, source: SourceIndex, fallback: int) -> int:
-        """A source's block size; one whose events have stored nothing yet (so a burst's
-        credit counts before its first events) takes another server's, else `fallback`.
-        The first lender found lends until its server leaves (servers of one index may
-        differ in block size: P and D)."""
-        if source.block_size:
-            return source.block_size
+    def _lent_block_size(self, fallback: int) -> int:
+        """The block size for a source whose events have stored nothing yet (so a burst's
+        credit counts before its first events): another server's, else `fallback`. The
+        first lender found lends until its server leaves (servers of one index may differ
+        in block size: P and D)."""
         sized = self._sized
         if sized is None:
             sized = self._sized = next((s for s in self.all_sources() if s.block_size), None)
