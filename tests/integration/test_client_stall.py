@@ -60,6 +60,20 @@ def stream_request(tokens: int) -> bytes:
             % (len(body), body))
 
 
+async def small_send_buffer(server: uvicorn.Server) -> GuardedHttpProtocol:
+    """The router's side of the one client connection, its socket's send buffer made
+    small: on loopback the kernel would queue megabytes for the client before the
+    router's own buffer fills, and a small buffer gets there at once. Made small before
+    the client sends its request: set once the answer had begun, the kernel could already
+    hold all of a short answer (450 KB), and the router would never wait on the client."""
+    await until(lambda: server.server_state.connections, "the router's connection", BOUND)
+    (protocol,) = server.server_state.connections
+    protocol.transport.get_extra_info("socket").setsockopt(
+        socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+    assert isinstance(protocol, GuardedHttpProtocol)
+    return protocol
+
+
 async def wait_closed_by_router(sock: socket.socket, within: float) -> bytes:
     """Read until the router closes or resets the connection (bounded); what it sent."""
     loop = asyncio.get_running_loop()
@@ -126,14 +140,8 @@ async def test_a_slow_client_that_reads_is_not_cut(pair: Pair) -> None:
         loop = asyncio.get_running_loop()
         received = bytearray()
         try:
+            protocol = await small_send_buffer(server)
             await loop.sock_sendall(sock, stream_request(tokens))
-            await until(lambda: server.server_state.connections, "the router's connection", BOUND)
-            (protocol,) = server.server_state.connections
-            # On loopback the kernel would queue megabytes for this socket before the
-            # router's own buffer fills: a small send buffer gets there at once.
-            protocol.transport.get_extra_info("socket").setsockopt(
-                socket.SOL_SOCKET, socket.SO_SNDBUF, 16384
-            )
             # the router waits on this client:
             await until(lambda: protocol.flow.write_paused, "writes paused", BOUND)
             # 2 KB every 100 ms for three times client_stall: the router's buffer stays
@@ -164,11 +172,8 @@ async def test_a_client_that_reads_too_slowly_is_cut_and_its_legs_released(pair:
         sock = await connect(url, rcvbuf=TINY_RCVBUF)
         loop = asyncio.get_running_loop()
         try:
+            protocol = await small_send_buffer(server)
             await loop.sock_sendall(sock, stream_request(100_000))
-            await until(lambda: server.server_state.connections, "the router's connection", BOUND)
-            (protocol,) = server.server_state.connections
-            protocol.transport.get_extra_info("socket").setsockopt(
-                socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
             await until(lambda: protocol.flow.write_paused, "writes paused", BOUND)
             # 4 KB every 250 ms: it reads, so it is no stall, but at 16 KB/s
 
