@@ -303,13 +303,17 @@ def measure(args: argparse.Namespace, name: str, url: str, headers: dict[str, st
                           headers=headers, prompt=args.prompt)
 
     load(args.warmup)
-    cpu_before = gauge.cpu_seconds() if gauge else None
+    cpu_before = gauge.cpu_times() if gauge else None
     result = load(args.seconds)
     row = {"target": name, "concurrency": concurrency, "stream": stream, "loader": loader,
            **result}
     if gauge and cpu_before is not None and result["requests"]:
-        cpu = gauge.cpu_seconds() - cpu_before
+        user, system = (after - before for after, before in zip(gauge.cpu_times(), cpu_before))
+        cpu = user + system
         row["cpu_s_per_1000"] = round(cpu / result["requests"] * 1000, 3)
+        # the same, split: the user-space part, and the kernel's (ProcessGauge.cpu_times)
+        row["cpu_user_s_per_1000"] = round(user / result["requests"] * 1000, 3)
+        row["cpu_system_s_per_1000"] = round(system / result["requests"] * 1000, 3)
         # per core: requests per CPU-second of the router's process tree
         row["req_per_cpu_s"] = round(result["requests"] / cpu, 1) if cpu > 0 else None
     p = result["latency_ms"]
@@ -317,7 +321,8 @@ def measure(args: argparse.Namespace, name: str, url: str, headers: dict[str, st
         f"{result['req_per_s']:>9.1f} req/s  p50 {p.get('p50', 0):>7.2f} ms  "
         f"p99 {p.get('p99', 0):>7.2f} ms  errors {result['errors']}"
         + (f" {result['error_kinds']}" if result.get("error_kinds") else "")
-        + (f"  cpu {row['cpu_s_per_1000']:.2f} s/1000" if "cpu_s_per_1000" in row else "")
+        + (f"  cpu {row['cpu_s_per_1000']:.3f} s/1000 (user {row['cpu_user_s_per_1000']:.3f},"
+           f" system {row['cpu_system_s_per_1000']:.3f})" if "cpu_s_per_1000" in row else "")
         + (f"  per core {row['req_per_cpu_s']:.0f} req/cpu-s" if row.get("req_per_cpu_s") else ""))
     return row
 
@@ -409,6 +414,16 @@ def kv_cpu_ratios(rows: list[dict[str, Any]]) -> dict[str, float]:
     return {f"{target}/{other} {_point(c, s, lo, loaders)}": round(ratio, 3)
             for (target, other, c, s, lo), ratio in sorted(paired.items())
             if "-kv-" in target and other == target.replace("-kv-", "-")}
+
+
+def cpu_split(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each router's CPU per request in microseconds, [user, system], per point (medians):
+    what its own code spends, and what the kernel spends for it (its socket calls)."""
+    user, system = _medians(rows, "cpu_user_s_per_1000"), _medians(rows, "cpu_system_s_per_1000")
+    loaders = {loader for *_, loader in user}
+    return {f"{target} {_point(concurrency, stream, loader, loaders)}":
+            [round(value * 1000, 1), round(system[(target, concurrency, stream, loader)] * 1000, 1)]
+            for (target, concurrency, stream, loader), value in user.items()}
 
 
 def per_core(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -982,6 +997,8 @@ def summarize(result: dict[str, Any]) -> dict[str, Any]:
             summary["router_cpu_ms_per_request"] = {
                 f"{target} {_point(concurrency, stream, loader, loaders)}": round(value, 3)
                 for (target, concurrency, stream, loader), value in cpu.items()}
+        if any("cpu_user_s_per_1000" in r for r in rows):
+            summary["router_cpu_us_per_request_user_system"] = cpu_split(rows)
         pull_cpu = [r["cpu_s_per_1000"] for r in rows
                     if r["target"] == "ours-pull" and not r["stream"] and "cpu_s_per_1000" in r]
         if pull_cpu:

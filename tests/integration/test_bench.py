@@ -40,6 +40,9 @@ def test_a_short_bench_writes_results_ratios_and_plots(tmp_path: Path) -> None:
     assert all(r["errors"] == 0 and r["req_per_s"] > 0 and r["latency_ms"]["p50"] > 0 for r in rows)
     assert all(r["cpu_s_per_1000"] > 0 for r in rows
                if r["target"] in ("ours-pull", "peer", "before"))
+    # the split adds up to the whole (each part rounded on its own)
+    assert all(abs(r["cpu_user_s_per_1000"] + r["cpu_system_s_per_1000"] - r["cpu_s_per_1000"])
+               <= 0.002 and r["cpu_user_s_per_1000"] > 0 for r in rows if "cpu_s_per_1000" in r)
     assert {r["loader"] for r in rows} == {"python"}
 
     summary = result["summary"]
@@ -49,6 +52,8 @@ def test_a_short_bench_writes_results_ratios_and_plots(tmp_path: Path) -> None:
         assert 0 < summary["ratios"][f"ours-pull/peer {point}"]
         assert 0 < summary["ratios"][f"ours-pull/before {point}"]
         assert 0 < summary["cpu_per_request_ratios"][f"ours-pull/before {point}"]
+        user, system = summary["router_cpu_us_per_request_user_system"][f"ours-pull {point}"]
+        assert user > 0 and system >= 0
 
     streams = result["streams"]
     assert streams["errors"] == 0
