@@ -308,7 +308,8 @@ def measure(args: argparse.Namespace, name: str, url: str, headers: dict[str, st
     row = {"target": name, "concurrency": concurrency, "stream": stream, "loader": loader,
            **result}
     if gauge and cpu_before is not None and result["requests"]:
-        user, system = (after - before for after, before in zip(gauge.cpu_times(), cpu_before))
+        user_after, system_after = gauge.cpu_times()
+        user, system = user_after - cpu_before[0], system_after - cpu_before[1]
         cpu = user + system
         row["cpu_s_per_1000"] = round(cpu / result["requests"] * 1000, 3)
         # the same, split: the user-space part, and the kernel's (ProcessGauge.cpu_times)
