@@ -68,9 +68,9 @@ async def small_send_buffer(server: uvicorn.Server) -> GuardedHttpProtocol:
     hold all of a short answer (450 KB), and the router would never wait on the client."""
     await until(lambda: server.server_state.connections, "the router's connection", BOUND)
     (protocol,) = server.server_state.connections
+    assert isinstance(protocol, GuardedHttpProtocol)
     protocol.transport.get_extra_info("socket").setsockopt(
         socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
-    assert isinstance(protocol, GuardedHttpProtocol)
     return protocol
 
 
