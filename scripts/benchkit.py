@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -40,7 +41,9 @@ def process(args: list[str], ready_url: str, name: str,
             log_path: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
     """Start a server process (own process group) and wait until `ready_url` answers.
     With `log_path` its output goes there (a long run never fills a pipe), else stderr is
-    kept for the error of a failed start."""
+    kept for the error of a failed start. The process group is stopped when the block
+    ends, however it ends: a SIGTERM to this process included (`_stop_on_sigterm`)."""
+    _stop_on_sigterm()
     if log_path is None:
         proc = subprocess.Popen(args, cwd=REPO, process_group=0, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE)
@@ -73,6 +76,21 @@ def process(args: list[str], ready_url: str, name: str,
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def _stop_on_sigterm() -> None:
+    """Make SIGTERM end this process as Ctrl-C does, through every `finally`, so that the
+    servers `process` started go with it. By default SIGTERM (a `timeout`, a `kill`) ends
+    Python at once, and a server in its own process group lives on: a router left behind
+    keeps its ports, and the next run's fails to start. Only from the main thread, and
+    only over the default handler (never over a handler of the program's own)."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _terminated)
+
+
+def _terminated(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _host_port(url: str) -> tuple[str, int]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -233,3 +234,70 @@ async def test_the_path_bench_stops_at_an_answer_other_than_200() -> None:
         with pytest.raises(BenchFailed, match="answered 500"):
             await _load(port, 100, 4, False, None)
         assert time.monotonic() - started < 10
+
+
+def test_a_bench_stopped_by_sigterm_stops_the_servers_it_started() -> None:
+    """A SIGTERM to the bench (a `timeout`, a `kill`) stops the emulated servers and the
+    routers it started, each in its own process group, with it: none is left holding its
+    ports for the next run."""
+    from scripts.benchkit import ProcessGauge
+
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "scripts.bench", "overhead", "--modes", "pull", "--concurrency",
+         "1", "--seconds", "60", "--loader", "python", "--no-stream", "--out", "/dev/null"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        # the emulated P and D and our router, once the router answers (bounded): the
+        # bench is measuring then
+        deadline = time.monotonic() + 60
+        servers: list[int] = []
+        while len(servers) < 3 or not _answers(servers):
+            assert bench.poll() is None, "the bench ended before its servers were up"
+            assert time.monotonic() < deadline, f"3 servers not up within 60 s: {servers}"
+            time.sleep(0.2)
+            servers = [pid for pid in ProcessGauge(bench.pid)._tree()
+                       if pid != bench.pid and _command(pid)[2:4] in (["proxy", "serve"],
+                                                                      ["scripts.bench",
+                                                                       "--serve-fake"])]
+        bench.terminate()
+        assert bench.wait(30) == 128 + 15  # through its `finally`s, not killed outright
+        deadline = time.monotonic() + 15
+        while (alive := [pid for pid in servers if _running(pid)]):
+            assert time.monotonic() < deadline, f"left running after the bench: {alive}"
+            time.sleep(0.1)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+
+
+def _command(pid: int) -> list[str]:
+    """The command line of process `pid` (empty once it has ended)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    except FileNotFoundError:
+        return []
+
+
+def _answers(servers: list[int]) -> bool:
+    """Whether the router among `servers` (`python -m proxy serve ... --port N`) accepts
+    connections on its port."""
+    for pid in servers:
+        command = _command(pid)
+        if command[2:4] == ["proxy", "serve"]:
+            port = int(command[command.index("--port") + 1])
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            except OSError:
+                return False
+            return True
+    return False
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
