@@ -185,7 +185,8 @@ class Ejection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 class RetryBudgetConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Retries within the last `window_s` seconds: at most `ratio` x requests, plus
-    `min_per_window` (see `proxy.pool.retry`)."""
+    `min_per_window` (see `proxy.pool.retry`; counted in tenths of the window, so a
+    request or retry leaves it between 0.9 and 1 `window_s` after it)."""
 
     ratio: float = 0.2
     min_per_window: int = 10

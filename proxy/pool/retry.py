@@ -13,7 +13,6 @@ instead of doubling the load.
 
 from __future__ import annotations
 
-import collections
 import time
 
 from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamStatusError
@@ -32,32 +31,44 @@ def retry_reason(exc: UpstreamError) -> str | None:
 
 
 class RetryBudget:
+    """Requests and retries counted in `SLOTS` slots of `window_s / SLOTS` seconds each:
+    the window is its last `SLOTS` slots, so a request or retry is forgotten between
+    `window_s` minus a slot and `window_s` after it. Two counts per slot, whatever the
+    rate: a timestamp per request (as before) held 130,000 of them at 13,000 requests a
+    second over the default 10 s, and took a deque append and a popleft per request."""
+
+    SLOTS = 10
+
     def __init__(self, ratio: float = 0.2, min_per_window: int = 10, window_s: float = 10.0) -> None:
         self.ratio = ratio
         self.min_per_window = min_per_window
         self.window_s = window_s
-        self._requests: collections.deque[float] = collections.deque()
-        self._retries: collections.deque[float] = collections.deque()
+        self._slot_s = window_s / self.SLOTS
+        self._slot = 0  # the newest slot's number (time // slot width)
+        self._requests = [0] * self.SLOTS  # per slot, by its number modulo SLOTS
+        self._retries = [0] * self.SLOTS
 
     def request(self, now: float | None = None) -> None:
-        """Count one client request (each request, retried or not). What left the window
-        is dropped here too, not only when a retry asks: under healthy traffic none asks,
-        and the record would keep one timestamp per request for ever."""
-        now = time.monotonic() if now is None else now
-        self._forget_before(now - self.window_s)
-        self._requests.append(now)
+        """Count one client request (each request, retried or not)."""
+        slot = int((time.monotonic() if now is None else now) // self._slot_s)
+        if slot > self._slot:
+            self._advance(slot)
+        self._requests[self._slot % self.SLOTS] += 1
 
     def try_spend(self, now: float | None = None) -> bool:
         """True (and counted) when one more retry fits the budget now."""
-        now = time.monotonic() if now is None else now
-        self._forget_before(now - self.window_s)
-        if len(self._retries) >= self.min_per_window + self.ratio * len(self._requests):
+        slot = int((time.monotonic() if now is None else now) // self._slot_s)
+        if slot > self._slot:
+            self._advance(slot)
+        if sum(self._retries) >= self.min_per_window + self.ratio * sum(self._requests):
             return False
-        self._retries.append(now)
+        self._retries[self._slot % self.SLOTS] += 1
         return True
 
-    def _forget_before(self, cutoff: float) -> None:
-        """Drop the requests and retries at or before `cutoff` (both are in time order)."""
-        for times in (self._requests, self._retries):
-            while times and times[0] <= cutoff:
-                times.popleft()
+    def _advance(self, slot: int) -> None:
+        """Time moved on to `slot`: the slots that left the window are emptied (all of
+        them after a whole window or more)."""
+        for passed in range(self._slot + 1, min(slot, self._slot + self.SLOTS) + 1):
+            self._requests[passed % self.SLOTS] = 0
+            self._retries[passed % self.SLOTS] = 0
+        self._slot = slot

@@ -44,3 +44,17 @@ def test_the_budget_forgets_what_is_older_than_its_window() -> None:
     budget = RetryBudget(ratio=0.0, min_per_window=1, window_s=10)
     assert budget.try_spend(now=0.0) and not budget.try_spend(now=9.9)
     assert budget.try_spend(now=10.0)
+
+
+def test_the_budget_counts_by_tenths_of_its_window() -> None:
+    """A retry leaves the window within its last tenth (slots of 1 s here), and a gap of
+    more than a window forgets everything, in as many counts as ever."""
+    budget = RetryBudget(ratio=0.0, min_per_window=1, window_s=10)
+    assert budget.try_spend(now=0.5)
+    assert not budget.try_spend(now=9.99)  # 9.49 s later: still in the window
+    assert budget.try_spend(now=10.0)  # 9.5 s later: its slot left the window
+    for _ in range(50):
+        budget.request(now=10.0)
+    assert budget.try_spend(now=1_000.0)  # 990 s on: nothing left of the 50 or the retry
+    assert sum(budget._requests) == 0 and sum(budget._retries) == 1
+    assert len(budget._requests) == len(budget._retries) == RetryBudget.SLOTS
