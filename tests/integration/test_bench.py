@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import until_sync
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
@@ -246,25 +248,21 @@ def test_a_bench_stopped_by_sigterm_stops_the_servers_it_started() -> None:
         [sys.executable, "-m", "scripts.bench", "overhead", "--modes", "pull", "--concurrency",
          "1", "--seconds", "60", "--loader", "python", "--no-stream", "--out", "/dev/null"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def servers_up() -> list[int]:
+        """The emulated P and D and our router, once the router answers: the bench is
+        measuring then."""
+        assert bench.poll() is None, "the bench ended before its servers were up"
+        servers = [pid for pid in ProcessGauge(bench.pid)._tree()
+                   if pid != bench.pid and _command(pid)[2:4] in (["proxy", "serve"],
+                                                                  ["scripts.bench", "--serve-fake"])]
+        return servers if len(servers) >= 3 and _answers(servers) else []
+
     try:
-        # the emulated P and D and our router, once the router answers (bounded): the
-        # bench is measuring then
-        deadline = time.monotonic() + 60
-        servers: list[int] = []
-        while len(servers) < 3 or not _answers(servers):
-            assert bench.poll() is None, "the bench ended before its servers were up"
-            assert time.monotonic() < deadline, f"3 servers not up within 60 s: {servers}"
-            time.sleep(0.2)
-            servers = [pid for pid in ProcessGauge(bench.pid)._tree()
-                       if pid != bench.pid and _command(pid)[2:4] in (["proxy", "serve"],
-                                                                      ["scripts.bench",
-                                                                       "--serve-fake"])]
+        servers = until_sync(servers_up, "the bench's 3 servers up", 60)
         bench.terminate()
         assert bench.wait(30) == 128 + 15  # through its `finally`s, not killed outright
-        deadline = time.monotonic() + 15
-        while (alive := [pid for pid in servers if _running(pid)]):
-            assert time.monotonic() < deadline, f"left running after the bench: {alive}"
-            time.sleep(0.1)
+        until_sync(lambda: not [pid for pid in servers if _running(pid)],
+                   f"none of the bench's servers {servers} left running", 15)
     finally:
         if bench.poll() is None:
             bench.kill()
