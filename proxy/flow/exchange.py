@@ -299,23 +299,27 @@ class Exchange:
         running: Leg | _traced = leg
         if self.trace is not None:
             running, sent = self._traced_leg(leg, sent)
+        client = self.context.client
         with running:
             try:
-                async with self.context.client.stream(
+                if not self.request.stream:  # D's whole answer, read at once
+                    whole = await client.post_whole(f"{d.url}{self.path}", body, headers=sent,
+                                                    endpoint=d.url, cluster=d.cluster_label)
+                    self._decode_first_byte(sent_at)
+                    _check_whole_answer(whole.body, d, client)
+                    d.outlier.success()
+                    await down.whole(whole.status,
+                                     whole.header(b"content-type") or "application/json",
+                                     whole.body)
+                    return
+                async with client.stream(
                     f"{d.url}{self.path}",
                     body,
                     headers=sent,
                     endpoint=d.url,
                     cluster=d.cluster_label,
                 ) as answer:
-                    if not self.request.stream:
-                        content = await answer.read()
-                        self._decode_first_byte(sent_at)
-                        _check_whole_answer(content, d, self.context.client)
-                        d.outlier.success()
-                        await down.whole(answer.status, answer.content_type, content)
-                        return
-                    _check_stream_answer(answer.content_type, d, self.context.client)
+                    _check_stream_answer(answer.content_type, d, client)
                     d.outlier.success()  # D answered a stream with a success status
                     await relay_events(answer, down, first_byte=lambda: self._decode_first_byte(sent_at))
             except UpstreamError as exc:

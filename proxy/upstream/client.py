@@ -51,6 +51,7 @@ from proxy.upstream.http11 import (
     ConnectFailed,
     Connection,
     ConnectionLost,
+    Fetch,
     MalformedAnswer,
     Pool,
     PoolTimeout,
@@ -110,7 +111,7 @@ class StreamedResponse:
     def __init__(self, response: Response, *, endpoint: str, cluster: str,
                  client: UpstreamClient, max_body_bytes: int, max_event_bytes: int) -> None:
         self.status = response.status
-        self.content_type = response.headers.get("content-type", "application/json")
+        self.content_type = response.header(b"content-type") or "application/json"
         self.max_event_bytes = max_event_bytes  # one SSE event's cap (relay.EventFramer)
         self._max_body = max_body_bytes
         self._response = response
@@ -238,13 +239,13 @@ class UpstreamClient:
         self, url: str, *, endpoint: str, cluster: str, timeout: float, expect_json: bool = True
     ) -> Any:
         """GET and decode the JSON answer (or only check the status: expect_json=False)."""
-        content = await self._whole(self._control, "GET", url, b"", {}, endpoint, cluster, timeout)
-        return self._decode_json(content, endpoint, cluster) if expect_json else None
+        answer = await self._whole(self._control, "GET", url, b"", {}, endpoint, cluster, timeout)
+        return self._decode_json(answer.body, endpoint, cluster) if expect_json else None
 
     async def get_text(self, url: str, *, endpoint: str, cluster: str, timeout: float) -> str:
         """GET a text answer (a server's /metrics); bytes that are not UTF-8 are replaced."""
-        content = await self._whole(self._control, "GET", url, b"", {}, endpoint, cluster, timeout)
-        return content.decode("utf-8", errors="replace")
+        answer = await self._whole(self._control, "GET", url, b"", {}, endpoint, cluster, timeout)
+        return answer.body.decode("utf-8", errors="replace")
 
     async def post_json(
         self,
@@ -262,33 +263,46 @@ class UpstreamClient:
         is not one raises UpstreamError); error statuses raise UpstreamStatusError.
         `control`: on the control lane (probes), not behind user traffic."""
         lane = self._control if control else self._requests
-        content = await self._whole(
+        answer = await self._whole(
             lane, "POST", url, msgspec.json.encode(body), {**_JSON_HEADERS, **headers},
             endpoint, cluster, timeout,
         )
-        return self._decode_json(content, endpoint, cluster, type)
+        return self._decode_json(answer.body, endpoint, cluster, type)
+
+    async def post_whole(
+        self, url: str, body: dict[str, Any], *, headers: dict[str, str], endpoint: str,
+        cluster: str,
+    ) -> Fetch:
+        """POST, and the whole answer (its `status`, `header()`s and `body`): bounded as
+        `stream` bounds an answer, its head by `first_token` and each part of its body by
+        `stream_idle`, and its size by `limits.max_upstream_body_bytes`. For an answer
+        wanted whole (D's to a request not streamed): it wakes its caller once, at the
+        answer's end. Error statuses raise UpstreamStatusError with the body."""
+        timeouts = self._timeouts
+        return await self._whole(
+            self._requests, "POST", url, msgspec.json.encode(body),
+            {**_JSON_HEADERS, **headers}, endpoint, cluster, timeouts.first_token,
+            idle=timeouts.stream_idle,
+        )
 
     async def _whole(
         self, lane: _Lane, method: str, url: str, body: bytes, headers: dict[str, str],
-        endpoint: str, cluster: str, timeout: float,
-    ) -> bytes:
+        endpoint: str, cluster: str, timeout: float, idle: float | None = None,
+    ) -> Fetch:
+        """The whole answer, its status checked (see `http11.Pool.fetch` for `idle`)."""
         pool, path = lane.http.pool(url)
         try:
-            connection, response = await pool.request(
+            answer = await pool.fetch(
                 method, path, body, headers, connect_timeout=self._timeouts.connect,
-                timeout=timeout,
+                timeout=timeout, limit=self._max_body, idle=idle,
             )
-            try:
-                content = await response.read(self._max_body)
-            finally:
-                pool.release(connection, response)
         except PoolTimeout as exc:
             raise lane.overloaded(self.shown(endpoint, cluster)) from exc
         except TRANSPORT_ERRORS as exc:
             raise upstream_error(exc, endpoint, cluster, "its answer",
                                  name=self._name(endpoint, cluster)) from exc
-        _raise_for_status(response.status, content, endpoint, cluster, self)
-        return content
+        _raise_for_status(answer.status, answer.body, endpoint, cluster, self)
+        return answer
 
     def _decode_json(self, content: bytes, endpoint: str, cluster: str, type: Any = Any) -> Any:
         try:

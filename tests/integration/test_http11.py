@@ -10,7 +10,7 @@ import httptools
 import pytest
 from aiohttp import web
 
-from proxy.upstream.http11 import Client, ConnectFailed, ConnectionLost
+from proxy.upstream.http11 import AnswerTooLarge, Client, ConnectFailed, ConnectionLost
 from tests.conftest import until
 
 BIG_CHUNK = b"x" * 65536
@@ -28,6 +28,7 @@ class Server:
         app.router.add_post("/json", self.json)
         app.router.add_get("/stream", self.stream)
         app.router.add_get("/cut", self.cut)
+        app.router.add_get("/stall", self.stall)
         return app
 
     async def json(self, request: web.Request) -> web.Response:
@@ -56,6 +57,16 @@ class Server:
         await response.write(b"only part")
         assert request.transport is not None
         request.transport.close()
+        return response
+
+
+    async def stall(self, request: web.Request) -> web.StreamResponse:
+        """A head and a first part at once, then nothing (until the client leaves)."""
+        response = web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(b"part")
+        await asyncio.sleep(60)
         return response
 
 
@@ -199,5 +210,58 @@ async def test_a_forgotten_server_gives_back_its_slots_and_credentials(
         assert late.closed and client.slots.used == 0
         new, _ = client.pool(f"{url}/json")
         assert new is not pool and new.extra_headers == b""
+    finally:
+        client.close()
+
+
+async def test_a_fetch_gets_the_whole_answer_and_frees_its_connection_at_once(
+    server: tuple[Server, str]
+) -> None:
+    """`Pool.fetch`: the whole body (chunked or not), its headers, and the connection idle
+    again by the time the caller wakes (nothing to release): the next fetch reuses it."""
+    state, url = server
+    client = Client()
+    try:
+        pool, path = client.pool(f"{url}/json")
+        answer = await pool.fetch("POST", path, b"one", {}, connect_timeout=5, timeout=30,
+                                  limit=1000)
+        assert (answer.status, answer.body) == (200, b'{"echo": "one"}')
+        assert answer.header(b"content-type") == "application/json; charset=utf-8"
+        assert len(pool._idle) == 1
+        stream_pool, stream_path = client.pool(f"{url}/stream?n=3")
+        streamed = await stream_pool.fetch("GET", stream_path, b"", {}, connect_timeout=5,
+                                           timeout=30, limit=1000)
+        assert streamed.body == b"data: x\n\n" * 3
+        again = await pool.fetch("POST", path, b"two", {}, connect_timeout=5, timeout=30,
+                                 limit=1000)
+        assert again.body == b'{"echo": "two"}' and len(state.peers) == 1
+    finally:
+        client.close()
+
+
+async def test_a_fetch_over_its_limit_or_idle_too_long_fails_and_closes(
+    server: tuple[Server, str]
+) -> None:
+    """A body over the fetch's limit is AnswerTooLarge, by its Content-Length before any
+    byte of it and by its size when chunked; a body whose next part is later than `idle`
+    times out. Each closes its connection (the server sees its client go)."""
+    state, url = server
+    client = Client()
+    try:
+        pool, path = client.pool(f"{url}/json")
+        with pytest.raises(AnswerTooLarge, match="Content-Length"):
+            await pool.fetch("POST", path, b"x" * 50, {}, connect_timeout=5, timeout=30, limit=20)
+        stream_pool, stream_path = client.pool(f"{url}/stream?n=100000&big=1")
+        with pytest.raises(AnswerTooLarge, match="body over 100000 bytes"):
+            await stream_pool.fetch("GET", stream_path, b"", {}, connect_timeout=5,
+                                    timeout=30, limit=100_000)
+        async with asyncio.timeout(5):
+            await state.stream_aborted.wait()
+        stall_pool, stall_path = client.pool(f"{url}/stall")
+        async with asyncio.timeout(10):  # the test's own bound (a failure): the fetch's is 0.3 s
+            with pytest.raises(TimeoutError):
+                await stall_pool.fetch("GET", stall_path, b"", {}, connect_timeout=5,
+                                       timeout=30, limit=1000, idle=0.3)
+        assert client.slots.used == 0  # every connection above closed
     finally:
         client.close()

@@ -26,7 +26,11 @@ client, and these rules:
   Content-Length or chunked encoding ends when the server closes the connection (a
   complete answer, not a lost one); status lines and headers over `max_header_bytes`
   are a broken answer (`MalformedAnswer`), and so is a whole body over its reader's
-  cap (`AnswerTooLarge`, from `Response.read(limit)`).
+  cap (`AnswerTooLarge`, from `Response.read(limit)` or `Pool.fetch(limit=)`).
+- An answer is read as it comes (`Pool.request`: a `Response`, for D's streams) or
+  whole (`Pool.fetch`: a `Fetch`, for every answer wanted whole). A fetch wakes its
+  caller once, when the answer has ended, and its connection is back in the pool by
+  then.
 - A request sent on a reused connection that its server closes before any byte of an
   answer arrived (it timed the idle connection out as we sent) is sent once more, on a
   new connection: the server closed without reading it.
@@ -41,6 +45,8 @@ from proxy.upstream.http11.connection import (
     ConnectFailed,
     Connection,
     ConnectionLost,
+    Fetch,
+    Incoming,
     MalformedAnswer,
     PoolTimeout,
     Response,
@@ -54,6 +60,8 @@ __all__ = [
     "Connection",
     "ConnectionLost",
     "Deadlines",
+    "Fetch",
+    "Incoming",
     "MalformedAnswer",
     "Pool",
     "PoolTimeout",

@@ -15,6 +15,8 @@ from proxy.upstream.http11.connection import (
     ConnectFailed,
     Connection,
     ConnectionLost,
+    Fetch,
+    Incoming,
     PoolTimeout,
     Response,
 )
@@ -103,28 +105,62 @@ class Pool:
         On failure nothing is left to release: PoolTimeout (no room under the cap),
         ConnectFailed, ConnectionLost, MalformedAnswer, httptools.HttpParserError or
         TimeoutError."""
-        head = self._head(method, path, body, headers)
+        data = self._head(method, path, body, headers) + body
         deadline = time.monotonic() + timeout
         connection = self._idle_connection() or await self._lease(connect_timeout, fresh=False)
         while True:  # at most twice: the second time on a new connection
-            reused = connection.requests > 0
-            response = connection.send(head, body)
+            response = Response(connection)
             response.deadline = deadline
-            self._deadlines.watch(response)
-            try:
-                await response.head
+            if await self._arrived(connection, response, data):
                 return connection, response
-            except BaseException as exc:
-                self.release(connection, response)
-                # A stale keep-alive connection: its server closed it as we sent, with no
-                # byte of an answer. It closed without reading the request: send it once
-                # more.
-                if not (isinstance(exc, ConnectionLost) and reused and connection.dropped
-                        and connection.head_bytes == 0):
-                    raise
             connection = await self._lease(connect_timeout, fresh=True)
 
-    def release(self, connection: Connection, response: Response) -> None:
+    async def fetch(
+        self,
+        method: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        *,
+        connect_timeout: float,
+        timeout: float,
+        limit: int,
+        idle: float | None = None,
+    ) -> Fetch:
+        """Send a request and wait for its whole answer (interim answers skipped): its
+        head within `timeout` seconds, and its body by then too, or with `idle` each part
+        of it within `idle` seconds of the head or the part before. A body over `limit`
+        bytes is AnswerTooLarge. Its connection is back in the pool when this returns:
+        nothing to release. It fails as `request` does."""
+        data = self._head(method, path, body, headers) + body
+        deadline = time.monotonic() + timeout
+        connection = self._idle_connection() or await self._lease(connect_timeout, fresh=False)
+        while True:  # at most twice: the second time on a new connection
+            fetch = Fetch(connection, limit)
+            fetch.deadline, fetch.idle = deadline, idle
+            if await self._arrived(connection, fetch, data):
+                return fetch
+            connection = await self._lease(connect_timeout, fresh=True)
+
+    async def _arrived(self, connection: Connection, incoming: Incoming, data: bytes) -> bool:
+        """Send `data` on `connection` and wait for `incoming` to arrive (a Response's
+        head, a Fetch's whole answer), its failure raised; False when the connection was
+        stale: a kept-alive one its server closed as we sent, with no byte of an answer.
+        The server closed it without reading the request: it may be sent once more."""
+        reused = connection.requests > 0
+        connection.send(incoming, data)
+        self._deadlines.watch(incoming)
+        try:
+            await incoming.arrived
+            return True
+        except BaseException as exc:
+            self.release(connection, incoming)
+            if isinstance(exc, ConnectionLost) and reused and connection.dropped \
+                    and connection.head_bytes == 0:
+                return False
+            raise
+
+    def release(self, connection: Connection, response: Incoming) -> None:
         """Done with a response, on every path: a complete answer's connection goes back
         for reuse (its reading resumed), an unfinished one is closed (which is how a
         server learns that the request was abandoned). Releasing twice does nothing."""
@@ -277,15 +313,15 @@ class Deadlines:
     TICK_S = 0.05
 
     def __init__(self) -> None:
-        self._watched: set[Response] = set()
+        self._watched: set[Incoming] = set()
         self._timer: asyncio.TimerHandle | None = None
 
-    def watch(self, response: Response) -> None:
+    def watch(self, response: Incoming) -> None:
         self._watched.add(response)
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(self.TICK_S, self._sweep)
 
-    def forget(self, response: Response) -> None:
+    def forget(self, response: Incoming) -> None:
         """`response` is released: no more waits on it. Dropped now rather than at the
         next sweep, so that the set holds the answers in flight, not every answer of the
         last tick (at thousands of requests a second its table grew with the rate)."""
