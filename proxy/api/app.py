@@ -43,6 +43,13 @@ from proxy.errors import (
     error_body,
     internal_error,
 )
+from proxy.flow.relay import (
+    CLIENT_CONNECTION,
+    AsgiAnswer,
+    ClientAnswer,
+    ClientConnection,
+    FlowResponse,
+)
 from proxy.flow.router import Router
 from proxy.protocol import Route, body_too_large, parse_request, refuse_declared_too_large
 
@@ -131,31 +138,38 @@ class RouterApp:
             return
         max_body = self._max_body
         await self._serve(route, scope["method"], scope["headers"],
-                          lambda: _read_body(scope, receive, max_body), scope, receive, send)
+                          lambda: _read_body(scope, receive, max_body), AsgiAnswer(send),
+                          scope.get("extensions", {}).get(CLIENT_CONNECTION), receive)
 
     def serve_inference(self, cycle: InferenceCycle) -> Awaitable[None]:
         """An inference request on the router's own listener (`listener`), which read
-        its head: the same as through ASGI, its body read from the cycle. (Not a
-        coroutine of its own: `_serve`'s is awaited directly, one frame less to resume
-        at each of the request's waits.)"""
+        its head: the same as through ASGI, its body read from the cycle and its answer
+        written by it. (Not a coroutine of its own: `_serve`'s is awaited directly, one
+        frame less to resume at each of the request's waits.)"""
         max_body = self._max_body
         return self._serve(cycle.route, "POST", cycle.headers, lambda: cycle.read_body(max_body),
-                           cycle.scope, cycle.receive, cycle.send)
+                           cycle, cycle.connection, None)
 
     async def _serve(
         self, route: Route, method: str, headers: list[tuple[bytes, bytes]],
-        read_body: Callable[[], Awaitable[bytes]], scope: Scope, receive: Receive, send: Send,
+        read_body: Callable[[], Awaitable[bytes]], out: ClientAnswer,
+        connection: ClientConnection | None, receive: Receive | None,
     ) -> None:
+        """Admit the request and answer it to `out`: its flow's answer, or an error's.
+        The flow is told of the client leaving by `connection` (None: by `receive`)."""
         try:
             self._admit(headers)
         except RouterError as exc:
             self._reject(exc)
-            await _json_error(exc)(scope, receive, send)
+            await _answer_error(out, exc)
             return
         self.in_flight += 1
         try:
             response = await self._respond(route, method, headers, read_body)
-            await response(scope, receive, send)
+            if isinstance(response, RouterError):
+                await _answer_error(out, response)
+            else:  # the flow runs in this frame, not under another one
+                await response.answer(out, connection, receive)
         finally:
             self.in_flight -= 1
 
@@ -175,9 +189,9 @@ class RouterApp:
     async def _respond(
         self, route: Route, method: str, headers: list[tuple[bytes, bytes]],
         read_body: Callable[[], Awaitable[bytes]],
-    ) -> ASGIApp:
-        """The request's answer: its exchange's response, or an error's. Returned, not
-        run: the exchange runs in `_serve`'s frame, not under another one."""
+    ) -> FlowResponse | RouterError:
+        """The request's flow, or the error to answer it with. Returned, not run: the
+        flow runs in `_serve`'s frame, not under another one."""
         try:
             if method != "POST":
                 raise MethodNotAllowed(f"method {method} not allowed on {route.value}")
@@ -190,16 +204,15 @@ class RouterApp:
             router = self.router
             assert router is not None  # uvicorn serves no request before the lifespan's start
             if router.tracing is None:
-                response: ASGIApp = await router.handle(request)
-            else:  # the request's span: the exchange the router builds adopts it
-                response = await router.tracing.handled(route.value, headers,
-                                                        lambda: router.handle(request))
+                return await router.handle(request)
+            # the request's span: the exchange the router builds adopts it
+            return await router.tracing.handled(route.value, headers,
+                                                lambda: router.handle(request))
         except RouterError as exc:
-            response = _json_error(exc)
+            return exc
         except Exception as exc:
             logger.exception("unexpected error on POST %s", route.value)
-            response = _json_error(internal_error(exc))
-        return response
+            return internal_error(exc)
 
 
 def create_app(
@@ -325,6 +338,13 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+async def _answer_error(out: ClientAnswer, error: RouterError) -> None:
+    """An error's OpenAI-shaped JSON answer, with its headers (as `_json_error`'s)."""
+    await out.whole(error.status, "application/json",
+                    [(name.lower().encode("latin-1"), value.encode("latin-1"))
+                     for name, value in error.headers().items()], error.body())
 
 
 def _json_error(error: RouterError) -> Response:

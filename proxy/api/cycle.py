@@ -8,11 +8,11 @@ HTTP/1.1 the listener (`listener.GuardedHttpProtocol`) makes an `InferenceCycle`
 and `RouterApp.serve_inference` serves it:
 
 - the body is read from the cycle (`read_body`), waiting only while it is still coming;
-- the answer is sent through `send`, which takes the ASGI messages the flows send (so a
-  flow runs the same under any ASGI server) but builds the head in one pass and sends
-  it with the answer's first body bytes, in one write;
-- the request carries a small scope of its own (type, method, path, headers and the
-  listener's `ClientConnection`): what the router's responses read.
+- the cycle is the request's `relay.ClientAnswer`: a whole answer is framed and written
+  in one write with its head, a stream's head goes with its first event, and no ASGI
+  message is built (a flow answers the same way under any ASGI server through
+  `relay.AsgiAnswer`);
+- the listener's `ClientConnection` tells the flow of a client gone.
 
 Everything else stays the listener's and uvicorn's: parsing, keep-alive, pipelining,
 flow control, shutdown and the client limits. The cycle stands in for uvicorn's where
@@ -24,7 +24,9 @@ log lines), takes uvicorn's own cycle.
 
 Measured with `python -m scripts.bench profile` on the 2-core machine of
 docs/benchmarks.md: uvicorn's cycle (the scope, the body's Event, the task's wrapper and
-the two `send` calls) was about a tenth of the router's CPU per request.
+the two `send` calls) was about a tenth of the router's CPU per request. Then, by
+instructions counted on `python -m scripts.bench_path`'s path: the ASGI messages of an
+answer, and their framing and checks, were 7% of a request's.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from starlette.types import Message, Scope
-from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, STATUS_LINE
+from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE
 
 from proxy.errors import InvalidRequest
-from proxy.protocol import ROUTE_PATH, Route, body_too_large, refuse_declared_too_large
+from proxy.flow.relay import CLIENT_CONNECTION, ClientConnection, Headers
+from proxy.protocol import Route, body_too_large, refuse_declared_too_large
 
 logger = logging.getLogger("uvicorn.error")  # where uvicorn's own cycle logs an app's failure
 
@@ -46,6 +48,7 @@ logger = logging.getLogger("uvicorn.error")  # where uvicorn's own cycle logs an
 INFERENCE_PATHS = {route.value.encode("ascii"): route for route in Route}
 
 _CHUNKED_END = b"0\r\n\r\n"
+_INTERNAL_ERROR = b"Internal Server Error"
 
 
 class _Arrival:
@@ -72,21 +75,13 @@ class _Arrival:
             self._waiter = None
 
 
-async def _nothing_received() -> Message:
-    # The router's responses never call `receive` on this cycle: the body is read with
-    # `read_body`, and the client leaving is told through the `ClientConnection`.
-    raise RuntimeError("an inference cycle has no ASGI receive; read its body with read_body")
-
-
 class InferenceCycle:
     """One inference request on the listener, from its head to its answer's last byte."""
 
     __slots__ = ("route", "headers", "transport", "flow", "server_state", "keep_alive",
                  "waiting_for_100_continue", "body", "more_body", "disconnected",
-                 "response_started", "response_complete", "message_event", "scope",
-                 "on_response", "_serve", "_length", "_head")
-
-    receive = staticmethod(_nothing_received)
+                 "response_started", "response_complete", "message_event", "connection",
+                 "on_response", "_serve", "_head")
 
     def __init__(
         self,
@@ -107,7 +102,8 @@ class InferenceCycle:
         last body, alive until a full garbage collection): the client's transport (its
         socket's, which sends what it is given at once), uvicorn's FlowControl
         (write_paused, drain, resume_reading) and ServerState (default_headers), the
-        request's ASGI extensions, and what to call when the answer is complete."""
+        request's ASGI extensions (the listener's `ClientConnection` among them), and
+        what to call when the answer is complete."""
         self.route = route
         self.headers = headers  # lowercase names, as uvicorn's protocol collects them
         self.transport = transport
@@ -123,12 +119,10 @@ class InferenceCycle:
         self.response_started = False
         self.response_complete = False
         self.message_event = _Arrival()
-        self.scope: Scope = {"type": "http", "method": "POST", "path": ROUTE_PATH[route],
-                             "headers": headers, "extensions": extensions}
+        self.connection: ClientConnection | None = extensions.get(CLIENT_CONNECTION)
         self.on_response = on_response
         self._serve = serve
-        self._length: int | None = None  # the answer's bytes still due; None: chunked
-        self._head: bytes | None = None  # the answer's head, sent with its first body bytes
+        self._head: bytes | None = None  # a stream's head, sent with its first bytes
 
     # The task: uvicorn's protocol starts it by this name (`_start_asgi_task`)
 
@@ -156,10 +150,8 @@ class InferenceCycle:
             self.on_response = _nothing
 
     async def _send_500(self) -> None:
-        await self.send({"type": "http.response.start", "status": 500,
-                         "headers": [(b"content-type", b"text/plain; charset=utf-8"),
-                                     (b"content-length", b"21"), (b"connection", b"close")]})
-        await self.send({"type": "http.response.body", "body": b"Internal Server Error"})
+        self.keep_alive = False
+        await self.whole(500, "text/plain; charset=utf-8", [], _INTERNAL_ERROR)
 
     # The request's body
 
@@ -186,83 +178,88 @@ class InferenceCycle:
             raise body_too_large(len(body), limit)
         return bytes(body)
 
-    # The answer: ASGI's send, for the messages the router's responses send
+    # The answer: the `relay.ClientAnswer` the router's flows answer to
 
-    async def send(self, message: Message) -> None:
-        flow = self.flow
-        if flow.write_paused and not self.disconnected:
-            await flow.drain()  # the client is behind: wait (the listener's limits apply)
-        if self.disconnected:
+    async def whole(self, status: int, content_type: str, headers: Headers, body: bytes) -> None:
+        """A whole answer: its head and body in one write."""
+        if not await self._may_write():
             return
-        if not self.response_started:
-            if message["type"] != "http.response.start":
-                raise RuntimeError(f"Expected ASGI message 'http.response.start', but got "
-                                   f"'{message['type']}'.")
-            self._start(message["status"], message.get("headers", ()))
+        if self.response_started:
+            raise RuntimeError("the answer was started already")
+        head = self._head_of(status, content_type, headers,
+                             b"content-length: %d\r\n" % len(body))
+        self.response_started = True
+        self.transport.write(head + body)
+        self._complete()
+
+    async def start(self, status: int, content_type: str, headers: Headers) -> None:
+        """A stream's head, held for its first bytes: the client gets it with the first
+        event, in one segment."""
+        if not await self._may_write():
             return
-        if self.response_complete or message["type"] != "http.response.body":
-            raise RuntimeError(f"Unexpected ASGI message '{message['type']}' sent.")
-        body: bytes = message.get("body", b"")
-        more_body: bool = message.get("more_body", False)
-        if self._length is None:  # chunked
-            out = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
-            if not more_body:
-                out += _CHUNKED_END
-        else:
-            self._length -= len(body)
-            if self._length < 0:
-                raise RuntimeError("Response content longer than Content-Length")
-            out = body
+        if self.response_started:
+            raise RuntimeError("the answer was started already")
+        self._head = self._head_of(status, content_type, headers,
+                                   b"transfer-encoding: chunked\r\n")
+        self.response_started = True
+
+    async def write(self, chunk: bytes) -> None:
+        """More of the stream, as one chunk (nothing sent for b"", but a held head)."""
+        if not await self._may_write():
+            return
+        out = b"%x\r\n%b\r\n" % (len(chunk), chunk) if chunk else b""
         head, self._head = self._head, None
         if head is not None:
             out = head + out
-        transport = self.transport
         if out:
-            transport.write(out)
-        if not more_body:
-            if self._length:
-                raise RuntimeError("Response content shorter than Content-Length")
-            self.response_complete = True
-            if not self.keep_alive:
-                transport.close()
-            self.on_response()
+            self.transport.write(out)
 
-    def _start(self, status: int, headers: Any) -> None:
-        """The answer's head, held for the first body bytes: a client gets the head and
-        a whole answer in one segment, and a stream's head with its first event."""
-        self.response_started = True
-        self.waiting_for_100_continue = False
+    async def end(self, chunk: bytes) -> None:
+        """The stream's last bytes and its end."""
+        if not await self._may_write():
+            return
+        out = b"%x\r\n%b\r\n0\r\n\r\n" % (len(chunk), chunk) if chunk else _CHUNKED_END
+        head, self._head = self._head, None
+        self.transport.write(out if head is None else head + out)
+        self._complete()
+
+    async def _may_write(self) -> bool:
+        """Wait while the client is behind (the listener's limits apply); False: the
+        client is gone, and nothing is written."""
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.response_complete:
+            raise RuntimeError("the answer is complete already")
+        return not self.disconnected
+
+    def _complete(self) -> None:
+        self.response_complete = True
+        if not self.keep_alive:
+            self.transport.close()
+        self.on_response()
+
+    def _head_of(self, status: int, content_type: str, headers: Headers, framing: bytes) -> bytes:
+        """An answer's head: the status line, the server's own headers (date, server),
+        the content type, `framing`, the router's `headers`, and `connection: close`
+        when the connection ends after it. A value that could split the answer (the
+        content type may be an upstream's; a request id comes from a client, checked
+        when read) is refused with a RuntimeError, before anything is sent."""
+        kind = content_type.encode("latin-1")
+        if HEADER_VALUE_RE.search(kind):
+            raise RuntimeError(f"Invalid HTTP header value: {kind!r}")
         head = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             head.append(b"%b: %b\r\n" % (name, value))
-        framed = close = False
-        headers = list(headers)
-        # uvicorn's checks of every name and value, two searches in all rather than two
-        # per header (a forbidden byte shows as well in the joined names or values)
-        if (HEADER_RE.search(b"".join([name for name, _ in headers]))
-                or HEADER_VALUE_RE.search(b"".join([value for _, value in headers]))):
-            bad = next(name for name, value in headers
-                       if HEADER_RE.search(name) or HEADER_VALUE_RE.search(value))
-            raise RuntimeError(f"Invalid HTTP header: {bad!r}")
+        head.append(b"content-type: %b\r\n%b" % (kind, framing))
         for name, value in headers:
-            name = name.lower()
-            if name == b"content-length" and not framed:
-                self._length, framed = int(value), True
-            elif name == b"transfer-encoding" and value.lower() == b"chunked":
-                self._length, framed = None, True
-            elif name == b"connection" and b"close" in [t.strip() for t in value.lower().split(b",")]:
-                self.keep_alive, close = False, True
+            if b"\n" in value or b"\r" in value:  # (no call: this runs for every header)
+                raise RuntimeError(f"Invalid HTTP header value: {name!r}: {value!r}")
             head.append(b"%b: %b\r\n" % (name, value))
-        if not self.keep_alive and not close:
+        if not self.keep_alive:
             head.append(b"connection: close\r\n")
-        if not framed:
-            if status in (204, 304):
-                self._length = 0
-            else:
-                self._length = None
-                head.append(b"transfer-encoding: chunked\r\n")
         head.append(b"\r\n")
-        self._head = b"".join(head)
+        self.waiting_for_100_continue = False
+        return b"".join(head)
 
 
 def _nothing() -> None:

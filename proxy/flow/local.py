@@ -22,12 +22,12 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive
 
 from proxy.errors import RouterError
 from proxy.flow.exchange import Exchange
 from proxy.flow.learn import DecodeStreams, LocalBudget
-from proxy.flow.relay import Downstream, FlowResponse
+from proxy.flow.relay import ClientAnswer, ClientConnection, Downstream, FlowResponse, Headers
 from proxy.pool.endpoints import ClusterName
 
 DONE_EVENT = b"data: [DONE]\n\n"  # an OpenAI stream's last event: the end, not a token
@@ -43,20 +43,20 @@ class ItlWatchedResponse(FlowResponse):
     from D: the inter-token latency of a streamed answer, and for a local request the
     time D spends on its prompt (from sending it until its first byte).
 
-    It watches the ASGI messages going out: per message a few comparisons and a count of
-    the event ends in the body (a C-level scan); the clock is read only at the first and
-    the last body message. The stream's ITL is (last - first) / (its token events - 1),
-    `data: [DONE]` not counted as a token. Only streams that end with `data: [DONE]`
-    count: one cut short or ended by an error event may have waited out a time limit,
-    which says nothing of D's pace. Used only where local may be used, for streamed and
-    local requests."""
+    It watches the answer going out (`_Watched`): per part a few comparisons and a count
+    of the event ends in it (a C-level scan); the clock is read only at the first and the
+    last part. The stream's ITL is (last - first) / (its token events - 1), `data: [DONE]`
+    not counted as a token. Only streams that end with `data: [DONE]` count: one cut
+    short or ended by an error event may have waited out a time limit, which says
+    nothing of D's pace. Used only where local may be used, for streamed and local
+    requests."""
 
     def __init__(
         self,
         flow: Callable[[Downstream], Awaitable[None]],
         *,
         streaming: bool,
-        headers: list[tuple[bytes, bytes]],
+        headers: Headers,
         done: Callable[[Downstream, RouterError | None, bool], None],
         exchange: Exchange,
         budget: LocalBudget,
@@ -66,50 +66,84 @@ class ItlWatchedResponse(FlowResponse):
         self._exchange = exchange
         self._budget = budget
         self._local = local
-        self._measure = streaming  # only a stream has gaps between tokens
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        budget, exchange = self._budget, self._exchange
+    async def answer(self, out: ClientAnswer, connection: ClientConnection | None,
+                     receive: Receive | None = None) -> None:
+        watched = _Watched(out, self._budget, self._exchange, local=self._local,
+                           measure=self._streaming)
+        try:
+            await super().answer(watched, connection, receive)
+        finally:
+            watched.ended()
+
+
+class _Watched:
+    """The `ClientAnswer` an `ItlWatchedResponse` answers to: the answer passed on to
+    `out`, each part counted on the way."""
+
+    __slots__ = ("_out", "_budget", "_exchange", "_measure", "_marked", "_status", "_events",
+                 "_done", "_first_at", "_streams", "_clean", "_local_started")
+
+    def __init__(self, out: ClientAnswer, budget: LocalBudget, exchange: Exchange, *,
+                 local: bool, measure: bool) -> None:
+        self._out = out
+        self._budget = budget
+        self._exchange = exchange
+        self._measure = measure  # only a stream has gaps between tokens
         # A local prompt is D's work from now until its first byte (a retried request
         # keeps the mark on the D it first went to: that one failed, it is not decoding).
-        marked: DecodeStreams | None = budget.of(exchange.decode_endpoint) if self._local else None
+        marked = budget.of(exchange.decode_endpoint) if local else None
         if marked is not None:
             marked.local_begin()
-        status = 0
-        events = 0  # SSE events sent so far
-        ended = False  # the last body so far ends with data: [DONE]
-        first_at = 0.0
-        streams: DecodeStreams | None = None  # the D answering, known at the first byte
-        clean = False
-        local_started = 0
+        self._marked = marked
+        self._status = 0
+        self._events = 0  # SSE events sent so far
+        self._done = False  # the last part so far ends with data: [DONE]
+        self._first_at = 0.0
+        self._streams: DecodeStreams | None = None  # the D answering, known at the first byte
+        self._clean = False
+        self._local_started = 0
 
-        async def watched(message: Message) -> None:
-            nonlocal status, events, ended, first_at, streams, clean, local_started, marked
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            elif message["type"] == "http.response.body":
-                body: bytes = message.get("body", b"")
-                if body:
-                    if marked is not None:  # D has computed the local prompt
-                        marked.local_end()
-                        marked = None
-                    if events == 0 and self._measure and status == 200:
-                        first_at = time.perf_counter()
-                        streams = budget.of(exchange.decode_endpoint)
-                        clean = streams.local_prefills == 0
-                        local_started = streams.local_started
-                    events += body.count(b"\n\n")
-                    ended = body.endswith(DONE_EVENT)
-                if streams is not None and ended and not message.get("more_body", False):
-                    tokens = events - 1  # [DONE] is no token
-                    if tokens >= 2:
-                        itl = (time.perf_counter() - first_at) / (tokens - 1)
-                        streams.observe(itl, clean=clean and streams.local_started == local_started,
-                                        smoothing=budget.smoothing)
-            await send(message)
+    async def whole(self, status: int, content_type: str, headers: Headers, body: bytes) -> None:
+        self._status = status
+        self._part(body, last=True)
+        await self._out.whole(status, content_type, headers, body)
 
-        try:
-            await super().__call__(scope, receive, watched)
-        finally:
-            if marked is not None:  # no byte came back (failed, cancelled, client gone)
-                marked.local_end()
+    async def start(self, status: int, content_type: str, headers: Headers) -> None:
+        self._status = status
+        await self._out.start(status, content_type, headers)
+
+    async def write(self, chunk: bytes) -> None:
+        self._part(chunk, last=False)
+        await self._out.write(chunk)
+
+    async def end(self, chunk: bytes) -> None:
+        self._part(chunk, last=True)
+        await self._out.end(chunk)
+
+    def _part(self, body: bytes, *, last: bool) -> None:
+        if body:
+            if self._marked is not None:  # D has computed the local prompt
+                self._marked.local_end()
+                self._marked = None
+            if self._events == 0 and self._measure and self._status == 200:
+                self._first_at = time.perf_counter()
+                answering = self._streams = self._budget.of(self._exchange.decode_endpoint)
+                self._clean = answering.local_prefills == 0
+                self._local_started = answering.local_started
+            self._events += body.count(b"\n\n")
+            self._done = body.endswith(DONE_EVENT)
+        streams = self._streams
+        if streams is not None and last and self._done:
+            tokens = self._events - 1  # [DONE] is no token
+            if tokens >= 2:
+                itl = (time.perf_counter() - self._first_at) / (tokens - 1)
+                streams.observe(itl, clean=self._clean and streams.local_started == self._local_started,
+                                smoothing=self._budget.smoothing)
+
+    def ended(self) -> None:
+        """The flow is over: a local prompt still marked got no byte back (it failed, was
+        cancelled, or the client left)."""
+        if self._marked is not None:
+            self._marked.local_end()
+            self._marked = None

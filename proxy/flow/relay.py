@@ -1,15 +1,19 @@
 """Sending the answer downstream, and watching the client while a flow runs.
 
-`Downstream` wraps the ASGI `send`: it sends the response head only with the first body
-byte, so until then any failure can still become a proper HTTP error (and a retry is
-still possible). Once started, a streamed answer that fails ends with an SSE error event.
-`relay_events` passes D's streamed answer to it as whole SSE events.
+An answer goes to a `ClientAnswer`: on the router's own listener the request's cycle
+(`proxy.api.cycle.InferenceCycle`), which frames it and writes it to the client's socket
+itself; under any other ASGI server `AsgiAnswer`, which sends it as ASGI messages.
 
-`FlowResponse` is the ASGI response a route returns: it runs the flow while watching for
-the client's disconnect; a client that leaves cancels the flow, and with it both legs,
-at once. The router's listener tells it through the `ClientConnection` it puts in the
-request's scope (no task per request); under another ASGI server a watcher task waits
-for the disconnect.
+`Downstream` is the flow's side of it: it sends the response head only with the first
+body byte, so until then any failure can still become a proper HTTP error (and a retry
+is still possible). Once started, a streamed answer that fails ends with an SSE error
+event. `relay_events` passes D's streamed answer to it as whole SSE events.
+
+`FlowResponse` is what a route returns: `answer` runs the flow while watching for the
+client's disconnect; a client that leaves cancels the flow, and with it both legs, at
+once. The router's listener tells it through the request's `ClientConnection` (no task
+per request); under another ASGI server (the response called as an ASGI app) a watcher
+task waits for the disconnect.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from starlette.types import Receive, Scope, Send
 
@@ -133,11 +138,61 @@ def _after_last_boundary(data: bytes) -> int:
     return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
+Headers = list[tuple[bytes, bytes]]  # an answer's, names lowercase
+
+
+class ClientAnswer(Protocol):
+    """Where a request's answer goes. A stream's head is sent with its first bytes, by
+    `write` or `end`; `whole` sends a whole answer (its Content-Length added). The
+    `content_type` may come from an upstream; `headers` are the router's own (lowercase
+    names), with the content type and the framing added here."""
+
+    async def whole(self, status: int, content_type: str, headers: Headers, body: bytes) -> None:
+        """A whole answer."""
+
+    async def start(self, status: int, content_type: str, headers: Headers) -> None:
+        """A streamed answer's head (chunked)."""
+
+    async def write(self, chunk: bytes) -> None:
+        """More of the stream (b"": nothing yet)."""
+
+    async def end(self, chunk: bytes) -> None:
+        """The stream's last bytes, and its end."""
+
+
+class AsgiAnswer:
+    """A `ClientAnswer` as ASGI messages, for any ASGI server."""
+
+    __slots__ = ("_send",)
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+
+    async def whole(self, status: int, content_type: str, headers: Headers, body: bytes) -> None:
+        await self.start(status, content_type,
+                         [*headers, (b"content-length", b"%d" % len(body))])
+        await self.end(body)
+
+    async def start(self, status: int, content_type: str, headers: Headers) -> None:
+        await self._send({"type": "http.response.start", "status": status,
+                          "headers": [(b"content-type", content_type.encode("latin-1")),
+                                      *headers]})
+
+    async def write(self, chunk: bytes) -> None:
+        await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+
+    async def end(self, chunk: bytes) -> None:
+        await self._send({"type": "http.response.body", "body": chunk, "more_body": False})
+
+
 class Downstream:
     """The client's side of one exchange."""
 
-    def __init__(self, send: Send, *, streaming: bool, headers: list[tuple[bytes, bytes]]):
-        self._send = send
+    __slots__ = ("_out", "streaming", "headers", "started", "finished", "status",
+                 "first_byte_at")
+
+    def __init__(self, out: ClientAnswer, *, streaming: bool, headers: Headers):
+        self._out = out
         self.streaming = streaming
         self.headers = headers  # sent with the head; the flow may add to them before
         self.started = False  # the head went out: the status can no longer change
@@ -149,27 +204,22 @@ class Downstream:
         self.status = status
         self.started = True
         self.first_byte_at = time.perf_counter()
-        await self._send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [(b"content-type", content_type.encode("latin-1")), *self.headers],
-            }
-        )
+        await self._out.start(status, content_type, self.headers)
 
     async def write(self, chunk: bytes) -> None:
-        await self._send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await self._out.write(chunk)
 
     async def end(self, chunk: bytes = b"") -> None:
         self.finished = True
-        await self._send({"type": "http.response.body", "body": chunk, "more_body": False})
+        await self._out.end(chunk)
 
     async def whole(self, status: int, content_type: str, body: bytes) -> None:
         """A whole answer, with its Content-Length (not chunked: the server frames nothing,
         and the client knows the size from the head)."""
-        self.headers.append((b"content-length", b"%d" % len(body)))
-        await self.start(status, content_type)
-        await self.end(body)
+        self.status = status
+        self.started = self.finished = True
+        self.first_byte_at = time.perf_counter()
+        await self._out.whole(status, content_type, self.headers, body)
 
     async def fail(self, error: RouterError) -> None:
         """Tell the client about an error, in the way still open to us."""
@@ -215,7 +265,8 @@ async def relay_events(answer: StreamedResponse, down: Downstream, *,
 
 
 class FlowResponse:
-    """An ASGI response that runs `flow(downstream)` while watching for the client leaving.
+    """Runs `flow(downstream)` while watching for the client leaving (`answer`); an ASGI
+    app as well, for any ASGI server.
 
     `done(downstream, error, client_left)` is called once at the end, whatever happened."""
 
@@ -224,7 +275,7 @@ class FlowResponse:
         flow: Callable[[Downstream], Awaitable[None]],
         *,
         streaming: bool,
-        headers: list[tuple[bytes, bytes]],
+        headers: Headers,
         done: Callable[[Downstream, RouterError | None, bool], None],
     ) -> None:
         self._flow = flow
@@ -233,12 +284,18 @@ class FlowResponse:
         self._done = done
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Run the flow in this task; it is cancelled if the client leaves."""
-        down = Downstream(send, streaming=self._streaming, headers=self._headers)
+        """As an ASGI app (the router's listener gives the connection in the scope)."""
+        await self.answer(AsgiAnswer(send), scope.get("extensions", {}).get(CLIENT_CONNECTION),
+                          receive)
+
+    async def answer(self, out: ClientAnswer, connection: ClientConnection | None,
+                     receive: Receive | None = None) -> None:
+        """Run the flow in this task, answering to `out`; it is cancelled if the client
+        leaves, as `connection` tells (None: as ASGI's `receive` tells)."""
+        down = Downstream(out, streaming=self._streaming, headers=self._headers)
         failure: RouterError | None = None
-        connection: ClientConnection | None = scope.get("extensions", {}).get(CLIENT_CONNECTION)
         this = asyncio.current_task(None if connection is None else connection.loop)
-        assert this is not None  # ASGI apps run inside tasks
+        assert this is not None  # flows run inside tasks
         client_left = False
 
         def on_client_gone() -> None:
@@ -251,7 +308,7 @@ class FlowResponse:
         watcher: asyncio.Task[None] | None = None
         if connection is not None:
             connection.on_lost(on_client_gone)
-        else:  # another ASGI server: wait for its disconnect message
+        elif receive is not None:  # another ASGI server: wait for its disconnect message
             watcher = asyncio.create_task(_client_gone(receive), name="disconnect-watcher")
             watcher.add_done_callback(
                 lambda task: None if task.cancelled() else on_client_gone())

@@ -1,4 +1,5 @@
-"""The inference cycle frames an answer as uvicorn's cycle does, sends a head with the
+"""The inference cycle frames the router's answers (whole with their length, streams
+chunked, refusing a header value that could split them), sends a head with the
 answer's first body bytes in one write, and reads a body that is still coming; a client
 connection lost before a flow asks about it is told at once."""
 
@@ -78,73 +79,56 @@ def cycle(headers: list[tuple[bytes, bytes]] | None = None, *, keep_alive: bool 
 
 async def test_a_whole_answer_goes_out_in_one_write() -> None:
     made, protocol = cycle()
-    await made.send({"type": "http.response.start", "status": 200,
-                     "headers": [(b"content-type", b"application/json"), (b"content-length", b"2")]})
-    assert protocol.transport.writes == []  # the head waits for the body
-    await made.send({"type": "http.response.body", "body": b"{}"})
+    await made.whole(200, "application/json", [(b"x-request-id", b"r1")], b"{}")
     assert protocol.transport.writes == [
         b"HTTP/1.1 200 OK\r\nserver: test\r\ncontent-type: application/json\r\n"
-        b"content-length: 2\r\n\r\n{}"]
+        b"content-length: 2\r\nx-request-id: r1\r\n\r\n{}"]
     assert made.response_complete and protocol.answered == 1 and not protocol.transport.closed
+    with pytest.raises(RuntimeError, match="complete already"):
+        await made.whole(200, "application/json", [], b"{}")
 
 
 async def test_a_stream_is_chunked_and_its_head_goes_with_the_first_event() -> None:
     made, protocol = cycle()
-    await made.send({"type": "http.response.start", "status": 200,
-                     "headers": [(b"content-type", b"text/event-stream")]})
-    await made.send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
-    await made.send({"type": "http.response.body", "body": b"", "more_body": True})
-    await made.send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+    await made.start(200, "text/event-stream", [])
+    assert protocol.transport.writes == []  # the head waits for the first event
+    await made.write(b"data: 1\n\n")
+    await made.write(b"")
+    await made.end(b"data: [DONE]\n\n")
     head, *rest = protocol.transport.writes
+    assert head.startswith(b"HTTP/1.1 200 OK\r\nserver: test\r\ncontent-type: text/event-stream\r\n")
     assert head.endswith(b"transfer-encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
     assert rest == [b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"]  # nothing sent for an empty part
     assert protocol.answered == 1
+    made, protocol = cycle()
+    await made.start(200, "text/event-stream", [])
+    await made.end(b"")  # a stream with no event: its head and its end, in one write
+    assert protocol.transport.writes[0].endswith(b"chunked\r\n\r\n0\r\n\r\n")
 
 
 async def test_without_keep_alive_the_answer_says_so_and_closes() -> None:
     made, protocol = cycle(keep_alive=False)
-    await made.send({"type": "http.response.start", "status": 200,
-                     "headers": [(b"content-length", b"0")]})
-    await made.send({"type": "http.response.body", "body": b""})
+    await made.whole(200, "application/json", [], b"")
     assert b"connection: close\r\n" in protocol.transport.writes[0]
     assert protocol.transport.closed and protocol.answered == 1
-
-
-async def test_a_close_asked_for_by_the_app_ends_keep_alive() -> None:
-    made, protocol = cycle()
-    await made.send({"type": "http.response.start", "status": 500,
-                     "headers": [(b"content-length", b"0"), (b"connection", b"close")]})
-    await made.send({"type": "http.response.body", "body": b""})
-    assert protocol.transport.writes[0].count(b"connection: close") == 1
-    assert protocol.transport.closed
-
-
-async def test_a_body_that_breaks_its_content_length_is_an_error() -> None:
-    made, _ = cycle()
-    await made.send({"type": "http.response.start", "status": 200,
-                     "headers": [(b"content-length", b"1")]})
-    with pytest.raises(RuntimeError, match="longer"):
-        await made.send({"type": "http.response.body", "body": b"{}"})
-    made, _ = cycle()
-    await made.send({"type": "http.response.start", "status": 200,
-                     "headers": [(b"content-length", b"3")]})
-    with pytest.raises(RuntimeError, match="shorter"):
-        await made.send({"type": "http.response.body", "body": b"{}"})
 
 
 async def test_a_header_that_could_split_the_answer_is_refused() -> None:
     made, protocol = cycle()
     with pytest.raises(RuntimeError, match="Invalid HTTP header"):
-        await made.send({"type": "http.response.start", "status": 200,
-                         "headers": [(b"x-request-id", b"a\r\nset-cookie: x")]})
-    assert protocol.transport.writes == []
+        await made.whole(200, "application/json", [(b"x-request-id", b"a\r\nset-cookie: x")],
+                         b"{}")
+    with pytest.raises(RuntimeError, match="Invalid HTTP header"):
+        await made.start(200, "text/event-stream\nset-cookie: x", [])  # an upstream's
+    with pytest.raises(RuntimeError, match="Invalid HTTP header"):
+        await made.start(200, "text/event-stream\x00", [])
+    assert protocol.transport.writes == [] and not made.response_started
 
 
 async def test_nothing_is_sent_to_a_client_gone() -> None:
     made, protocol = cycle()
     made.disconnected = True
-    await made.send({"type": "http.response.start", "status": 200, "headers": []})
-    await made.send({"type": "http.response.body", "body": b"x"})
+    await made.whole(200, "application/json", [], b"x")
     assert protocol.transport.writes == [] and protocol.answered == 0
 
 
@@ -190,7 +174,7 @@ async def test_an_app_that_fails_before_a_byte_of_its_answer_gets_a_500(started:
 
     async def serve(made: InferenceCycle) -> None:
         if started:  # a head not sent yet (it waits for the body) can still be a 500
-            await made.send({"type": "http.response.start", "status": 200, "headers": []})
+            await made.start(200, "text/event-stream", [])
         raise ValueError("boom")
 
     await protocol.cycle(serve, Route.CHAT, []).run_asgi(None)
@@ -203,8 +187,8 @@ async def test_an_app_that_fails_mid_answer_closes_the_connection() -> None:
     protocol = Protocol()
 
     async def serve(made: InferenceCycle) -> None:
-        await made.send({"type": "http.response.start", "status": 200, "headers": []})
-        await made.send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+        await made.start(200, "text/event-stream", [])
+        await made.write(b"data: 1\n\n")
         raise ValueError("boom")
 
     await protocol.cycle(serve, Route.CHAT, []).run_asgi(None)
