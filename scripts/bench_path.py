@@ -11,10 +11,14 @@ together, so no other process's scheduling or wake-ups come into it) and, with
 `scripts.floor_router`'s pull (callbacks, no features) on the same loop: the least a
 Python router spends here; ours minus floor is the price of the router's features.
 `--profile N` prints the N functions with the most own time (cProfile: its overhead
-weighs small functions more).
+weighs small functions more). `--bytecodes N` counts the bytecodes Python executes per
+request, in all and in the N functions that execute the most (a trace of every
+bytecode: slow, but the same count every run, where the time moves by a few percent
+between runs; no C code is in it, and a bytecode's cost varies).
 
     python -m scripts.bench_path                      # ours and the floor, 20,000 requests
     python -m scripts.bench_path --target ours --stream --profile 30
+    python -m scripts.bench_path --target ours -n 2000 --bytecodes 40
     python -m scripts.bench_path --target ours --checkout ../before   # another revision
     python -m scripts.bench_path --target ours,kv --servers 2 --prompt-tokens 1024 --rounds 3
 
@@ -43,6 +47,7 @@ import pstats
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import httptools
@@ -52,6 +57,48 @@ from scripts import floor_router
 from scripts.benchkit import DEFAULT_PROMPT, _BenchKV, _FakeProtocol, request_body
 
 TARGETS = ("ours", "kv", "floor", "direct")
+
+
+class _Bytecodes:
+    """Counts the bytecodes each Python function executes while enabled (`sys.settrace`
+    with opcode events), and the frames entered. Enabled and disabled around the
+    measured load as a profiler is."""
+
+    def __init__(self) -> None:
+        self.executed: dict[Any, int] = {}  # code object -> bytecodes executed
+        self.entered: dict[Any, int] = {}  # code object -> frames entered (resumed too)
+
+    def _trace(self, frame: Any, event: str, _: Any) -> Any:
+        code = frame.f_code
+        if event == "opcode":
+            self.executed[code] = self.executed.get(code, 0) + 1
+        elif event == "call":
+            frame.f_trace_opcodes = True
+            self.entered[code] = self.entered.get(code, 0) + 1
+        return self._trace
+
+    def enable(self) -> None:
+        sys.settrace(self._trace)
+
+    def disable(self) -> None:
+        sys.settrace(None)
+
+    def top(self, n: int, requests: int) -> list[str]:
+        """The `n` functions that execute the most bytecodes, per request."""
+        rows = sorted(self.executed.items(), key=lambda item: -item[1])[:n]
+        return [f"{count / requests:8.1f} {self.entered.get(code, 0) / requests:5.1f}  "
+                f"{_where(code.co_filename)}:{code.co_firstlineno} {code.co_name}"
+                for code, count in rows]
+
+
+def _where(path: str) -> str:
+    """A source file's path, from the package or the project it is in."""
+    for marker in ("/site-packages/", "/lib/python3."):
+        if marker in path:
+            return path.split(marker, 1)[1].split("/", 1)[-1] if marker.startswith("/lib") \
+                else path.split(marker, 1)[1]
+    root = str(Path(__file__).resolve().parent.parent) + "/"
+    return path.removeprefix(root)
 
 
 class BenchFailed(Exception):
@@ -102,7 +149,7 @@ class _Client(asyncio.Protocol):
 
 
 async def _load(port: int, requests: int, concurrency: int, stream: bool,
-                profile: cProfile.Profile | None,
+                profile: cProfile.Profile | _Bytecodes | None,
                 prompt: str = DEFAULT_PROMPT) -> tuple[int, float, float]:
     """`requests` answers over `concurrency` connections: (answers, CPU s, wall s)."""
     loop = asyncio.get_running_loop()
@@ -197,7 +244,9 @@ async def _measure_on(target: str, args: argparse.Namespace, p_urls: list[str],
     gc.collect()
     gc.freeze()
     gc.set_threshold(50_000, 20, 20)
-    profile = cProfile.Profile() if args.calls or args.profile else None
+    profile: cProfile.Profile | _Bytecodes | None = (
+        _Bytecodes() if args.bytecodes else cProfile.Profile() if args.calls or args.profile
+        else None)
 
     async def warmed_up_load(port: int) -> tuple[int, float, float]:
         await _load(port, args.requests // 5, args.concurrency, args.stream, None, args.prompt)
@@ -228,7 +277,11 @@ async def _measure_on(target: str, args: argparse.Namespace, p_urls: list[str],
     result: dict[str, Any] = {"target": target, "requests": answers,
                               "cpu_us_per_request": round(cpu / answers * 1e6, 1),
                               "req_per_s": round(answers / wall)}
-    if profile is not None:
+    if isinstance(profile, _Bytecodes):
+        result["bytecodes_per_request"] = round(sum(profile.executed.values()) / answers)
+        result["frames_per_request"] = round(sum(profile.entered.values()) / answers, 1)
+        result["top_bytecodes"] = profile.top(args.bytecodes, answers)
+    elif profile is not None:
         stats = pstats.Stats(profile)
         result["calls_per_request"] = round(stats.total_calls / answers, 1)  # type: ignore[attr-defined]
         if args.profile:
@@ -262,6 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="also count Python function calls per request (slower)")
     parser.add_argument("--profile", type=int, metavar="N", default=0,
                         help="print the N functions with the most own time")
+    parser.add_argument("--bytecodes", type=int, metavar="N", default=0,
+                        help="count the bytecodes executed per request, and print the N "
+                             "functions that execute the most (bytecodes, frames entered "
+                             "per request; very slow: use -n 2000)")
     parser.add_argument("--checkout", metavar="DIR",
                         help="run our router from another checkout's proxy/ and connector/ "
                              "(the fakes and the client stay this one's)")
@@ -291,16 +348,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             # cProfile's own overhead is in the CPU of a profiled round: not a measurement
             calls = (f" under cProfile, {result['calls_per_request']} Python calls"
                      if "calls_per_request" in result else "")
+            if "bytecodes_per_request" in result:
+                calls = (f" traced, {result['bytecodes_per_request']} bytecodes and "
+                         f"{result['frames_per_request']} frames entered")
             print(f"round {round_ + 1} {target}: {result['cpu_us_per_request']} us CPU per "
                   f"request{calls} ({result['req_per_s']} req/s, {result['requests']} requests)",
                   flush=True)
+            if result.get("top_bytecodes"):
+                print(" bytecodes frames  function (per request)")
+                print("\n".join(result["top_bytecodes"]), flush=True)
+    # traced, the bytecodes are the measure (the tracing's CPU is not)
+    measure, what = (("bytecodes_per_request", "bytecodes") if args.bytecodes
+                     else ("cpu_us_per_request", "CPU"))
     for first, second in (("ours", "floor"), ("kv", "ours")):
         if first in targets and second in targets:
-            ratios = sorted(a["cpu_us_per_request"] / b["cpu_us_per_request"]
+            ratios = sorted(a[measure] / b[measure]
                             for a, b in zip(results[targets.index(first)::len(targets)],
                                             results[targets.index(second)::len(targets)],
                                             strict=True))
-            print(f"{first} / {second}, CPU per request: {ratios[len(ratios) // 2]:.2f} "
+            print(f"{first} / {second}, {what} per request: {ratios[len(ratios) // 2]:.2f} "
                   f"(median of {len(ratios)} rounds)")
     return 0
 

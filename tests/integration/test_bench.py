@@ -141,6 +141,24 @@ def test_the_path_bench_measures_ours_and_the_floor_in_one_process() -> None:
     assert "ours / floor, CPU per request:" in done.stdout
 
 
+def test_the_path_bench_counts_bytecodes_per_request_and_names_the_functions() -> None:
+    """`scripts.bench_path --bytecodes N`: the bytecodes executed per request (the same
+    count every run) for our router and the floor, the N functions that execute the most
+    (ours: its own code among them), and ours over the floor in bytecodes."""
+    done = subprocess.run(
+        [sys.executable, "-m", "scripts.bench_path", "-n", "200", "-c", "4", "--bytecodes", "5"],
+        capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    found = dict(re.findall(r"round 1 (\w+): [\d.]+ us CPU per request traced, (\d+) bytecodes",
+                            done.stdout))
+    assert set(found) == {"ours", "floor"}, done.stdout
+    assert int(found["ours"]) > int(found["floor"]) > 100, found
+    rows = re.findall(r"^ +([\d.]+) +([\d.]+)  (\S+):(\d+) (\S+)$", done.stdout, re.MULTILINE)
+    assert len(rows) == 10, done.stdout  # five a target
+    assert any(path.startswith("proxy/") for _, _, path, _, _ in rows[:5]), rows
+    assert "ours / floor, bytecodes per request:" in done.stdout
+
+
 def test_the_path_bench_compares_kv_aware_with_the_default_policy_on_the_same_fakes() -> None:
     """`scripts.bench_path --target ours,kv`: kv_aware (its index in sync with the fakes'
     KV events before anything is measured) makes more calls per request than the default
