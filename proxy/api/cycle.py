@@ -78,10 +78,13 @@ class _Arrival:
 class InferenceCycle:
     """One inference request on the listener, from its head to its answer's last byte."""
 
-    __slots__ = ("route", "headers", "transport", "flow", "server_state", "keep_alive",
-                 "waiting_for_100_continue", "body", "more_body", "disconnected",
-                 "response_started", "response_complete", "message_event", "connection",
-                 "on_response", "_serve", "_head")
+    # Its state as a request starts, as class attributes: set on the cycle only when it
+    # changes (a store per attribute per request, in a constructor on every request).
+    more_body = True  # until the body's last byte (uvicorn's protocol clears it)
+    disconnected = False
+    response_started = False
+    response_complete = False
+    _head: bytes | None = None  # a stream's head, sent with its first bytes
 
     def __init__(
         self,
@@ -111,18 +114,11 @@ class InferenceCycle:
         self.server_state = server_state
         self.keep_alive = keep_alive
         self.waiting_for_100_continue = expect_100_continue
-        # The request's body so far; `more_body` until its last byte (uvicorn's protocol
-        # appends to it and clears the flag).
-        self.body = bytearray()
-        self.more_body = True
-        self.disconnected = False
-        self.response_started = False
-        self.response_complete = False
+        self.body = bytearray()  # the request's body so far (uvicorn's protocol appends)
         self.message_event = _Arrival()
         self.connection: ClientConnection | None = extensions.get(CLIENT_CONNECTION)
         self.on_response = on_response
         self._serve = serve
-        self._head: bytes | None = None  # a stream's head, sent with its first bytes
 
     # The task: uvicorn's protocol starts it by this name (`_start_asgi_task`)
 
@@ -247,10 +243,8 @@ class InferenceCycle:
         kind = content_type.encode("latin-1")
         if HEADER_VALUE_RE.search(kind):
             raise RuntimeError(f"Invalid HTTP header value: {kind!r}")
-        head = [STATUS_LINE[status]]
-        for name, value in self.server_state.default_headers:
-            head.append(b"%b: %b\r\n" % (name, value))
-        head.append(b"content-type: %b\r\n%b" % (kind, framing))
+        head = [STATUS_LINE[status], _rendered(self.server_state.default_headers),
+                b"content-type: %b\r\n%b" % (kind, framing)]
         for name, value in headers:
             if b"\n" in value or b"\r" in value:  # (no call: this runs for every header)
                 raise RuntimeError(f"Invalid HTTP header value: {name!r}: {value!r}")
@@ -260,6 +254,18 @@ class InferenceCycle:
         head.append(b"\r\n")
         self.waiting_for_100_continue = False
         return b"".join(head)
+
+
+_last_rendered: tuple[list[tuple[bytes, bytes]], bytes] = ([], b"")
+
+
+def _rendered(defaults: list[tuple[bytes, bytes]]) -> bytes:
+    """The server's own header lines (date, server): rendered once per list, which uvicorn
+    replaces each second with a new date in it."""
+    global _last_rendered
+    if _last_rendered[0] is not defaults:
+        _last_rendered = (defaults, b"".join([b"%b: %b\r\n" % pair for pair in defaults]))
+    return _last_rendered[1]
 
 
 def _nothing() -> None:
