@@ -41,8 +41,8 @@ class Incoming:
     gathers it and wakes its caller once, at the end (a whole answer). Both are timed out
     by the client's `Deadlines` sweep while someone waits on them (`awaited`)."""
 
-    # What an answer starts with, as class attributes: set on the answer only when they
-    # change (its state below is per answer; these stores were a tenth of a leg's code).
+    # What an answer starts with, as class attributes: set on an answer only when they
+    # change, not stored by every constructor (`scripts.bench_path --bytecodes`).
     status = 0
     headed = False  # the final status and headers are in
     complete = False
@@ -83,8 +83,7 @@ class Incoming:
     # Called by the connection (the protocol's callbacks):
 
     def _headed(self, status: int) -> None:
-        self.status = status
-        self.headed = True
+        raise NotImplementedError
 
     def _feed(self, chunk: bytes) -> None:
         raise NotImplementedError
@@ -226,9 +225,7 @@ class Fetch(Incoming):
     _size = 0
 
     def __init__(self, connection: Connection, limit: int) -> None:
-        self._connection = connection
-        self.arrived: asyncio.Future[None] = connection.loop.create_future()
-        self.raw_headers: list[tuple[bytes, bytes]] = []
+        super().__init__(connection)
         self._parts: list[bytes] = []
         self._limit = limit
 
