@@ -12,7 +12,8 @@ together, so no other process's scheduling or wake-ups come into it) and, with
 Python router spends here; ours minus floor is the price of the router's features.
 `--profile N` prints the N functions with the most own time (cProfile: its overhead
 weighs small functions more). `--bytecodes N` counts the bytecodes Python executes per
-request, in all and in the N functions that execute the most (a trace of every
+request, in all and in the N functions and the N source files that execute the most (a
+trace of every
 bytecode: slow, but the same count every run, where the time moves by a few percent
 between runs; no C code is in it, and a bytecode's cost varies).
 
@@ -84,11 +85,18 @@ class _Bytecodes:
         sys.settrace(None)
 
     def top(self, n: int, requests: int) -> list[str]:
-        """The `n` functions that execute the most bytecodes, per request."""
+        """The `n` functions that execute the most bytecodes, per request, then the `n`
+        source files that do."""
         rows = sorted(self.executed.items(), key=lambda item: -item[1])[:n]
+        files: dict[str, int] = {}
+        for code, count in self.executed.items():
+            where = _where(code.co_filename)
+            files[where] = files.get(where, 0) + count
         return [f"{count / requests:8.1f} {self.entered.get(code, 0) / requests:5.1f}  "
                 f"{_where(code.co_filename)}:{code.co_firstlineno} {code.co_name}"
-                for code, count in rows]
+                for code, count in rows] + [
+            f"{count / requests:8.1f}        {where} (the file's functions)"
+            for where, count in sorted(files.items(), key=lambda item: -item[1])[:n]]
 
 
 def _where(path: str) -> str:

@@ -156,6 +156,9 @@ def test_the_path_bench_counts_bytecodes_per_request_and_names_the_functions() -
     rows = re.findall(r"^ +([\d.]+) +([\d.]+)  (\S+):(\d+) (\S+)$", done.stdout, re.MULTILINE)
     assert len(rows) == 10, done.stdout  # five a target
     assert any(path.startswith("proxy/") for _, _, path, _, _ in rows[:5]), rows
+    files = re.findall(r"^ +([\d.]+) +(\S+) \(the file's functions\)$", done.stdout, re.MULTILINE)
+    assert len(files) == 10, done.stdout
+    assert any(path.startswith("proxy/") for _, path in files[:5]), files
     assert "ours / floor, bytecodes per request:" in done.stdout
 
 
