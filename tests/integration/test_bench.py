@@ -126,56 +126,55 @@ def test_profile_splits_the_routers_cpu_per_request_by_stage(tmp_path: Path) -> 
     assert not any("_find_and_load" in line for line in lines)
 
 
+def bench_path(*args: str) -> str:
+    """`scripts.bench_path` with `args`, which must succeed; its output."""
+    done = subprocess.run([sys.executable, "-m", "scripts.bench_path", *args],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return done.stdout
+
+
 def test_the_path_bench_measures_ours_and_the_floor_in_one_process() -> None:
     """`scripts.bench_path`: CPU and Python calls per request for our router and for the
     floor router, each answered with 200 (the harness fails the run otherwise)."""
-    done = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_path", "-n", "500", "-c", "8", "--calls"],
-        capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    out = bench_path("-n", "500", "-c", "8", "--calls")
     found = dict(re.findall(r"round 1 (\w+): [\d.]+ us CPU per request under cProfile, ([\d.]+) Python calls",
-                            done.stdout))
-    assert set(found) == {"ours", "floor"}, done.stdout
+                            out))
+    assert set(found) == {"ours", "floor"}, out
     # the router's features cost calls the floor does not make
     assert float(found["ours"]) > float(found["floor"]) > 10, found
-    assert "ours / floor, CPU per request:" in done.stdout
+    assert "ours / floor, CPU per request:" in out
 
 
 def test_the_path_bench_counts_bytecodes_per_request_and_names_the_functions() -> None:
     """`scripts.bench_path --bytecodes N`: the bytecodes executed per request (the same
     count every run) for our router and the floor, the N functions that execute the most
     (ours: its own code among them), and ours over the floor in bytecodes."""
-    done = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_path", "-n", "200", "-c", "4", "--bytecodes", "5"],
-        capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    out = bench_path("-n", "200", "-c", "4", "--bytecodes", "5")
     found = dict(re.findall(r"round 1 (\w+): [\d.]+ us CPU per request traced, (\d+) bytecodes",
-                            done.stdout))
-    assert set(found) == {"ours", "floor"}, done.stdout
+                            out))
+    assert set(found) == {"ours", "floor"}, out
     assert int(found["ours"]) > int(found["floor"]) > 100, found
-    rows = re.findall(r"^ +([\d.]+) +([\d.]+)  (\S+):(\d+) (\S+)$", done.stdout, re.MULTILINE)
-    assert len(rows) == 10, done.stdout  # five a target
+    rows = re.findall(r"^ +([\d.]+) +([\d.]+)  (\S+):(\d+) (\S+)$", out, re.MULTILINE)
+    assert len(rows) == 10, out  # five a target
     assert any(path.startswith("proxy/") for _, _, path, _, _ in rows[:5]), rows
-    files = re.findall(r"^ +([\d.]+) +(\S+) \(the file's functions\)$", done.stdout, re.MULTILINE)
-    assert len(files) == 10, done.stdout
+    files = re.findall(r"^ +([\d.]+) +(\S+) \(the file's functions\)$", out, re.MULTILINE)
+    assert len(files) == 10, out
     assert any(path.startswith("proxy/") for _, path in files[:5]), files
-    assert "ours / floor, bytecodes per request:" in done.stdout
+    assert "ours / floor, bytecodes per request:" in out
 
 
 def test_the_path_bench_compares_kv_aware_with_the_default_policy_on_the_same_fakes() -> None:
     """`scripts.bench_path --target ours,kv`: kv_aware (its index in sync with the fakes'
     KV events before anything is measured) makes more calls per request than the default
     policy, and the ratio of their CPU is printed."""
-    done = subprocess.run(
-        [sys.executable, "-m", "scripts.bench_path", "--target", "ours,kv", "--servers", "2",
-         "--prompt-tokens", "64", "-n", "500", "-c", "8", "--calls"],
-        capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    out = bench_path("--target", "ours,kv", "--servers", "2", "--prompt-tokens", "64",
+                     "-n", "500", "-c", "8", "--calls")
     found = dict(re.findall(r"round 1 (\w+): [\d.]+ us CPU per request under cProfile, ([\d.]+) Python calls",
-                            done.stdout))
-    assert set(found) == {"ours", "kv"}, done.stdout
+                            out))
+    assert set(found) == {"ours", "kv"}, out
     assert float(found["kv"]) > float(found["ours"]) + 20, found  # tokenizing, scoring, credit
-    assert "kv / ours, CPU per request:" in done.stdout
+    assert "kv / ours, CPU per request:" in out
 
 
 # Every scenario of `python -m scripts.bench SCENARIO`, and what its own --help starts with:
