@@ -80,7 +80,7 @@ class Pool:
         self.host = host
         self.port = port
         self._ssl = ssl
-        self._host_header = authority(host, port).encode("latin-1")
+        self._host_line = f"Host: {authority(host, port)}\r\n"
         self.closed = False  # its client forgot it: a connection given back is closed
         # Header lines sent with every request to this server, pre-encoded (credentials).
         self.extra_headers = b""
@@ -198,12 +198,10 @@ class Pool:
     def _head(self, method: str, path: str, body: bytes, headers: dict[str, str]) -> bytes:
         # One string formatted and encoded once (a line at a time was 1% of the router's
         # CPU per request, the profile scenario).
-        fields = ""
+        head = f"{method} {path} HTTP/1.1\r\n{self._host_line}Content-Length: {len(body)}\r\n"
         for name, value in headers.items():  # a loop: a comprehension is a call more
-            fields += f"{name}: {value}\r\n"
-        return b"".join((f"{method} {path} HTTP/1.1\r\nHost: ".encode("latin-1"),
-                         self._host_header, b"\r\nContent-Length: %d\r\n" % len(body),
-                         self.extra_headers, fields.encode("latin-1"), b"\r\n"))
+            head += f"{name}: {value}\r\n"
+        return head.encode("latin-1") + self.extra_headers + b"\r\n"
 
     async def _lease(self, connect_timeout: float, *, fresh: bool) -> Connection:
         """A connection for one request: an idle one (unless `fresh`), else a new one
