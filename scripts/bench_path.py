@@ -13,8 +13,9 @@ Python router spends here; ours minus floor is the price of the router's feature
 `--profile N` prints the N functions with the most own time (cProfile: its overhead
 weighs small functions more). `--bytecodes N` counts the bytecodes Python executes per
 request, in all and in the N functions and the N source files that execute the most (a
-trace of every bytecode: slow, but the same count every run, where the time moves by a
-few percent between runs; no C code is in it, and a bytecode's cost varies).
+trace of every bytecode: slow, but the same count within a few every run, where the
+time moves by a few percent between runs; no C code is in it, and a bytecode's cost
+varies).
 
     python -m scripts.bench_path                      # ours and the floor, 20,000 requests
     python -m scripts.bench_path --target ours --stream --profile 30

@@ -148,8 +148,9 @@ def test_the_path_bench_measures_ours_and_the_floor_in_one_process() -> None:
 
 def test_the_path_bench_counts_bytecodes_per_request_and_names_the_functions() -> None:
     """`scripts.bench_path --bytecodes N`: the bytecodes executed per request (the same
-    count every run) for our router and the floor, the N functions that execute the most
-    (ours: its own code among them), and ours over the floor in bytecodes."""
+    count within a few every run) for our router and the floor, the N functions and files
+    that execute the most (ours: its own code among them), and ours over the floor in
+    bytecodes."""
     out = bench_path("-n", "200", "-c", "4", "--bytecodes", "5")
     found = dict(re.findall(r"round 1 (\w+): [\d.]+ us CPU per request traced, (\d+) bytecodes",
                             out))
