@@ -164,6 +164,37 @@ async def test_with_uvicorns_access_log_on_uvicorns_cycle_serves_them(
         assert not isinstance(cycle, InferenceCycle) and cycle.response_complete
 
 
+@pytest.mark.parametrize("access_log", [False, True], ids=["the router's cycle", "uvicorn's"])
+async def test_both_paths_give_the_same_answers(pair: Pair, access_log: bool) -> None:
+    """The router's cycle writes a flow's answer itself; uvicorn's cycle gets the same
+    answer as ASGI messages (`relay.AsgiAnswer`). A whole answer, a stream, an error
+    before the flow and an error with a header of its own come out alike."""
+    keys = {"auth": {"client_api_keys": ["k1"]}}
+    auth = b"Authorization: Bearer k1\r\n"
+    async with router(pair, access_log=access_log, **keys) as (url, _, server), \
+            client(url) as c:
+        await c.send(post(headers=auth))
+        status, headers, body, _ = whole = await c.answer()
+        served(whole)
+        assert headers[b"x-kv-transfer-mode"] == b"pull" and headers[b"x-request-id"]
+        assert headers[b"content-length"] == b"%d" % len(body)
+        [cycle] = cycles(server)
+        assert isinstance(cycle, InferenceCycle) is not access_log
+        await c.send(post(body=STREAM_BODY, headers=auth))
+        status, headers, body, _ = await c.answer()
+        assert status == 200 and headers[b"content-type"].startswith(b"text/event-stream")
+        assert headers[b"transfer-encoding"] == b"chunked" and b"content-length" not in headers
+        assert body.endswith(b"data: [DONE]\n\n")
+        await c.send(post(body=b"{not json", headers=auth))
+        status, headers, body, _ = await c.answer()
+        assert status == 400 and headers[b"content-type"] == b"application/json"
+        assert json.loads(body)["error"]["message"].startswith("request body is not valid JSON")
+        await c.send(post())  # no key
+        status, headers, body, _ = await c.answer()
+        assert status == 401 and headers[b"www-authenticate"] == b"Bearer"
+        assert json.loads(body)["error"]["type"] == "authentication_error"
+
+
 async def test_keep_alive_and_pipelined_requests_are_answered_in_order(pair: Pair) -> None:
     async with router(pair) as (url, app, _), client(url) as c:
         for _ in range(3):
