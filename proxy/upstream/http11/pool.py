@@ -105,15 +105,10 @@ class Pool:
         On failure nothing is left to release: PoolTimeout (no room under the cap),
         ConnectFailed, ConnectionLost, MalformedAnswer, httptools.HttpParserError or
         TimeoutError."""
-        data = self._head(method, path, body, headers) + body
-        deadline = time.monotonic() + timeout
-        connection = self._idle_connection() or await self._lease(connect_timeout, fresh=False)
-        while True:  # at most twice: the second time on a new connection
-            response = Response(connection)
-            response.deadline = deadline
-            if await self._arrived(connection, response, data):
-                return connection, response
-            connection = await self._lease(connect_timeout, fresh=True)
+        connection, response = await self._send(self._head(method, path, body, headers) + body,
+                                                connect_timeout, time.monotonic() + timeout)
+        assert isinstance(response, Response)
+        return connection, response
 
     async def fetch(
         self,
@@ -132,33 +127,34 @@ class Pool:
         of it within `idle` seconds of the head or the part before. A body over `limit`
         bytes is AnswerTooLarge. Its connection is back in the pool when this returns:
         nothing to release. It fails as `request` does."""
-        data = self._head(method, path, body, headers) + body
-        deadline = time.monotonic() + timeout
+        _, fetch = await self._send(self._head(method, path, body, headers) + body,
+                                    connect_timeout, time.monotonic() + timeout, limit, idle)
+        assert isinstance(fetch, Fetch)
+        return fetch
+
+    async def _send(self, data: bytes, connect_timeout: float, deadline: float,
+                    limit: int | None = None, idle: float | None = None,
+                    ) -> tuple[Connection, Incoming]:
+        """Send `data` (a request's head and body) and wait, until `deadline`, for its
+        answer's head (a Response: `limit` None) or its whole (a Fetch: see `fetch`).
+        A kept-alive connection that its server closed as we sent, with no byte of an
+        answer, closed without reading the request: it is sent once more, on a new one."""
         connection = self._idle_connection() or await self._lease(connect_timeout, fresh=False)
         while True:  # at most twice: the second time on a new connection
-            fetch = Fetch(connection, limit)
-            fetch.deadline, fetch.idle = deadline, idle
-            if await self._arrived(connection, fetch, data):
-                return fetch
+            reused = connection.requests > 0
+            incoming = Response(connection) if limit is None else Fetch(connection, limit)
+            incoming.deadline, incoming.idle = deadline, idle
+            connection.send(incoming, data)
+            self._deadlines.watch(incoming)
+            try:
+                await incoming.arrived
+                return connection, incoming
+            except BaseException as exc:
+                self.release(connection, incoming)
+                if not (isinstance(exc, ConnectionLost) and reused and connection.dropped
+                        and connection.head_bytes == 0):
+                    raise
             connection = await self._lease(connect_timeout, fresh=True)
-
-    async def _arrived(self, connection: Connection, incoming: Incoming, data: bytes) -> bool:
-        """Send `data` on `connection` and wait for `incoming` to arrive (a Response's
-        head, a Fetch's whole answer), its failure raised; False when the connection was
-        stale: a kept-alive one its server closed as we sent, with no byte of an answer.
-        The server closed it without reading the request: it may be sent once more."""
-        reused = connection.requests > 0
-        connection.send(incoming, data)
-        self._deadlines.watch(incoming)
-        try:
-            await incoming.arrived
-            return True
-        except BaseException as exc:
-            self.release(connection, incoming)
-            if isinstance(exc, ConnectionLost) and reused and connection.dropped \
-                    and connection.head_bytes == 0:
-                return False
-            raise
 
     def release(self, connection: Connection, response: Incoming) -> None:
         """Done with a response, on every path: a complete answer's connection goes back
