@@ -66,7 +66,7 @@ class Server:
         response.enable_chunked_encoding()
         await response.prepare(request)
         await response.write(b"part")
-        await asyncio.sleep(60)
+        await asyncio.Event().wait()  # cancelled when the client leaves
         return response
 
 
