@@ -46,6 +46,7 @@ import json
 import logging
 import pstats
 import sys
+import sysconfig
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -99,14 +100,18 @@ class _Bytecodes:
             for where, count in sorted(files.items(), key=lambda item: -item[1])[:n]]
 
 
+# Where source files are named from: the installed packages, the standard library, this
+# project (in that order: the first two may lie under the project's virtualenv).
+_SOURCE_ROOTS = (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["stdlib"],
+                 str(Path(__file__).resolve().parents[1]))
+
+
 def _where(path: str) -> str:
-    """A source file's path, from the package or the project it is in."""
-    for marker in ("/site-packages/", "/lib/python3."):
-        if marker in path:
-            return path.split(marker, 1)[1].split("/", 1)[-1] if marker.startswith("/lib") \
-                else path.split(marker, 1)[1]
-    root = str(Path(__file__).resolve().parent.parent) + "/"
-    return path.removeprefix(root)
+    """A source file's path, from the package, the library or the project it is in."""
+    for root in _SOURCE_ROOTS:
+        if path.startswith(root + "/"):
+            return path[len(root) + 1:]
+    return path
 
 
 class BenchFailed(Exception):
