@@ -309,18 +309,36 @@ def test_a_prompt_held_whole_is_remembered_until_a_key_leaves() -> None:
     def hit_tokens() -> int | None:
         return index.hit_tokens("http://p", prompt, now=0, fallback_block_size=BS)
 
-    assert hit_tokens() == 16 and prompt.held_by == {source: source.removals}
+    def remembered() -> bool:
+        return prompt.held_by.get("http://p") == (source, source.removals, 16)
+
+    assert hit_tokens() == 16 and remembered()
     source.accept(1, batch(stored([1], None, TOKENS[:4])))  # a second copy: nothing left
-    assert hit_tokens() == 16 and prompt.held_by == {source: source.removals}
+    assert hit_tokens() == 16 and remembered()
     source.accept(2, batch(BlockRemoved((1,))))  # one copy of two: the key stays
-    assert hit_tokens() == 16 and prompt.held_by == {source: source.removals}
+    assert hit_tokens() == 16 and remembered()
     source.accept(3, batch(BlockRemoved((4,))))  # the last block goes
-    assert hit_tokens() == 12 and prompt.held_by[source] != source.removals
+    assert hit_tokens() == 12 and not remembered()
     index.credit("http://p", prompt, until=10.0, fallback_block_size=BS)
     assert hit_tokens() == 16  # the credited block, not a memo of it
-    assert prompt.held_by[source] != source.removals
+    assert not remembered()
     source.accept(4, batch(AllBlocksCleared()))
     assert index.hit_tokens("http://p", prompt, now=11.0, fallback_block_size=BS) == 0
+
+
+def test_a_remembered_server_out_of_sync_is_unknown_again() -> None:
+    index = KvIndex()
+    source = index.source("http://p", 0)
+    source.accept(0, batch(stored([1, 2, 3, 4], None, TOKENS)))
+    prompt = PromptBlocks(TOKENS)
+    assert index.hit_tokens("http://p", prompt, now=0, fallback_block_size=BS) == 16
+    assert prompt.held_by  # remembered
+    assert source.accept(5, batch(BlockRemoved((4,)))) == NeedReplay(1)  # a gap
+    assert index.hit_tokens("http://p", prompt, now=0, fallback_block_size=BS) is None
+    index.forget("http://p")  # and a server that left holds nothing, memo or not
+    source = index.source("http://p", 0)
+    source.start_empty()
+    assert index.hit_tokens("http://p", prompt, now=0, fallback_block_size=BS) == 0
 
 
 def test_a_prompt_held_whole_counts_its_full_blocks_only() -> None:

@@ -22,15 +22,30 @@ that order, and `request_extra` builds a prompt's the same way.
 
 from __future__ import annotations
 
+import enum
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 Key = int  # 64 bits of this process's keyed hash
 ROOT: Key = 0  # the parent key of a prompt's first block
-# A prompt's memo of the index sources (`SourceIndex`) that stored all its keys, each
-# with its `removals` count then (`PromptBlocks.held_by`).
-HeldBy = dict[object, int]
+
+
+class Holder(Protocol):
+    """What a prompt's memo reads of the index source that stored all its keys
+    (`proxy.pool.kv.index.SourceIndex`)."""
+
+    @property
+    def removals(self) -> int: ...
+
+    @property
+    def state(self) -> enum.Enum: ...
+
+
+# A prompt's memo of the servers that stored all its keys (`PromptBlocks.held_by`): by
+# server URL, the source (a rank of it) that did, its `removals` count then, and the
+# prompt tokens its full blocks cover.
+HeldBy = dict[str, tuple[Holder, int, int]]
 _TOKEN = "q"  # token ids hashed as 8-byte integers
 
 
@@ -80,7 +95,8 @@ class PromptBlocks:
     `keys_by_size` and `held_by` may be shared by requests of the same prompt (same
     tokens, adapter and cache salt: `PromptTokenizer`'s cache), so a prompt sent again is
     not hashed again, nor walked again through the index of a server that held all of
-    it: `held_by` maps such a source to its `removals` count then (`KvIndex.hit_tokens`).
+    it: `held_by` maps such a server to the source that held it, that source's
+    `removals` count then, and the tokens held (`KvIndex.hit_tokens`).
     """
 
     __slots__ = ("tokens", "length", "lora", "cache_salt", "predicted", "held_by", "_keys")

@@ -116,7 +116,7 @@ class SourceIndex:
         self.block_size: int | None = None  # from its events
         # Times a key left `_keys` (a removal, a wipe) or the block size changed: keys
         # are otherwise only added, so a prompt whose keys were all stored at one count
-        # still is while it stays (`PromptBlocks.held_by`, read by `hits` and `credit`).
+        # still is while it stays (`PromptBlocks.held_by`, read by `KvIndex`).
         self.removals = 0
         self.last_event_ts: float | None = None  # the publisher's clock, for event lag
         self.counts = EventCounts()
@@ -281,14 +281,9 @@ class SourceIndex:
                            "orphans": counts.orphans, "ignored": counts.ignored,
                            "gaps": counts.gaps, "wipes": dict(counts.wipes)}}
 
-    def credit(self, keys: Sequence[Key], until: float, *,
-               held_by: HeldBy | None = None) -> None:
+    def credit(self, keys: Sequence[Key], until: float) -> None:
         """Count `keys` as held until `until`: a request was just routed here with them,
-        and its events have not arrived yet. Bounded: the oldest credits go first. Keys
-        its events already stored need none (a prompt sent again: no work at all;
-        `held_by` as in `hits`)."""
-        if held_by is not None and held_by.get(self) == self.removals:
-            return
+        and its events have not arrived yet. Bounded: the oldest credits go first."""
         credits, held = self._credits, self._keys
         # The keys not stored yet, found in C (a prompt sent again: none): a Python loop
         # over every key was 1% of kv_aware's CPU per request (the profile scenario).
@@ -302,14 +297,10 @@ class SourceIndex:
              held_by: HeldBy | None = None) -> int:
         """How many of `keys`, from the first, this source holds (or was credited).
 
-        `held_by` (`PromptBlocks.held_by`, keys of this source's block size): the
-        sources that stored every key, with their `removals` then; a source found there
-        at the same count still holds them all, without a walk. Walking a 1k-token
-        prompt's 64 keys took 1.6 us, once per candidate and again to credit the chosen
-        one: 4-5% of kv_aware's CPU per request (the profile scenario, a prompt sent
-        again)."""
-        if held_by is not None and held_by.get(self) == self.removals:
-            return len(keys)
+        `held_by` (`PromptBlocks.held_by`, keys of this source's block size): when every
+        key is stored, this source is remembered there for its server, with its
+        `removals` count and the tokens held, so that the next request of the same
+        prompt is not walked again (`KvIndex.hit_tokens_each`)."""
         held, credits = self._keys, self._credits
         if not held and not credits:
             return 0  # nothing stored or credited: nothing to walk (a server none of the
@@ -319,8 +310,8 @@ class SourceIndex:
         # prompts (the profile scenario). Credits are looked up from the first one not.
         count = len(list(itertools.takewhile(held.__contains__, keys)))
         if count == len(keys):
-            if held_by is not None and count:
-                held_by[self] = self.removals
+            if held_by is not None and count and self.block_size:
+                held_by[self.url] = (self, self.removals, count * self.block_size)
             return count
         for key in itertools.islice(keys, count, None):
             if key not in held:
@@ -388,36 +379,46 @@ class KvIndex:
                         fallback_block_size: int) -> list[int | None]:
         """`hit_tokens` of each server, in one pass (a scorer asks for every candidate:
         one call per candidate was a fifth of kv_aware's pick, measured on a 2-core
-        machine with a 1k-token prompt held by both of two servers)."""
-        by_url, held_by, length, synced = self._by_url, prompt.held_by, prompt.length, SourceState.SYNCED
+        machine with a 1k-token prompt held by both of two servers).
+
+        A server remembered in the prompt's `held_by` is not walked: the source that
+        stored every key still does while it is in sync and its `removals` count has not
+        moved (a prompt sent again, the usual case: walking each candidate's sources
+        was a fifth of kv_aware's own bytecodes per request, `scripts.bench_path
+        --target kv --bytecodes`)."""
+        held_by, synced = prompt.held_by, SourceState.SYNCED
         found: list[int | None] = []
         for url in urls:
-            best = -1  # none in sync yet
-            for source in by_url.get(url, _NO_SOURCES).values():
-                if source.state is not synced:
-                    continue
+            whole = held_by.get(url)
+            if whole is not None and whole[0].removals == whole[1] and whole[0].state is synced:
+                found.append(whole[2])
+            else:
+                found.append(self._walk(url, prompt, now, fallback_block_size))
+        return found
+
+    def _walk(self, url: str, prompt: PromptBlocks, now: float,
+              fallback_block_size: int) -> int | None:
+        """The prompt's tokens the server holds on its best rank, walked through each
+        source in sync; None while none is."""
+        best = -1
+        for source in self._by_url.get(url, _NO_SOURCES).values():
+            if source.state is SourceState.SYNCED:
                 size = source.block_size or self._lent_block_size(fallback_block_size)
-                # `hits`'s first check, made here: a source that holds the whole prompt
-                # (a prompt sent again) holds its full blocks, counted without a call
-                if held_by.get(source) == source.removals:
-                    held = length // size * size
-                else:
-                    held = source.hits(prompt.keys(size), now, held_by=held_by) * size
+                held = source.hits(prompt.keys(size), now, held_by=prompt.held_by) * size
                 if held > best:
                     best = held
-            found.append(None if best < 0 else best)  # full blocks: never past the prompt
-        return found
+        return None if best < 0 else best  # full blocks: never past the prompt
 
     def credit(self, url: str, prompt: PromptBlocks, until: float, *,
                fallback_block_size: int) -> None:
-        """Count the prompt's blocks as held by every source of the server until `until`."""
-        held_by = prompt.held_by
+        """Count the prompt's blocks as held by every source of the server until `until`
+        (none for a server whose events stored them all: a prompt sent again)."""
+        whole = prompt.held_by.get(url)
+        if whole is not None and whole[0].removals == whole[1]:
+            return
         for source in self._by_url.get(url, _NO_SOURCES).values():
-            if held_by.get(source) == source.removals:
-                continue  # it stored them all (`SourceIndex.credit`'s first check, made
-                # here: three calls less a pick, for a prompt sent again)
             size = source.block_size or self._lent_block_size(fallback_block_size)
-            source.credit(prompt.keys(size), until, held_by=held_by)
+            source.credit(prompt.keys(size), until)
 
     def _lent_block_size(self, fallback: int) -> int:
         """The block size for a source whose events have stored nothing yet (so a burst's

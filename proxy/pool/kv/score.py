@@ -27,6 +27,7 @@ there before the server's events say so.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -45,6 +46,7 @@ logger = logging.getLogger("pdproxy.kv")
 
 
 CALIBRATION_SMOOTHING = 0.05  # weight of one routed request in the moving average
+_url = operator.attrgetter("url")
 
 
 class Calibration:
@@ -87,7 +89,11 @@ class KvCost:
 
     def __init__(self, kv: KvContext, balance: Balance) -> None:
         self.kv = kv
-        self._weights = LoadWeights.of(balance)
+        weights = LoadWeights.of(balance)
+        self._load_weights = (weights.max_age, weights.waiting_weight, weights.kv_cache_weight)
+        self._tracks_work = kv.tracks_work
+        self._block_size = kv.settings.block_size
+        self._credit_s = kv.settings.credit_s
         self._fallback_logged: set[str] = set()
         self._predicted_hits = None if kv.metrics is None else kv.metrics.kv_predicted_hits
         self._cluster_label = (kv.cluster,)
@@ -100,8 +106,7 @@ class KvCost:
 
     def hit_tokens(self, url: str, prompt: PromptBlocks, now: float) -> int | None:
         """The prompt's tokens, from its start, that the server holds; None: unknown."""
-        return self.kv.index.hit_tokens(url, prompt, now,
-                                        fallback_block_size=self.kv.settings.block_size)
+        return self.kv.index.hit_tokens(url, prompt, now, fallback_block_size=self._block_size)
 
     def scores(self, candidates: Sequence[Endpoint], request: PickRequest,
                now: float) -> list[float]:
@@ -111,22 +116,29 @@ class KvCost:
             self._fell_back("no_tokens")
             length, held = 0, [0] * len(candidates)  # by load alone
         else:
-            found = kv.index.hit_tokens_each([e.url for e in candidates], prompt, now,
-                                             fallback_block_size=kv.settings.block_size)
+            found = kv.index.hit_tokens_each(map(_url, candidates), prompt, now,
+                                             fallback_block_size=self._block_size)
             self._scored = (request, candidates, found)
             length = prompt.length
             if None in found:
                 held = self._unknown_as_best(found, length)
             else:  # every candidate in sync: the usual case
                 held = found  # type: ignore[assignment]
-        weight, reported = kv.token_weight, self._weights.reported
-        per_request = kv.calibration.tokens_per_request
-        if kv.tracks_work:
+        weight, per_request = kv.token_weight, kv.calibration.tokens_per_request
+        # `LoadWeights.reported`, inlined: a call per candidate was 88 of kv_aware's 1,512
+        # bytecodes per request (two picks between two servers, `scripts.bench_path
+        # --target kv --bytecodes`)
+        max_age, waiting_weight, cache_weight = self._load_weights
+        costs: list[float] = []
+        for e, h in zip(candidates, held, strict=True):
+            load = e.load
+            reported = (0.0 if load is None or now - load.at > max_age
+                        else waiting_weight * load.waiting + cache_weight * load.kv_cache_usage)
             # (summed as the two scorers' costs were: the same ties)
-            return [weight * (length - h) + (e.pending_tokens + per_request * reported(e.load, now))
-                    for e, h in zip(candidates, held, strict=True)]
-        return [weight * (length - h) + per_request * (e.in_flight + reported(e.load, now))
-                for e, h in zip(candidates, held, strict=True)]
+            costs.append(weight * (length - h) + (e.pending_tokens + per_request * reported)
+                         if self._tracks_work else
+                         weight * (length - h) + per_request * (e.in_flight + reported))
+        return costs
 
     def _unknown_as_best(self, found: list[int | None], length: int) -> list[int]:
         """Hits where some candidate is unknown (its events not in sync): it is scored as
@@ -150,13 +162,14 @@ class KvCost:
         else:  # a lone candidate is not scored
             hit = self.hit_tokens(chosen.url, prompt, now)
         prompt.predicted[kv.cluster] = hit
-        if kv.tracks_work:  # P: the tokens it will compute calibrate a request's weight
-            kv.calibration.observe(prompt.length - (hit or 0))
-        if self._predicted_hits is not None and hit is not None and prompt.length:
-            self._predicted_hits.observe(self._cluster_label, hit / prompt.length)
-        if kv.settings.credit_s > 0:
-            kv.index.credit(chosen.url, prompt, now + kv.settings.credit_s,
-                            fallback_block_size=kv.settings.block_size)
+        length = prompt.length
+        if self._tracks_work:  # P: the tokens it will compute calibrate a request's weight
+            kv.calibration.observe(length - (hit or 0))
+        if self._predicted_hits is not None and hit is not None and length:
+            self._predicted_hits.observe(self._cluster_label, hit / length)
+        if self._credit_s > 0:
+            kv.index.credit(chosen.url, prompt, now + self._credit_s,
+                            fallback_block_size=self._block_size)
 
     def _fell_back(self, reason: str) -> None:
         kv = self.kv
