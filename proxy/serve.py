@@ -101,6 +101,14 @@ def setup_logging(config: RouterConfig, *, worker: int | None = None) -> None:
     )
 
 
+def request_path_build() -> str:
+    """How the request path runs: "compiled" (its modules built by mypyc, setup.py) or
+    "pure Python" (PDPROXY_COMPILE=0, or a build that found no C compiler)."""
+    from proxy.flow import exchange
+
+    return "pure Python" if str(getattr(exchange, "__file__", "")).endswith(".py") else "compiled"
+
+
 def serve(config: RouterConfig, source: ConfigSource | None = None) -> None:
     """Run the router (and its admin listener, with `admin_listen`) until SIGTERM/SIGINT."""
     from uvicorn.config import STARTUP_FAILURE
@@ -129,10 +137,10 @@ def run(
     found = (f" + pods in namespace {kubernetes.namespace} ({kubernetes.prefill_selector} / "
              f"{kubernetes.decode_selector})" if kubernetes is not None else "")
     logging.getLogger("pdproxy").info(
-        "pd-proxy on http://%s:%d, mode %s, prefill %s, decode %s%s",
+        "pd-proxy on http://%s:%d, mode %s, prefill %s, decode %s%s; request path %s",
         config.host, config.port, config.mode.value,
         ", ".join(e.url for e in config.prefill) or "-",
-        ", ".join(e.url for e in config.decode) or "-", found,
+        ", ".join(e.url for e in config.decode) or "-", found, request_path_build(),
     )
     app = create_app(config, source, workers=worker.group if worker else None)
     # Fewer, later garbage collections: the request path makes many short-lived objects

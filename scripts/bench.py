@@ -93,7 +93,9 @@ frame that called it (the socket writes: the kernel's loopback work), and
 the event loop's own C code to the Python code it runs next, so the loop's
 stage is a floor. Not in the default run; --kv-aware and --prompt-tokens
 apply. Leaves out: push mode, more than one worker, and time the router
-spends off a CPU (waiting).""",
+spends off a CPU (waiting). The sampler sees Python frames only: a compiled
+request path (setup.py) shows as the interpreted code around it; build it pure
+(PDPROXY_COMPILE=0) to see its stages.""",
 }
 
 SUITE_FOOTER = """\

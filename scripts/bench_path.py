@@ -7,8 +7,9 @@ The emulated P and D (`benchkit`'s canned fakes), the router and a closed-loop c
 on one uvloop event loop in this process, over real loopback sockets; pull mode, one P
 and one D. It prints the process's CPU time per request (router, fakes and client
 together, so no other process's scheduling or wake-ups come into it) and, with
-`--calls`, the Python function calls per request. `--target floor` runs
-`scripts.floor_router`'s pull (callbacks, no features) on the same loop: the least a
+`--calls`, the Python function calls per request (the compiled modules of a build
+with them, setup.py, make none: count a pure build, PDPROXY_COMPILE=0). `--target
+floor` runs `scripts.floor_router`'s pull (callbacks, no features) on the same loop: the least a
 Python router spends here; ours minus floor is the price of the router's features.
 `--profile N` prints the N functions with the most own time (cProfile: its overhead
 weighs small functions more). `--bytecodes N` counts the bytecodes Python executes per

@@ -2,14 +2,17 @@
 
     .venv/bin/python -m scripts.check_install          (CI runs it before the tests)
 
-Steps (each printed with its time; about 15-25 s, most of it pip):
+Steps (each printed with its time; about 5 minutes on a 2-core machine, most of it the
+compiling of the request path):
 1. build pd-proxy's wheel from a copy of this checkout's files (tracked and untracked, not
-   ignored), so that nothing left over in the working tree ends up in it;
+   ignored), so that nothing left over in the working tree ends up in it: its request path
+   compiled by mypyc (setup.py), unless PDPROXY_COMPILE=0;
 2. install it, with no extras, into a new virtual environment in a temporary folder:
    only its declared dependencies come with it (no vLLM, no test tools);
 3. in that environment: every module of `proxy` imports (but `proxy.pool.discovery`, the
    `kubernetes` extra's), no vLLM plugin is registered (`vllm.general_plugins` is empty),
-   vLLM is not installed and pd-proxy's files hold no testbed, scripts or tests; a config
+   vLLM is not installed and pd-proxy's files hold no testbed, scripts or tests, the
+   request path's modules are the compiled ones (unless PDPROXY_COMPILE=0); a config
    that asks for Kubernetes discovery, or for tracing, is refused with a message naming
    the extra;
 4. two fake vLLM servers (`testbed.fake_vllm`, run from this checkout's environment: test
@@ -30,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
@@ -41,7 +45,7 @@ from connector.protocol.http_params import TRANSFER_MODE_HEADER
 from testbed.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BUILD_TIMEOUT_S = 180
+BUILD_TIMEOUT_S = 900  # mypyc compiles the request path: about 5 minutes on 2 cores
 VENV_TIMEOUT_S = 120
 INSTALL_TIMEOUT_S = 300  # pip fetches the dependencies (from its cache after setup.sh)
 PROBE_TIMEOUT_S = 60
@@ -73,6 +77,8 @@ print(json.dumps({
     "plugins": sorted(ep.value for ep in entry_points(group="vllm.general_plugins")),
     "tooling": sorted({f.parts[0] for f in files("pd-proxy") or []} & set(tooling)),
     "vllm": importlib.util.find_spec("vllm") is not None,
+    "pure": [name for name in json.loads(sys.argv[3])
+             if importlib.util.find_spec(name).origin.endswith(".py")],
 }))
 """
 KUBERNETES_CONFIG = """\
@@ -121,6 +127,13 @@ def run(cmd: Sequence[str | Path], *, timeout: float, cwd: Path, env: dict[str, 
         raise CheckFailed(f"{shown} exited with {done.returncode}:\n"
                           f"{done.stdout[-3000:]}{done.stderr[-3000:]}")
     return done
+
+
+def compiled_modules() -> list[str]:
+    """The modules setup.py compiles (pyproject.toml's `[tool.pd-proxy] compiled`), by name."""
+    with open(REPO_ROOT / "pyproject.toml", "rb") as f:
+        paths = tomllib.load(f)["tool"]["pd-proxy"]["compiled"]
+    return [path.removesuffix(".py").replace("/", ".") for path in paths]
 
 
 def clean_env() -> dict[str, str]:
@@ -175,7 +188,8 @@ def install(work: Path, wheel: Path) -> Path:
 
 def check_contents(venv: Path, work: Path) -> None:
     python = venv / "bin" / "python"
-    out = run([python, "-c", PROBE, json.dumps(sorted(EXTRA_MODULES)), json.dumps(TOOLING)],
+    out = run([python, "-c", PROBE, json.dumps(sorted(EXTRA_MODULES)), json.dumps(TOOLING),
+               json.dumps(compiled_modules())],
               timeout=PROBE_TIMEOUT_S, cwd=work, env=clean_env()).stdout
     found = json.loads(out.strip().splitlines()[-1])
     problems = []
@@ -188,9 +202,14 @@ def check_contents(venv: Path, work: Path) -> None:
         problems.append(f"the wheel ships test tooling: {found['tooling']}")
     if found["vllm"]:
         problems.append("vLLM was installed with it")
+    compiled = os.environ.get("PDPROXY_COMPILE", "1") != "0"
+    if compiled and found["pure"]:
+        problems.append(f"the request path is not compiled: {', '.join(found['pure'])} "
+                        "import as pure Python (see the build's warning)")
     if problems:
         raise CheckFailed("the installed package:\n  " + "\n  ".join(problems))
-    say("every module of proxy imports (but those of an extra: "
+    say(f"the request path is {'compiled' if compiled else 'pure Python (PDPROXY_COMPILE=0)'}; "
+        "every module of proxy imports (but those of an extra: "
         f"{', '.join(f'{m} [{e}]' for m, e in EXTRA_MODULES.items())}); no vLLM and no vLLM "
         f"plugin; none of {', '.join(TOOLING)} in the wheel")
 

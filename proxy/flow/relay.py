@@ -22,8 +22,9 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
+from mypy_extensions import mypyc_attr
 from starlette.types import Receive, Scope, Send
 
 from proxy.errors import RouterError, internal_error, sse_error_event
@@ -264,6 +265,9 @@ async def relay_events(answer: StreamedResponse, down: Downstream, *,
     await down.end(events)
 
 
+# Compiled (setup.py), a class is subclassed in Python only where it says so:
+# `ItlWatchedResponse` (proxy/flow/local.py, not compiled) extends this one.
+@mypyc_attr(allow_interpreted_subclasses=True)
 class FlowResponse:
     """Runs `flow(downstream)` while watching for the client leaving (`answer`); an ASGI
     app as well, for any ASGI server.
@@ -296,22 +300,13 @@ class FlowResponse:
         failure: RouterError | None = None
         this = asyncio.current_task(None if connection is None else connection.loop)
         assert this is not None  # flows run inside tasks
-        client_left = False
-
-        def on_client_gone() -> None:
-            nonlocal client_left
-            # After the last byte, a disconnect is not a client leaving.
-            if not down.finished:
-                client_left = True
-                this.cancel()
-
+        gone = _ClientGone(down, this)
         watcher: asyncio.Task[None] | None = None
         if connection is not None:
-            connection.on_lost(on_client_gone)
+            connection.on_lost(gone)
         elif receive is not None:  # another ASGI server: wait for its disconnect message
             watcher = asyncio.create_task(_client_gone(receive), name="disconnect-watcher")
-            watcher.add_done_callback(
-                lambda task: None if task.cancelled() else on_client_gone())
+            watcher.add_done_callback(lambda task: None if task.cancelled() else gone())
         # The flow runs in this frame, not in a helper coroutine: one frame less to
         # resume at each of the request's waits.
         try:
@@ -320,25 +315,46 @@ class FlowResponse:
             except RouterError as exc:
                 failure = exc
                 await down.fail(exc)
-            except Exception as exc:
-                if down.started and isinstance(exc, (OSError, RuntimeError)):
+            except Exception as unexpected:  # (a name of its own: compiled, `exc` above
+                # would keep its type, RouterError, here)
+                if down.started and isinstance(unexpected, (OSError, RuntimeError)):
                     # The client's connection broke while we wrote to it: nobody to tell.
-                    failure = RouterError(f"client connection lost: {exc}")
+                    failure = RouterError(f"client connection lost: {unexpected}")
                 else:
                     logger.exception("internal error in a flow")
-                    failure = internal_error(exc)
+                    failure = internal_error(unexpected)
                     await down.fail(failure)
         except asyncio.CancelledError:
-            if not client_left:
+            if not gone.left:
                 raise  # cancelled from outside (shutdown): not ours to swallow
         finally:
             if connection is not None:
                 connection.on_lost(None)
             if watcher is not None:
                 watcher.cancel()
-            if client_left and this.cancelling():
+            if gone.left and this.cancelling():
                 this.uncancel()  # our own cancel: it must not leak into the server's code
-            self._done(down, failure, client_left)
+            self._done(down, failure, gone.left)
+
+
+class _ClientGone:
+    """Called when the client leaves while its flow runs: the flow's task is cancelled,
+    unless the answer's last byte is out (then a disconnect is not a client leaving).
+    An object, not a closure over `FlowResponse.answer`'s variables: compiled with
+    mypyc, such a closure and the coroutine's variables hold each other, a reference
+    cycle per request left to the garbage collector."""
+
+    __slots__ = ("_down", "_task", "left")
+
+    def __init__(self, down: Downstream, task: asyncio.Task[Any]) -> None:
+        self._down = down
+        self._task = task
+        self.left = False
+
+    def __call__(self) -> None:
+        if not self._down.finished:
+            self.left = True
+            self._task.cancel()
 
 
 async def _client_gone(receive: Receive) -> None:

@@ -92,7 +92,7 @@ class Router:
         self.local_budget: LocalBudget | None = (
             self.learner.local_budget if self.learner and self.learner.local_budget
             else LocalBudget(config.auto)
-            if Mode.LOCAL in (config.mode, *config.client_modes) else None)
+            if config.mode is Mode.LOCAL or Mode.LOCAL in config.client_modes else None)
         balance = config.balance
         self._needs_prefix = Policy.PREFIX_AFFINITY in balance.uses
         # kv_aware: an index of every server's prefix cache, fed by its vLLM KV events

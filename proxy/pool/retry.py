@@ -14,6 +14,7 @@ instead of doubling the load.
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
 from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamStatusError
 
@@ -37,7 +38,7 @@ class RetryBudget:
     rate: a timestamp per request (as before) held 130,000 of them at 13,000 requests a
     second over the default 10 s, and took a deque append and a popleft per request."""
 
-    SLOTS = 10
+    SLOTS: ClassVar[int] = 10
 
     def __init__(self, ratio: float = 0.2, min_per_window: int = 10, window_s: float = 10.0) -> None:
         self.ratio = ratio

@@ -296,8 +296,9 @@ class UpstreamClient:
                 method, path, body, headers, connect_timeout=self._timeouts.connect,
                 timeout=timeout, limit=self._max_body, idle=idle,
             )
-        except PoolTimeout as exc:
-            raise lane.overloaded(self.shown(endpoint, cluster)) from exc
+        except PoolTimeout as full:  # (a name of its own: compiled, the first clause's
+            # name keeps its type in the next one, setup.py)
+            raise lane.overloaded(self.shown(endpoint, cluster)) from full
         except TRANSPORT_ERRORS as exc:
             raise upstream_error(exc, endpoint, cluster, "its answer",
                                  name=self._name(endpoint, cluster)) from exc
@@ -352,8 +353,8 @@ class OpenStream:
                 "POST", path, msgspec.json.encode(self._body), {**_JSON_HEADERS, **self._headers},
                 connect_timeout=client._timeouts.connect, timeout=client._timeouts.first_token,
             )
-        except PoolTimeout as exc:
-            raise lane.overloaded(client.shown(endpoint, cluster)) from exc
+        except PoolTimeout as full:  # (a name of its own, as in `_whole`)
+            raise lane.overloaded(client.shown(endpoint, cluster)) from full
         except TRANSPORT_ERRORS as exc:
             raise upstream_error(exc, endpoint, cluster, "with its first byte",
                                  name=client._name(endpoint, cluster)) from exc

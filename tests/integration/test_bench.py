@@ -117,9 +117,14 @@ def test_profile_splits_the_routers_cpu_per_request_by_stage(tmp_path: Path) -> 
     assert profile["samples"] >= 50  # a sample a CPU millisecond, over seconds of load
     stages = profile["stages"]
     assert abs(sum(stages.values()) - 1) < 0.01
-    # the request path's own stages are seen, and start-up (imports) is not sampled
-    for stage in ("upstream HTTP client (pool, parsing, deadlines)",
-                  "flow: modes, legs, relaying, access log"):
+    # the request path's own stages are seen, and start-up (imports) is not sampled; a
+    # compiled module (setup.py) has no Python frames to sample: only the interpreted
+    # listener's stage is seen then
+    import proxy.flow.exchange
+    compiled = not str(proxy.flow.exchange.__file__).endswith(".py")
+    for stage in ("client HTTP: parsing, ASGI cycle, client limits",) if compiled else (
+            "upstream HTTP client (pool, parsing, deadlines)",
+            "flow: modes, legs, relaying, access log"):
         assert stages.get(stage, 0) > 0, stages
     lines = stacks.read_text().splitlines()
     assert lines and all(line.rpartition(" ")[2].isdigit() for line in lines)
@@ -168,13 +173,17 @@ def test_the_path_bench_counts_bytecodes_per_request_and_names_the_functions() -
 def test_the_path_bench_compares_kv_aware_with_the_default_policy_on_the_same_fakes() -> None:
     """`scripts.bench_path --target ours,kv`: kv_aware (its index in sync with the fakes'
     KV events before anything is measured) makes more calls per request than the default
-    policy, and the ratio of their CPU is printed."""
+    policy, and the ratio of their CPU is printed. (Compiled, setup.py, its tokenizing and
+    scoring make no Python calls; its metrics, interpreted, still do.)"""
     out = bench_path("--target", "ours,kv", "--servers", "2", "--prompt-tokens", "64",
                      "-n", "500", "-c", "8", "--calls")
     found = dict(re.findall(r"round 1 (\w+): [\d.]+ us CPU per request under cProfile, ([\d.]+) Python calls",
                             out))
     assert set(found) == {"ours", "kv"}, out
-    assert float(found["kv"]) > float(found["ours"]) + 20, found  # tokenizing, scoring, credit
+    import proxy.pool.kv.score
+    compiled = not str(proxy.pool.kv.score.__file__).endswith(".py")
+    more = 2 if compiled else 20  # (pure Python: tokenizing, scoring, credit)
+    assert float(found["kv"]) > float(found["ours"]) + more, found
     assert "kv / ours, CPU per request:" in out
 
 

@@ -143,13 +143,13 @@ def test_a_requests_weight_follows_what_routed_requests_compute() -> None:
 def test_the_kv_series_are_exposed_at_zero_before_any_request() -> None:
     """A series that first appears at its first update loses that update to rate():
     the predicted hits per cluster and the tokenize cache's hit and miss start at 0."""
-    from typing import Any, cast
-
+    from proxy.config import Limits, Timeouts
     from proxy.pool.kv.tokens import PromptTokenizer
+    from proxy.upstream.client import UpstreamClient
 
     kv = balancer(KvIndex()).pipeline.after[0].kv  # type: ignore[attr-defined]
     assert kv.metrics is not None
-    PromptTokenizer(cast(Any, None), list, timeout=1.0, metrics=kv.metrics)
+    PromptTokenizer(UpstreamClient(Timeouts(), Limits()), list, timeout=1.0, metrics=kv.metrics)
     text = kv.metrics.render().decode()
     assert 'pdproxy_kv_predicted_hit_ratio_count{cluster="prefill"} 0.0' in text
     assert 'pdproxy_kv_tokenize_cache_total{result="hit"} 0.0' in text

@@ -321,8 +321,8 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserCallbackError as exc:
             cause = exc.__context__  # what our callback raised
             self._fail(cause if isinstance(cause, MalformedAnswer) else exc)
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
-            self._fail(exc)
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as broken:
+            self._fail(broken)  # (a name of its own: compiled, `exc` keeps its type above)
         else:
             # A head still incomplete past the cap (arriving in pieces) is not waited out.
             if heading and self.head_bytes > self._max_header_bytes and not response.headed:

@@ -1,0 +1,57 @@
+"""Builds pd-proxy with its request path compiled: the modules listed under
+`[tool.pd-proxy] compiled` in pyproject.toml become C extensions made by mypyc from their
+typed Python, the rest of the package stays as it is. Everything else about the build is
+in pyproject.toml.
+
+PDPROXY_COMPILE=0 builds the package pure Python (no C compiler needed). A compiled
+module that fails to build is left pure Python too, with the compiler's error in the build
+log: the router then runs as before, only with more CPU per request (it logs which at
+start). After editing a compiled module, build again (`pip install -e .`, or
+`python setup.py build_ext --inplace`): an extension module is imported before the
+source next to it (tests/unit/test_compiled.py fails on a stale one).
+"""
+
+import os
+import sys
+import tomllib
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).resolve().parent
+
+
+def compiled_modules() -> list[str]:
+    with open(HERE / "pyproject.toml", "rb") as f:
+        return list(tomllib.load(f)["tool"]["pd-proxy"]["compiled"])
+
+
+# The commands that build extension modules. setup.py also runs for the build's metadata
+# and requirements, where compiling (minutes) would be wasted.
+BUILDING = {"build", "build_ext", "bdist_wheel", "editable_wheel", "install", "develop"}
+
+
+def ext_modules() -> list:
+    if os.environ.get("PDPROXY_COMPILE", "1") == "0" or not BUILDING & set(sys.argv):
+        return []
+    from mypyc.build import mypycify
+
+    return mypycify(compiled_modules(), opt_level="3")
+
+
+class BuildOrStayPure(build_ext):
+    """Builds the compiled modules, or none of them: they share one library (built
+    first), so a compiler error (no compiler, no Python headers) leaves the whole package
+    pure Python, with a warning, rather than failing the install."""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except Exception as exc:  # setuptools' compile and link errors have no common base
+            print(f"warning: pd-proxy's request path is not compiled ({exc}); it runs as "
+                  "pure Python, with more CPU per request", file=sys.stderr)
+            self.extensions = []
+
+
+setup(ext_modules=ext_modules(), cmdclass={"build_ext": BuildOrStayPure})

@@ -1,0 +1,41 @@
+"""The request path's compiled modules (setup.py: pyproject.toml's `[tool.pd-proxy]
+compiled`) are the ones the tests run, and none is older than its source: an extension
+module is imported before the source next to it, so an edit not built again would go
+untested (and unrun). Built pure Python on purpose (PDPROXY_COMPILE=0), none is compiled."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+REBUILD = "build it again: pip install -e . (or PDPROXY_COMPILE=0 for pure Python)"
+
+
+def compiled_sources() -> list[Path]:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return [ROOT / path for path in tomllib.load(f)["tool"]["pd-proxy"]["compiled"]]
+
+
+def module_name(source: Path) -> str:
+    return ".".join(source.relative_to(ROOT).with_suffix("").parts)
+
+
+def test_the_request_path_runs_as_built() -> None:
+    origins = {module_name(s): importlib.util.find_spec(module_name(s)) for s in compiled_sources()}
+    pure = sorted(name for name, spec in origins.items()
+                  if spec is not None and str(spec.origin).endswith(".py"))
+    assert all(spec is not None for spec in origins.values())
+    if os.environ.get("PDPROXY_COMPILE", "1") == "0":
+        assert pure == sorted(origins), f"compiled, though PDPROXY_COMPILE=0: {REBUILD}"
+    else:
+        assert not pure, f"not compiled: {', '.join(pure)}; {REBUILD}"
+
+
+def test_no_compiled_module_is_older_than_its_source() -> None:
+    stale = [str(built.relative_to(ROOT)) for source in compiled_sources()
+             for built in source.parent.glob(f"{source.stem}.*.so")
+             if built.stat().st_mtime < source.stat().st_mtime]
+    assert not stale, f"older than their sources: {', '.join(stale)}; {REBUILD}"
