@@ -46,9 +46,13 @@ def ext_modules() -> list:
     try:
         return mypycify([*options, *compiled_modules()], opt_level="3")
     except (Exception, SystemExit) as exc:  # mypy's errors end in SystemExit
-        print(f"warning: pd-proxy's request path is not compiled (mypyc: {exc}); it runs "
-              "as pure Python, with more CPU per request", file=sys.stderr)
+        stay_pure(f"mypyc: {exc}")
         return []
+
+
+def stay_pure(why: str) -> None:
+    print(f"warning: pd-proxy's request path is not compiled ({why}); it runs as pure "
+          "Python, with more CPU per request", file=sys.stderr)
 
 
 class BuildOrStayPure(build_ext):
@@ -60,8 +64,7 @@ class BuildOrStayPure(build_ext):
         try:
             super().run()
         except Exception as exc:  # setuptools' compile and link errors have no common base
-            print(f"warning: pd-proxy's request path is not compiled ({exc}); it runs as "
-                  "pure Python, with more CPU per request", file=sys.stderr)
+            stay_pure(str(exc))
             self.extensions = []
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from proxy.serve import request_path_build
 from tests.conftest import until_sync
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -120,8 +121,7 @@ def test_profile_splits_the_routers_cpu_per_request_by_stage(tmp_path: Path) -> 
     # the request path's own stages are seen, and start-up (imports) is not sampled; a
     # compiled module (setup.py) has no Python frames to sample: only the interpreted
     # listener's stage is seen then
-    import proxy.flow.exchange
-    compiled = not str(proxy.flow.exchange.__file__).endswith(".py")
+    compiled = request_path_build() == "compiled"
     for stage in ("client HTTP: parsing, ASGI cycle, client limits",) if compiled else (
             "upstream HTTP client (pool, parsing, deadlines)",
             "flow: modes, legs, relaying, access log"):
@@ -180,9 +180,7 @@ def test_the_path_bench_compares_kv_aware_with_the_default_policy_on_the_same_fa
     found = dict(re.findall(r"round 1 (\w+): [\d.]+ us CPU per request under cProfile, ([\d.]+) Python calls",
                             out))
     assert set(found) == {"ours", "kv"}, out
-    import proxy.pool.kv.score
-    compiled = not str(proxy.pool.kv.score.__file__).endswith(".py")
-    more = 2 if compiled else 20  # (pure Python: tokenizing, scoring, credit)
+    more = 2 if request_path_build() == "compiled" else 20  # (pure Python: tokenizing, scoring, credit)
     assert float(found["kv"]) > float(found["ours"]) + more, found
     assert "kv / ours, CPU per request:" in out
 
