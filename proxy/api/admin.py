@@ -181,7 +181,7 @@ def _auto(router: Router, call: AdminCall) -> Answer:
                  # wherever local may be used: each D's inter-token latency, which the
                  # budget of local requests weighs
                  "local_budget": None if budget is None else {
-                     "ratio": budget.ratio, "decode": budget.snapshot()}}
+                     "ratio": budget.ratio, "decode": budget.snapshot(router.decode.endpoints)}}
 
 
 def _kv(router: Router, call: AdminCall) -> Answer:

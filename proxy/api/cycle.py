@@ -5,7 +5,7 @@ uvicorn runs every request through its `RequestResponseCycle`: a scope dict with
 of the app's state, an asyncio.Event for the body, ASGI message dicts both ways and every
 header of the answer checked on the way out. For a POST to an inference route over
 HTTP/1.1 the listener (`listener.GuardedHttpProtocol`) makes an `InferenceCycle` instead,
-and `RouterApp.serve_inference` serves it:
+and `InferenceRoutes.serve_inference` (`proxy.api.inference`) serves it:
 
 - the body is read from the cycle (`read_body`), waiting only while it is still coming;
 - the cycle is the request's `relay.ClientAnswer`: a whole answer is framed and written
@@ -163,10 +163,12 @@ class InferenceCycle:
         while self.more_body and not self.disconnected:
             if len(self.body) > limit:
                 raise body_too_large(len(self.body), limit)
-            flow.resume_reading()  # uvicorn's protocol pauses reading over its high water
+            if flow.read_paused:  # the reader pauses reading over its high water
+                flow.resume_reading()
             await self.message_event.wait()
         # Reading goes on after the body too (paused, a client's leaving would go unseen).
-        flow.resume_reading()
+        if flow.read_paused:
+            flow.resume_reading()
         if self.more_body:
             raise InvalidRequest("the client left before sending its whole body")
         body, self.body = self.body, bytearray()  # the cycle keeps no copy

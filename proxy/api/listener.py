@@ -24,18 +24,19 @@ holds a connection forever. This protocol cuts them:
   client that stops reading a short or slow stream may get it whole into kernel
   buffers, uncut.
 - slow_request: from a request's first byte, its head and body must be in within
-  `timeouts.client_request`.
+  `timeouts.client_request` (the deadline is kept by `reader.RequestReader`).
 - a new connection that sends nothing is closed after uvicorn's keep-alive timeout, as
   an idle connection between two requests is. That timeout is a deadline on the
   connection with one timer, not a timer armed after each answer and cancelled by the
-  next request as in uvicorn (see `_idle`).
+  next request as in uvicorn (see `RequestReader.idle`).
 
 Each cut is logged with the client's address and counted in `pdproxy_client_cuts`.
 Timers exist only while there is something to watch: one while the router waits on the
 client, one while a request is coming in; none per byte.
 
-A POST to an inference route runs on the router's own request-response cycle
-(`proxy.api.cycle`) rather than uvicorn's; every limit above applies to both.
+Requests come in through a `reader.RequestReader` (compiled with the request path): a
+POST to an inference route runs on the router's own request-response cycle
+(`proxy.api.cycle`), any other on uvicorn's; every limit above applies to both.
 
 `server_config()` builds the uvicorn config for the router from its `RouterConfig`, so
 that the CLI and the tests serve through the same listener.
@@ -57,7 +58,8 @@ from starlette.types import ASGIApp
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from proxy.api.cycle import INFERENCE_PATHS, InferenceCycle
+from proxy.api.cycle import InferenceCycle
+from proxy.api.reader import RequestReader
 from proxy.config import Limits, RouterConfig, Timeouts
 from proxy.flow.relay import CLIENT_CONNECTION, ClientConnection
 
@@ -82,7 +84,11 @@ class ClientLimits:
 
 class GuardedHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the client limits above; `server_config()`
-    makes a subclass that sets `limits`."""
+    makes a subclass that sets `limits`. Its requests come in through a
+    `reader.RequestReader` (compiled): the connection's bytes, the parser's callbacks,
+    the request and keep-alive deadlines, and the cycle of each inference request. The
+    protocol keeps the connection, uvicorn's cycle for any other request, and the
+    limits on the answer going out."""
 
     limits: ClassVar[ClientLimits]
 
@@ -102,9 +108,6 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._unsent_at_arm = 0
         self._waited = 0.0
         self._taken = 0
-        self._request_timer: asyncio.TimerHandle | None = None
-        self._request_began: float | None = None  # loop time of a request's first byte
-        self._idle_since: float | None = None  # loop time it went idle (None: in use)
         # Given to each request in its scope: tells the running flow of a lost connection.
         self._connection = ClientConnection(self.loop)
         self.extensions = {CLIENT_CONNECTION: self._connection}
@@ -112,165 +115,88 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         # app uvicorn serves is the router's itself. None while uvicorn's access log is on
         # (its cycle writes the lines; its X-Forwarded-For middleware then wraps the app),
         # or for another app: uvicorn's cycle serves every request then.
-        self._serve_inference: Callable[[InferenceCycle], Awaitable[None]] | None = (
+        serve: Callable[[InferenceCycle], Awaitable[None]] | None = (
             None if self.access_log else getattr(self.app, "serve_inference", None))
+        self._reader = RequestReader(self, self.loop, serve=serve,
+                                     client_request=self.limits.client_request,
+                                     keep_alive=self.timeout_keep_alive)
+        # The reader parses, and takes the connection's bytes itself (the event loop
+        # looks `data_received` up once, when the connection is made).
+        self.parser = self._reader.parser
+        self.data_received = self._reader.data_received  # type: ignore[method-assign]
 
     # The connection
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        # The socket's own transport, for the inference cycle (which sends a head with its
-        # body itself), and uvicorn's writes through the wrapper that holds a head back.
-        self._socket = transport
+        # The socket's own transport goes to the reader, for the inference cycle (which
+        # sends a head with its body itself), and uvicorn's writes through the wrapper
+        # that holds a head back.
         super().connection_made(_CoalescingTransport(transport, self.loop))  # type: ignore[arg-type]
-        # A connection that never sends a byte is idle like one between two requests.
-        self._idle()
+        self._reader.attach(transport, self.flow)  # idle until its first byte
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._behind_since = None
         self._stop_stall_timer()
-        self._stop_request_timer()
+        self._reader.detach()
         super().connection_lost(exc)
-        self._idle_since = None
-        if self.timeout_keep_alive_task is not None:
-            self.timeout_keep_alive_task.cancel()
-            self.timeout_keep_alive_task = None
         self._connection.lost()
 
-    # Idle between requests: closed after `timeout_keep_alive` (uvicorn's setting)
-
-    def _idle(self) -> None:
-        """The connection waits for its next request. uvicorn armed a timer after every
-        answer and cancelled it on the next request's bytes; here the connection keeps
-        one timer, and its bytes only mark it in use (`_unset_keepalive_if_required`).
-        The timer, when it fires, closes a connection idle for the whole timeout, waits
-        out the rest for one idle less long, and ends for one in use. (A timer per
-        answer was 1-2% of the router's CPU per request, the profile scenario.)"""
-        self._idle_since = self.loop.time()
-        if self.timeout_keep_alive_task is None:
-            self.timeout_keep_alive_task = self.loop.call_later(
-                self.timeout_keep_alive, self._keep_alive_check)
-
-    def _keep_alive_check(self) -> None:
-        self.timeout_keep_alive_task = None
-        if self._idle_since is None:
-            return  # in use: the end of its answer makes it idle again
-        left = self._idle_since + self.timeout_keep_alive - self.loop.time()
-        if left > 0:
-            self.timeout_keep_alive_task = self.loop.call_later(left, self._keep_alive_check)
-        else:
-            self.timeout_keep_alive_handler()
-
-    def _unset_keepalive_if_required(self) -> None:
-        # uvicorn's hook on every read (and answer's end): the connection is in use.
-        self._idle_since = None
-
-    # The request coming in
-
-    # A request that arrives whole in one read (nearly all) never arms a timer: arming
-    # one per request was measured at a tenth of the router's CPU (see http11.Deadlines).
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self._request_began is not None and self._request_timer is None:
-            left = self._request_began + self.limits.client_request - self.loop.time()
-            self._request_timer = self.loop.call_later(max(left, 0.0), self._request_overdue)
-
-    def on_message_begin(self) -> None:
-        # uvicorn's (0.54) builds the ASGI scope here; it is built in on_headers_complete
-        # instead, once the path says whether the request needs one.
-        self.url = b""
-        self.expect_100_continue = False
-        self.headers = []
-        if self._request_timer is not None:  # (the check here: a call less per request)
-            self._stop_request_timer()
-        self._request_began = self.loop.time()
+    # What the reader hands back to uvicorn's code and to the limits
 
     def on_headers_complete(self) -> None:
-        """A POST to an inference route over HTTP/1.1 goes to the router's own cycle
-        (`cycle.InferenceCycle`); any other request to uvicorn's, with its ASGI scope."""
-        route = INFERENCE_PATHS.get(self.url)
-        serve = self._serve_inference
-        parser = self.parser
-        if (route is None or serve is None or self.limit_concurrency is not None
-                or parser.get_method() != b"POST"
-                or parser.get_http_version() != "1.1" or parser.should_upgrade()):
-            self.scope = {  # uvicorn's (0.54), with the listener's extensions
-                "type": "http",
-                "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
-                "http_version": "1.1",
-                "server": self.server,
-                "client": self.client,
-                "scheme": self.scheme,  # type: ignore[typeddict-item]
-                "root_path": self.root_path,
-                "headers": self.headers,
-                "state": self.app_state.copy(),
-                "extensions": self.extensions,  # type: ignore[typeddict-item]
-            }
-            super().on_headers_complete()
-            return
-        cycle = InferenceCycle(
-            route, self.headers, transport=self._socket, flow=self.flow,
-            server_state=self.server_state, extensions=self.extensions,
-            on_response=self.on_response_complete, keep_alive=parser.should_keep_alive(),
-            expect_100_continue=self.expect_100_continue, serve=serve)
-        running, self.cycle = self.cycle, cycle  # type: ignore[assignment]
-        if running is None or running.response_complete:
-            self._start_asgi_task(cycle, self.app)  # type: ignore[arg-type]
-        else:  # pipelined: waits for the answer before it, as in uvicorn
-            self.flow.pause_reading()
-            self.pipeline.appendleft((cycle, self.app))  # type: ignore[arg-type]
+        """A request that is not the reader's own (see `RequestReader.on_headers_complete`):
+        uvicorn's cycle, with its ASGI scope built here rather than at the request's
+        first byte, as in uvicorn."""
+        self.scope = {  # uvicorn's (0.54), with the listener's extensions
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,  # type: ignore[typeddict-item]
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+            "extensions": self.extensions,  # type: ignore[typeddict-item]
+        }
+        super().on_headers_complete()
 
-    def on_message_complete(self) -> None:
-        self._request_began = None
-        if self._request_timer is not None:
-            self._stop_request_timer()
-        super().on_message_complete()
+    def invalid_request(self) -> None:
+        """The parser refused the bytes (uvicorn's answer: 400 and close)."""
+        msg = "Invalid HTTP request received."
+        self.logger.warning(msg)
+        self.send_400_response(msg)
 
-    def _request_overdue(self) -> None:
-        self._request_timer = None
-        if self.flow.read_paused:
-            # We stopped reading (a pipelined request waits for the one before it): the
-            # wait is ours, not the client's.
-            self._request_timer = self.loop.call_later(
-                self.limits.client_request, self._request_overdue
-            )
-            return
+    def upgrade_requested(self) -> None:
+        """An Upgrade request (uvicorn's handling: WebSocket, else a warning)."""
+        if self._should_upgrade():
+            self.handle_websocket_upgrade()
+        else:
+            self._unsupported_upgrade_warning()
+
+    def cut_slow_request(self) -> None:
         self._cut("slow_request", f"request not complete within {self.limits.client_request:g} s "
                                   "(timeouts.client_request)")
-
-    def _stop_request_timer(self) -> None:
-        if self._request_timer is not None:
-            self._request_timer.cancel()
-            self._request_timer = None
 
     # The answer going out
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        self._watch_unsent()
+        self.watch_unsent()
 
     def resume_writing(self) -> None:
         super().resume_writing()
         self._end_wait()
 
     def on_response_complete(self) -> None:
-        # uvicorn's (0.54), with `_idle` in place of a new keep-alive timer.
-        self.server_state.total_requests += 1
-        if self.transport.is_closing():  # closed after the answer: close() flushes first
-            self._watch_unsent()
-            return
-        self.flow.resume_reading()
-        if self.pipeline:  # the next request, pipelined, waited for this answer
-            cycle, app = self.pipeline.pop()
-            self._start_asgi_task(cycle, app)
-        else:
-            self._idle()
+        # uvicorn's cycle calls it; the reader's cycles call the reader directly.
+        self._reader.response_complete()
 
     def timeout_keep_alive_handler(self) -> None:
         super().timeout_keep_alive_handler()
-        self._watch_unsent()  # the last answer may still be unread
+        self.watch_unsent()  # the last answer may still be unread
 
-    def _watch_unsent(self) -> None:
+    def watch_unsent(self) -> None:
         """A wait on the client begins, unless one runs or the client has everything
         already: its timer fires when the waits since the last check reach client_stall."""
         if self._behind_since is not None:
@@ -309,7 +235,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
                                    f"under {rate} bytes/s (limits.client_min_read_rate), "
                                    f"{unsent} bytes unsent")
         else:  # reads fast enough: the next check counts from now
-            self._watch_unsent()
+            self.watch_unsent()
 
     def _unsent(self) -> int:
         """Bytes written to this client that it has not accepted yet: those still in the

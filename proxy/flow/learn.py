@@ -57,7 +57,6 @@ from __future__ import annotations
 import bisect
 import math
 import random
-import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -66,7 +65,7 @@ import msgspec
 from proxy.config import AutoSettings, Mode
 
 if TYPE_CHECKING:
-    from proxy.pool.endpoints import Endpoint
+    from proxy.pool.endpoints import DecodeStreams, Endpoint
 
 LEARNED_MODES = (Mode.PUSH, Mode.PULL, Mode.LOCAL)  # in this order they win ties
 PAIR_MODES = (Mode.PUSH, Mode.PULL)  # the candidates when local is not one
@@ -221,39 +220,6 @@ class LayersLearner:
                 for (bucket, layers), average in self._stats.items()]
 
 
-class DecodeStreams:
-    """One D's streamed answers, as the local budget sees them.
-
-    The inter-token latency (ITL) of one stream is the time from its first SSE event to
-    its last, over the gaps between its token events: two clock reads per stream, none
-    per chunk. A stream is *clean* when no local prompt was being computed on this D at
-    any moment of it (none in flight at its first event, none begun before its last).
-    Two moving averages: `clean_itl` over clean streams, `recent_itl` over all."""
-
-    __slots__ = ("clean_itl", "local_prefills", "local_started", "recent_itl")
-
-    def __init__(self) -> None:
-        self.local_prefills = 0  # local requests sent to this D that have no first byte yet
-        self.local_started = 0  # local requests ever sent here (a stream compares it)
-        self.clean_itl: float | None = None  # seconds
-        self.recent_itl: float | None = None
-
-    def local_begin(self) -> None:
-        self.local_prefills += 1
-        self.local_started += 1
-
-    def local_end(self) -> None:
-        self.local_prefills -= 1
-
-    def observe(self, itl: float, *, clean: bool, smoothing: float) -> None:
-        """Count one stream's mean inter-token latency, seconds."""
-        recent = self.recent_itl
-        self.recent_itl = itl if recent is None else recent + smoothing * (itl - recent)
-        if clean:
-            base = self.clean_itl
-            self.clean_itl = itl if base is None else base + smoothing * (itl - base)
-
-
 class LocalBudget:
     """Where auto may send a request local: on a D whose streams are not slowed too much.
 
@@ -272,41 +238,41 @@ class LocalBudget:
     D with no clean stream measured yet takes no local request from auto (the first
     streams give it one). A request that asks for local itself (its client, or `mode:
     local`) is held to the same budget (`over`: a D measured over it runs the request as
-    a pull), but a D not measured yet takes it. Entries go with their D (weak
-    references)."""
+    a pull), but a D not measured yet takes it. Each D's measurements are kept on its
+    endpoint (`Endpoint.streams`), so they go with it."""
 
     def __init__(self, settings: AutoSettings) -> None:
         self.ratio = settings.local_itl_budget
         self.smoothing = settings.smoothing
-        self._by_decode: weakref.WeakKeyDictionary[Endpoint, DecodeStreams] = (
-            weakref.WeakKeyDictionary())
 
-    def of(self, decode: Endpoint) -> DecodeStreams:
-        streams = self._by_decode.get(decode)
-        if streams is None:
-            streams = self._by_decode[decode] = DecodeStreams()
-        return streams
+    @staticmethod
+    def of(decode: Endpoint) -> DecodeStreams:
+        return decode.streams
 
     def allows(self, decode: Endpoint) -> bool:
         """True while this D's recent ITL is within the budget of its clean ITL."""
-        streams = self._by_decode.get(decode)
-        if streams is None or streams.clean_itl is None or streams.recent_itl is None:
+        streams = decode.streams
+        if streams.clean_itl is None or streams.recent_itl is None:
             return False
         return streams.recent_itl <= self.ratio * streams.clean_itl
 
     def over(self, decode: Endpoint) -> bool:
         """True when this D's recent ITL is measured and over the budget (unknown: not)."""
-        streams = self._by_decode.get(decode)
-        if streams is None or streams.clean_itl is None or streams.recent_itl is None:
+        streams = decode.streams
+        if streams.clean_itl is None or streams.recent_itl is None:
             return False
         return streams.recent_itl > self.ratio * streams.clean_itl
 
-    def snapshot(self) -> list[dict[str, object]]:
-        """Per D: its ITLs in ms (None before a sample), the ratio, and whether auto may
-        send it a local request now."""
+    def snapshot(self, decodes: Sequence[Endpoint]) -> list[dict[str, object]]:
+        """Per D of `decodes` that has a measurement or took a local request: its ITLs in
+        ms (None before a sample), its local prompts now, and whether auto may send it a
+        local request now."""
         rows: list[dict[str, object]] = []
-        for decode, streams in list(self._by_decode.items()):
+        for decode in decodes:
+            streams = decode.streams
             clean, recent = streams.clean_itl, streams.recent_itl
+            if recent is None and not streams.local_started:
+                continue
             rows.append({
                 "decode": decode.url,
                 "clean_itl_ms": round(clean * 1000, 3) if clean is not None else None,

@@ -26,9 +26,9 @@ from starlette.types import Receive
 
 from proxy.errors import RouterError
 from proxy.flow.exchange import Exchange
-from proxy.flow.learn import DecodeStreams, LocalBudget
+from proxy.flow.learn import LocalBudget
 from proxy.flow.relay import ClientAnswer, ClientConnection, Downstream, FlowResponse, Headers
-from proxy.pool.endpoints import ClusterName
+from proxy.pool.endpoints import ClusterName, DecodeStreams
 
 DONE_EVENT = b"data: [DONE]\n\n"  # an OpenAI stream's last event: the end, not a token
 

@@ -28,6 +28,7 @@ from mypy_extensions import mypyc_attr
 from starlette.types import Receive, Scope, Send
 
 from proxy.errors import RouterError, internal_error, sse_error_event
+from proxy.task_scope import own_exception_state
 from proxy.upstream.client import StreamedResponse
 
 logger = logging.getLogger("pdproxy.relay")
@@ -305,7 +306,8 @@ class FlowResponse:
         if connection is not None:
             connection.on_lost(gone)
         elif receive is not None:  # another ASGI server: wait for its disconnect message
-            watcher = asyncio.create_task(_client_gone(receive), name="disconnect-watcher")
+            watcher = asyncio.create_task(own_exception_state(_client_gone(receive)),
+                                          name="disconnect-watcher")
             watcher.add_done_callback(lambda task: None if task.cancelled() else gone())
         # The flow runs in this frame, not in a helper coroutine: one frame less to
         # resume at each of the request's waits.

@@ -41,6 +41,7 @@ from proxy.pool.probe import CoordinateProber
 from proxy.pool.retry import RetryBudget
 from proxy.pool.scrape import LoadScraper
 from proxy.protocol import ClientRequest, PrefillCoordinates, prefix_key, prompt_chars
+from proxy.task_scope import own_exception_state
 from proxy.tracing import Tracing
 from proxy.upstream.client import UpstreamClient
 from proxy.upstream.sidechannel import SideChannel
@@ -216,7 +217,8 @@ class Router:
             self.watcher.start()
         if self.config.mode in (Mode.PUSH, Mode.AUTO):
             # Learn P coordinates ahead of the first push request, in the background.
-            self._warmup = asyncio.create_task(self._probe_all(), name="probe-prefills")
+            self._warmup = asyncio.create_task(own_exception_state(self._probe_all()),
+                                               name="probe-prefills")
 
     async def aclose(self) -> None:
         if self.discovery is not None:

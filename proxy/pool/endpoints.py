@@ -64,6 +64,9 @@ class Endpoint:
         self.last_error: str | None = None
         self.recent_latency: float | None = None  # seconds, moving average of its legs
         self.load: LoadReport | None = None  # from its /metrics (load_aware balancing)
+        # For a D: its streamed answers' inter-token latency and the local prompts it is
+        # computing, as the local budget weighs them (`proxy.flow.learn.LocalBudget`).
+        self.streams = DecodeStreams()
         # Models learned from its /v1/models; None until known (the config may say).
         self.learned_models: frozenset[str] | None = None
         # For a P: coordinates learned from a probe or a P answer; None until known.
@@ -192,6 +195,39 @@ class Endpoint:
         previous = self.recent_latency
         self.recent_latency = seconds if previous is None else (
             previous + LATENCY_SMOOTHING * (seconds - previous))
+
+class DecodeStreams:
+    """One D's streamed answers, as the local budget sees them.
+
+    The inter-token latency (ITL) of one stream is the time from its first SSE event to
+    its last, over the gaps between its token events: two clock reads per stream, none
+    per chunk. A stream is *clean* when no local prompt was being computed on this D at
+    any moment of it (none in flight at its first event, none begun before its last).
+    Two moving averages: `clean_itl` over clean streams, `recent_itl` over all."""
+
+    __slots__ = ("clean_itl", "local_prefills", "local_started", "recent_itl")
+
+    def __init__(self) -> None:
+        self.local_prefills = 0  # local requests sent to this D that have no first byte yet
+        self.local_started = 0  # local requests ever sent here (a stream compares it)
+        self.clean_itl: float | None = None  # seconds
+        self.recent_itl: float | None = None
+
+    def local_begin(self) -> None:
+        self.local_prefills += 1
+        self.local_started += 1
+
+    def local_end(self) -> None:
+        self.local_prefills -= 1
+
+    def observe(self, itl: float, *, clean: bool, smoothing: float) -> None:
+        """Count one stream's mean inter-token latency, seconds."""
+        recent = self.recent_itl
+        self.recent_itl = itl if recent is None else recent + smoothing * (itl - recent)
+        if clean:
+            base = self.clean_itl
+            self.clean_itl = itl if base is None else base + smoothing * (itl - base)
+
 
 class DataParallelRanks:
     """The engines of a data-parallel P (vLLM's `--data-parallel-size`), one URL for all:

@@ -120,9 +120,9 @@ def test_profile_splits_the_routers_cpu_per_request_by_stage(tmp_path: Path) -> 
     assert abs(sum(stages.values()) - 1) < 0.01
     # the request path's own stages are seen, and start-up (imports) is not sampled; a
     # compiled module (setup.py) has no Python frames to sample: only the interpreted
-    # listener's stage is seen then
+    # event loop around it is seen then
     compiled = request_path_build() == "compiled"
-    for stage in ("client HTTP: parsing, ASGI cycle, client limits",) if compiled else (
+    for stage in ("event loop, tasks, context managers",) if compiled else (
             "upstream HTTP client (pool, parsing, deadlines)",
             "flow: modes, legs, relaying, access log"):
         assert stages.get(stage, 0) > 0, stages
@@ -146,8 +146,10 @@ def test_the_path_bench_measures_ours_and_the_floor_in_one_process() -> None:
     found = dict(re.findall(r"round 1 (\w+): [\d.]+ us CPU per request under cProfile, ([\d.]+) Python calls",
                             out))
     assert set(found) == {"ours", "floor"}, out
-    # the router's features cost calls the floor does not make
-    assert float(found["ours"]) > float(found["floor"]) > 10, found
+    if request_path_build() == "compiled":  # (setup.py) only the harness's and a few left
+        assert float(found["floor"]) > float(found["ours"]) > 10, found
+    else:  # the router's features cost calls the floor does not make
+        assert float(found["ours"]) > float(found["floor"]) > 10, found
     assert "ours / floor, CPU per request:" in out
 
 
@@ -160,7 +162,10 @@ def test_the_path_bench_counts_bytecodes_per_request_and_names_the_functions() -
     found = dict(re.findall(r"round 1 (\w+): [\d.]+ us CPU per request traced, (\d+) bytecodes",
                             out))
     assert set(found) == {"ours", "floor"}, out
-    assert int(found["ours"]) > int(found["floor"]) > 100, found
+    if request_path_build() == "compiled":  # interpreted, the floor runs more than ours
+        assert int(found["floor"]) > int(found["ours"]) > 100, found
+    else:
+        assert int(found["ours"]) > int(found["floor"]) > 100, found
     rows = re.findall(r"^ +([\d.]+) +([\d.]+)  (\S+):(\d+) (\S+)$", out, re.MULTILINE)
     assert len(rows) == 10, out  # five a target
     assert any(path.startswith("proxy/") for _, _, path, _, _ in rows[:5]), rows
@@ -173,15 +178,17 @@ def test_the_path_bench_counts_bytecodes_per_request_and_names_the_functions() -
 def test_the_path_bench_compares_kv_aware_with_the_default_policy_on_the_same_fakes() -> None:
     """`scripts.bench_path --target ours,kv`: kv_aware (its index in sync with the fakes'
     KV events before anything is measured) makes more calls per request than the default
-    policy, and the ratio of their CPU is printed. (Compiled, setup.py, its tokenizing and
-    scoring make no Python calls; its metrics, interpreted, still do.)"""
+    policy, and the ratio of their CPU is printed. (Compiled, setup.py, its tokenizing,
+    scoring and metrics make no Python calls.)"""
     out = bench_path("--target", "ours,kv", "--servers", "2", "--prompt-tokens", "64",
                      "-n", "500", "-c", "8", "--calls")
     found = dict(re.findall(r"round 1 (\w+): [\d.]+ us CPU per request under cProfile, ([\d.]+) Python calls",
                             out))
     assert set(found) == {"ours", "kv"}, out
-    more = 2 if request_path_build() == "compiled" else 20  # (pure Python: tokenizing, scoring, credit)
-    assert float(found["kv"]) > float(found["ours"]) + more, found
+    if request_path_build() == "compiled":  # its work and its metrics make no Python call
+        assert float(found["kv"]) >= float(found["ours"]), found
+    else:  # tokenizing, scoring, credit
+        assert float(found["kv"]) > float(found["ours"]) + 20, found
     assert "kv / ours, CPU per request:" in out
 
 

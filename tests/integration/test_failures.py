@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -200,6 +201,39 @@ async def test_unreachable_server_is_replaced_before_any_byte(pair: Pair, cluste
     assert len(alive.seen) == 4
     # The dead server was tried (and replaced) at least once; ties are taken in turn.
     assert f'pdproxy_retries_total{{cluster="{cluster}",reason="connect"}}' in metrics
+
+
+async def test_a_retried_request_leaves_no_exception_behind(pair: Pair) -> None:
+    """A leg retried on another server runs its second try inside the handler of the
+    first's failure. Compiled, that handler's exception would stay the thread's while the
+    request waits, and after it (see `proxy.task_scope`): every later error raised outside
+    a handler, in any task or callback, would take it as its cause. Nothing is left."""
+    loop = asyncio.get_running_loop()
+    seen: list[BaseException | None] = []
+
+    async def exception_seen_by_a_callback() -> BaseException | None:
+        read: asyncio.Future[BaseException | None] = loop.create_future()
+        loop.call_soon(lambda: read.set_result(sys.exc_info()[1]))
+        return await read
+
+    async def request(client: httpx.AsyncClient, stream: bool) -> None:
+        before = len(pair.decode.seen)
+        pending = asyncio.ensure_future(
+            client.post("/v1/completions", json={**BODY, "stream": stream}))
+        # while the request is under way (its second leg waits on D) ...
+        await pair.decode.until(lambda calls: len(calls) > before)
+        seen.append(await exception_seen_by_a_callback())
+        assert (await pending).status_code == 200
+        seen.append(await exception_seen_by_a_callback())  # ... and after it
+
+    dead = "http://127.0.0.1:9"  # nothing listens: the connection is refused
+    async with serve_router(prefill=[pair.p_url], decode=[dead, pair.d_url]) as (url, app):
+        async with httpx.AsyncClient(base_url=url) as client:
+            for stream in (False, True):
+                await request(client, stream)
+            metrics = (await client.get("/metrics")).text
+    assert 'pdproxy_retries_total{cluster="decode",reason="connect"}' in metrics, "no retry"
+    assert seen == [None] * 4
 
 
 # --- push recovery: P fails before D's first byte, the client still gets its answer ----

@@ -180,7 +180,8 @@ async def test_auto_learns_local_where_it_is_fastest_and_keeps_within_the_itl_bu
         rows = {row["mode"]: row for row in snapshot["buckets"]}
         assert rows["local"]["samples"] == 6 and rows["local"]["avg_ms"] < rows["pull"]["avg_ms"]
         # one request at a time: every stream was clean, so recent and clean ITL agree
-        (itl,) = app.state.router.learner.local_budget.snapshot()
+        router = app.state.router
+        (itl,) = router.learner.local_budget.snapshot(router.decode.endpoints)
         assert snapshot["local_budget"]["decode"] == [itl]  # what the admin API shows
         assert snapshot["local_budget"]["ratio"] == AUTO_LOCAL["auto"]["local_itl_budget"]
         assert itl["decode"] == servers.url(d) and itl["within_budget"] is True

@@ -6,6 +6,7 @@ untested (and unrun). Built pure Python on purpose (PDPROXY_COMPILE=0), none is 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import os
 import tomllib
 from pathlib import Path
@@ -39,3 +40,13 @@ def test_no_compiled_module_is_older_than_its_source() -> None:
              for built in source.parent.glob(f"{source.stem}.*.so")
              if built.stat().st_mtime < source.stat().st_mtime]
     assert not stale, f"older than their sources: {', '.join(stale)}; {REBUILD}"
+
+
+def test_the_tasks_own_exception_state_stays_interpreted() -> None:
+    """`proxy.task_scope.own_exception_state` gives a task whose coroutine is compiled an
+    exception state of its own only as an interpreted coroutine (its frame's)."""
+    from proxy import task_scope
+
+    assert ROOT / "proxy" / "task_scope.py" not in compiled_sources()
+    assert str(importlib.util.find_spec("proxy.task_scope").origin).endswith(".py")  # type: ignore[union-attr]
+    assert task_scope.own_exception_state.__code__.co_flags & inspect.CO_COROUTINE

@@ -33,10 +33,17 @@ class Transport:
 
 
 class Flow:
+    """uvicorn's FlowControl, as the cycle uses it: reading resumed only when paused."""
+
     write_paused = False
+    read_paused = False
     reading_resumed = 0
 
+    def pause_reading(self) -> None:
+        self.read_paused = True
+
     def resume_reading(self) -> None:
+        self.read_paused = False
         self.reading_resumed += 1
 
 
@@ -132,23 +139,35 @@ async def test_nothing_is_sent_to_a_client_gone() -> None:
     assert protocol.transport.writes == [] and protocol.answered == 0
 
 
+def waiting(made: InferenceCycle) -> bool:
+    """The cycle's body reader waits for more (its arrival has a waiter not woken)."""
+    waiter = made.message_event._waiter
+    return waiter is not None and not waiter.done()
+
+
 async def test_a_body_still_coming_is_waited_for() -> None:
     made, protocol = cycle([(b"content-length", b"4")], expect_100_continue=True)
+    protocol.flow.pause_reading()  # as over the reader's high water
     reading = asyncio.ensure_future(made.read_body(10))
     await until(lambda: protocol.flow.reading_resumed == 1, "the reader waiting")
     assert protocol.transport.writes == [b"HTTP/1.1 100 Continue\r\n\r\n"]
+    protocol.flow.pause_reading()
     made.body += b"ab"
     made.message_event.set()
     await until(lambda: protocol.flow.reading_resumed == 2, "the reader waiting again")
     assert not reading.done()
-    made.body += b"cd"
+    made.body += b"c"
+    made.message_event.set()  # reading was not paused: nothing to resume
+    await until(lambda: waiting(made), "the reader waiting once more")
+    protocol.flow.pause_reading()
+    made.body += b"d"
     made.more_body = False
-    resumed = protocol.flow.reading_resumed
     made.message_event.set()
     assert await reading == b"abcd"
     # reading resumes once the body is in (so a client leaving is seen), and the cycle
     # keeps no copy of the body
-    assert protocol.flow.reading_resumed == resumed + 1 and made.body == b""
+    assert protocol.flow.reading_resumed == 3 and not protocol.flow.read_paused
+    assert made.body == b""
 
 
 async def test_a_body_over_the_limit_or_cut_short_is_refused() -> None:
@@ -160,6 +179,7 @@ async def test_a_body_over_the_limit_or_cut_short_is_refused() -> None:
     with pytest.raises(PayloadTooLarge):
         await made.read_body(10)
     made, protocol = cycle()
+    protocol.flow.pause_reading()
     reading = asyncio.ensure_future(made.read_body(10))
     await until(lambda: protocol.flow.reading_resumed == 1, "the reader waiting")
     made.disconnected = True

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import gc
 import random
 import types
 from typing import cast
@@ -341,7 +340,7 @@ def test_the_budget_is_a_ratio_over_the_clean_itl_and_corrects_itself() -> None:
     assert b.allows(d)
     streams.observe(0.030, clean=False, smoothing=b.smoothing)  # recent 22 ms: 2.2x
     assert not b.allows(d)
-    assert b.snapshot() == [{"decode": d.url, "clean_itl_ms": 10.0, "recent_itl_ms": 22.0,
+    assert b.snapshot([d]) == [{"decode": d.url, "clean_itl_ms": 10.0, "recent_itl_ms": 22.0,
                              "local_prefills": 0, "within_budget": False}]
     # no local request now: D's streams are clean, and the recent ITL comes back
     streams.observe(0.010, clean=True, smoothing=b.smoothing)  # recent 16 ms: 1.6x
@@ -358,16 +357,18 @@ def test_a_busier_decode_server_raises_its_clean_itl_too() -> None:
     assert b.allows(d)
 
 
-def test_local_prompts_are_counted_per_decode_server_and_entries_go_with_it() -> None:
-    b, d1, d2 = budget(), decode_server(1), decode_server(2)
+def test_local_prompts_are_counted_per_decode_server_and_only_measured_ones_are_shown() -> None:
+    b, d1, d2, d3 = budget(), decode_server(1), decode_server(2), decode_server(3)
     b.of(d1).local_begin()
     assert (b.of(d1).local_prefills, b.of(d1).local_started) == (1, 1)
     assert b.of(d2).local_prefills == 0
     b.of(d1).local_end()
     assert (b.of(d1).local_prefills, b.of(d1).local_started) == (0, 1)
-    del d1
-    gc.collect()
-    assert [row["decode"] for row in b.snapshot()] == [d2.url]
+    b.of(d2).observe(0.010, clean=True, smoothing=b.smoothing)
+    # the rows of the Ds it is given (a cluster's members now) that took a local request or
+    # had a stream measured: d3 neither
+    assert [row["decode"] for row in b.snapshot([d1, d2, d3])] == [d1.url, d2.url]
+    assert [row["decode"] for row in b.snapshot([d2])] == [d2.url]
 
 
 # --- what the router measures for the budget (proxy.flow.local.ItlWatchedResponse) ----------
