@@ -246,7 +246,8 @@ class Router:
         if not names:
             logger.warning("no model listed by any upstream yet; P probes wait for a request")
             return
-        await asyncio.gather(*(self.prober.coordinates(p, names[0]) for p in self.prefill.endpoints))
+        await asyncio.gather(*(own_exception_state(self.prober.coordinates(p, names[0]))
+                               for p in self.prefill.endpoints))
 
     async def handle(self, request: ClientRequest) -> FlowResponse:
         """Choose P, D and the mode for a validated request, and return its response."""

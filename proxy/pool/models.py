@@ -15,6 +15,7 @@ from typing import Any
 
 from proxy.errors import NotFound, Overloaded, UpstreamError
 from proxy.pool.endpoints import Endpoint
+from proxy.task_scope import own_exception_state
 from proxy.upstream.client import UpstreamClient
 
 logger = logging.getLogger("pdproxy.models")
@@ -87,7 +88,8 @@ class ModelCatalog:
         if self._refreshing is None:
             if time.monotonic() - self._refreshed_at < REFRESH_AT_MOST_EVERY_S:
                 return
-            self._refreshing = asyncio.create_task(self._refresh(), name="refresh-models")
+            self._refreshing = asyncio.create_task(own_exception_state(self._refresh()),
+                                                   name="refresh-models")
         task = self._refreshing
         try:
             await asyncio.shield(task)
@@ -97,7 +99,7 @@ class ModelCatalog:
 
     async def _refresh(self) -> None:
         endpoints = self._endpoints()
-        answers = await asyncio.gather(*(self._fetch(e) for e in endpoints))
+        answers = await asyncio.gather(*(own_exception_state(self._fetch(e)) for e in endpoints))
         self._refreshed_at = time.monotonic()
         cards: dict[str, dict[str, Any]] = {}
         for endpoint, answer in zip(endpoints, answers, strict=True):

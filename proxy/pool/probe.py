@@ -32,7 +32,7 @@ import enum
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 from prometheus_client.core import GaugeMetricFamily
@@ -43,6 +43,7 @@ from proxy.errors import Overloaded, UpstreamError, UpstreamStatusError
 from proxy.metrics import RouterMetrics
 from proxy.pool.endpoints import DataParallelRanks, Endpoint
 from proxy.protocol import PREFILL_KV_PARAMS, PrefillCoordinates, coordinates_from_answer
+from proxy.task_scope import own_exception_state
 from proxy.upstream.client import UpstreamClient
 
 logger = logging.getLogger("pdproxy.probe")
@@ -80,7 +81,7 @@ class CoordinateProber:
         self._completing: dict[str, asyncio.Task[None]] = {}
         # The data-parallel P's whose ranks were learned, for /metrics; out when forgotten.
         self._data_parallel: dict[str, Endpoint] = {}
-        metrics.registry.register(_RankCollector(self._data_parallel))
+        metrics.registry.register(cast(Collector, _RankCollector(self._data_parallel)))
 
     async def coordinates(self, endpoint: Endpoint, model: str) -> PrefillCoordinates | None:
         """The P's coordinates, probing it once if they are not known yet. None when
@@ -94,7 +95,7 @@ class CoordinateProber:
         task = self._running.get(endpoint.url)
         if task is None:
             task = asyncio.create_task(
-                self._probe(endpoint, model), name=f"probe {endpoint.url}"
+                own_exception_state(self._probe(endpoint, model)), name=f"probe {endpoint.url}"
             )
             self._running[endpoint.url] = task
             task.add_done_callback(lambda _t: self._running.pop(endpoint.url, None))
@@ -114,7 +115,7 @@ class CoordinateProber:
         failed_at = self._last_failure.get(url)
         if failed_at is not None and time.monotonic() - failed_at < self._retry_interval:
             return
-        task = asyncio.create_task(self._probe_ranks(endpoint, model, ranks),
+        task = asyncio.create_task(own_exception_state(self._probe_ranks(endpoint, model, ranks)),
                                    name=f"probe ranks {url}")
         self._completing[url] = task
         task.add_done_callback(lambda _t: self._completing.pop(url, None))
@@ -233,7 +234,7 @@ class CoordinateProber:
                 async with gate:
                     return await self._probe_rank(endpoint, model, rank)
 
-            outcomes = await asyncio.gather(*(probe(r) for r in missing))
+            outcomes = await asyncio.gather(*(own_exception_state(probe(r)) for r in missing))
             for outcome in outcomes:
                 if isinstance(outcome, PrefillCoordinates) and endpoint.learned_ranks is ranks:
                     self._learn(endpoint, outcome)
@@ -318,9 +319,10 @@ def rank_out_of_range(exc: UpstreamStatusError) -> bool:
     return exc.status == 400 and b"data_parallel_rank" in exc.content
 
 
-class _RankCollector(Collector):
+class _RankCollector:
     """Each data-parallel P's ranks, read when scraped: the pushes in flight on each,
-    labelled with the rank's engine id."""
+    labelled with the rank's engine id. (A collector by its `collect`, which is all
+    prometheus_client's registry asks: compiled, a class cannot subclass its `Collector`.)"""
 
     def __init__(self, endpoints: dict[str, Endpoint]) -> None:
         self._endpoints = endpoints

@@ -162,15 +162,19 @@ def test_the_path_bench_counts_bytecodes_per_request_and_names_the_functions() -
     found = dict(re.findall(r"round 1 (\w+): [\d.]+ us CPU per request traced, (\d+) bytecodes",
                             out))
     assert set(found) == {"ours", "floor"}, out
-    if request_path_build() == "compiled":  # interpreted, the floor runs more than ours
+    compiled = request_path_build() == "compiled"
+    if compiled:  # interpreted, the floor runs more than ours (and the harness most)
         assert int(found["floor"]) > int(found["ours"]) > 100, found
     else:
         assert int(found["ours"]) > int(found["floor"]) > 100, found
     rows = re.findall(r"^ +([\d.]+) +([\d.]+)  (\S+):(\d+) (\S+)$", out, re.MULTILINE)
     assert len(rows) == 10, out  # five a target
-    assert any(path.startswith("proxy/") for _, _, path, _, _ in rows[:5]), rows
+    if not compiled:
+        assert any(path.startswith("proxy/") for _, _, path, _, _ in rows[:5]), rows
     files = re.findall(r"^ +([\d.]+) +(\S+) \(the file's functions\)$", out, re.MULTILINE)
     assert len(files) == 10, out
+    # compiled, the router's own interpreted code is little more than each task's first
+    # frame (proxy/task_scope.py)
     assert any(path.startswith("proxy/") for _, path in files[:5]), files
     assert "ours / floor, bytecodes per request:" in out
 

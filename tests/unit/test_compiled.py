@@ -5,6 +5,7 @@ untested (and unrun). Built pure Python on purpose (PDPROXY_COMPILE=0), none is 
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import inspect
 import os
@@ -50,3 +51,27 @@ def test_the_tasks_own_exception_state_stays_interpreted() -> None:
     assert ROOT / "proxy" / "task_scope.py" not in compiled_sources()
     assert str(importlib.util.find_spec("proxy.task_scope").origin).endswith(".py")  # type: ignore[union-attr]
     assert task_scope.own_exception_state.__code__.co_flags & inspect.CO_COROUTINE
+
+
+# What makes a coroutine the top of a task of its own.
+_TASK_MAKERS = {"create_task", "ensure_future", "gather", "shield", "wait_for"}
+
+
+def test_every_task_a_compiled_module_starts_has_its_own_exception_state() -> None:
+    """A coroutine a compiled module hands to `create_task`, `gather` and the like runs
+    as a task's top: it goes through `own_exception_state` (`proxy.task_scope`), or a
+    compiled coroutine there could leave its exception to every other task."""
+    bare = []
+    for source in compiled_sources():
+        for call in ast.walk(ast.parse(source.read_text(), str(source))):
+            if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
+                    and call.func.attr in _TASK_MAKERS):
+                continue
+            for arg in call.args:
+                made = arg.value if isinstance(arg, ast.Starred) else arg
+                if isinstance(made, ast.GeneratorExp):
+                    made = made.elt
+                if isinstance(made, ast.Call) and not (
+                        isinstance(made.func, ast.Name) and made.func.id == "own_exception_state"):
+                    bare.append(f"{source.relative_to(ROOT)}:{call.lineno}")
+    assert not bare, f"coroutines started without own_exception_state: {bare}"
