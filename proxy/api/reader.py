@@ -26,12 +26,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httptools
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 
 from proxy.api.cycle import INFERENCE_PATHS, InferenceCycle
 from proxy.task_scope import own_exception_state
-
-# uvicorn's: a request body buffered past this pauses reading from the client.
-HIGH_WATER_LIMIT = 65536
 
 _NONE = -1.0  # a loop time not set
 
@@ -173,7 +171,7 @@ class RequestReader:
         if cycle.response_complete:
             return
         cycle.body += body
-        if len(cycle.body) > HIGH_WATER_LIMIT:
+        if len(cycle.body) > HIGH_WATER_LIMIT:  # uvicorn's: a body buffered past it pauses reading
             self.flow.pause_reading()
         cycle.message_event.set()
 
