@@ -196,6 +196,7 @@ class Endpoint:
         self.recent_latency = seconds if previous is None else (
             previous + LATENCY_SMOOTHING * (seconds - previous))
 
+
 class DecodeStreams:
     """One D's streamed answers, as the local budget sees them.
 
