@@ -7,7 +7,6 @@ every field.
 
 from __future__ import annotations
 
-import enum
 import importlib.util
 import itertools
 import os
@@ -22,26 +21,10 @@ from urllib.parse import urlsplit
 import msgspec
 import yaml
 
-
-class Mode(str, enum.Enum):
-    """How the KV cache travels from P to D."""
-
-    PULL = "pull"  # P first, then D READs P's blocks
-    PUSH = "push"  # P and D at once; P WRITEs into D's blocks
-    LOCAL = "local"  # no P: D computes the prompt itself (conditional disaggregation)
-    AUTO = "auto"  # the mode measured faster for the prompt's length (see proxy.flow.learn)
-
-
-class Policy(str, enum.Enum):
-    """How a cluster picks an endpoint (see `proxy.pool.balance`)."""
-
-    ROUND_ROBIN = "round_robin"
-    LEAST_OUTSTANDING = "least_outstanding"
-    POWER_OF_TWO = "power_of_two"
-    PREFIX_AFFINITY = "prefix_affinity"
-    LOAD_AWARE = "load_aware"
-    KV_AWARE = "kv_aware"
-
+from proxy.choices import MissingKVParams as MissingKVParams
+from proxy.choices import Mode as Mode
+from proxy.choices import Policy as Policy
+from proxy.choices import PushRecovery as PushRecovery
 
 MASK = "***"  # how a secret shows in a config's repr
 
@@ -254,21 +237,6 @@ class AutoSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
         if any(edge <= 0 for edge in edges) or any(a >= b for a, b in itertools.pairwise(edges)):
             raise ValueError(
                 f"auto.bucket_edges must be positive and strictly increasing, got {edges!r}")
-
-
-class MissingKVParams(str, enum.Enum):
-    """What to do when P answers without `kv_transfer_params` (pull mode)."""
-
-    ERROR = "error"  # answer 502: D would silently recompute the whole prompt
-    RECOMPUTE = "recompute"  # send D the plain request, and count it
-
-
-class PushRecovery(str, enum.Enum):
-    """What to do when a push's P leg fails before D sent the client a byte."""
-
-    PULL = "pull"  # redo the request as a pull on another P (none left: D recomputes)
-    RECOMPUTE = "recompute"  # send D the plain request: D computes the prompt itself
-    ERROR = "error"  # answer the client with P's error (502/504)
 
 
 class Auth(Settings, frozen=True, kw_only=True, forbid_unknown_fields=True):

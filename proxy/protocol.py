@@ -501,7 +501,7 @@ def _modes_of(params: wire.KVTransferParams) -> frozenset[Mode]:
 def new_id() -> str:
     """A fresh 128-bit id in hex, for request and transfer ids. Random, not secret: no
     system call per request (uuid4 reads the OS's entropy each time)."""
-    return f"{_ids.getrandbits(128):032x}"
+    return _ids.getrandbits(128).to_bytes(16, "big").hex()  # (0.11 us; formatting: 0.30)
 
 
 def new_transfer_id() -> str:

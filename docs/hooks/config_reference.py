@@ -76,7 +76,12 @@ class _Source:
 
     @classmethod
     def of(cls, module: Any) -> _Source:
-        text = Path(inspect.getfile(module)).read_text()
+        # A module compiled with the request path (`proxy.choices`) is a C extension
+        # beside its source: the source is read.
+        path = Path(inspect.getfile(module))
+        if path.suffix != ".py":
+            path = path.with_name(module.__name__.rpartition(".")[2] + ".py")
+        text = path.read_text()
         return cls(module, text.splitlines(), _class_nodes(text), _comments(text))
 
     def described(self, node: ast.stmt) -> str:

@@ -1,13 +1,14 @@
 """The listener's requests as they come in: the parser's callbacks, the deadline on a
-request's head and body, the keep-alive deadline between requests, and the start of
-each request's task.
+request's head and body, the keep-alive deadline between requests, and the task that
+serves a connection's inference requests.
 
 `listener.GuardedHttpProtocol` (uvicorn's httptools protocol, subclassed) gives its
 connection's bytes and its parser's callbacks to a `RequestReader`, which is compiled with
 the request path (`pyproject.toml`; a compiled class cannot subclass uvicorn's, so the
 reader stands beside it). For a POST to an inference route over HTTP/1.1 the reader does
 all of it: it collects the head, makes the `cycle.InferenceCycle`, feeds it the body and
-starts its task, and when the answer is complete starts a pipelined request or marks
+hands it to the connection's task (one per connection, serving its requests in turn:
+`_serve_in_turn`), and when the answer is complete starts a pipelined request or marks
 the connection idle. Any other request it hands to uvicorn's code in the protocol at
 the end of its head (`on_headers_complete`), with the head it collected, and passes its
 body on: uvicorn's cycle serves it as before.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import httptools
@@ -77,6 +78,12 @@ class RequestReader:
         self.request_timer: asyncio.TimerHandle | None = None
         self.idle_since = _NONE
         self.keep_alive_timer: asyncio.TimerHandle | None = None
+        # The task that serves the connection's inference requests in turn (`_serve_in_turn`;
+        # None until the first, and after it ends), the request it takes next, and the
+        # future it waits on for one while the connection is idle.
+        self.serving: asyncio.Task[None] | None = None
+        self.next_cycle: InferenceCycle | None = None
+        self.waiter: asyncio.Future[None] | None = None
 
     # The connection
 
@@ -95,6 +102,7 @@ class RequestReader:
         if self.keep_alive_timer is not None:
             self.keep_alive_timer.cancel()
             self.keep_alive_timer = None
+        self._wake()  # the connection's task ends: no request comes any more
 
     def data_received(self, data: bytes) -> None:
         """The connection's bytes (the protocol's `data_received`)."""
@@ -240,13 +248,55 @@ class RequestReader:
         self.protocol.cut_slow_request()
 
     def _start(self, cycle: Any, app: Any) -> None:
-        """A request's task (uvicorn's `_start_asgi_task`), for either kind of cycle; with
-        an exception state of its own (see `proxy.task_scope`: the inference cycle is
-        compiled)."""
-        run = own_exception_state(cycle.run_asgi(app))
+        """Serve a request: an inference request by the connection's task, any other (and
+        every request under uvicorn's `reset_contextvars`, a context each) in a task of
+        its own, as uvicorn's `_start_asgi_task` does."""
+        if self.reset_contextvars or not isinstance(cycle, InferenceCycle):
+            self._start_task(cycle.run_asgi(app))
+        elif self.serving is None:
+            self.serving = self._start_task(self._serve_in_turn(cycle))
+        else:  # it takes the request when the one it serves is done, or wakes for it
+            self.next_cycle = cycle
+            self._wake()
+
+    def _start_task(self, run: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """A task for `run`, counted in uvicorn's tasks until it ends, with an exception
+        state of its own (see `proxy.task_scope`: the cycles are compiled)."""
+        scoped = own_exception_state(run)
         if self.reset_contextvars:  # uvicorn's opt-in: a fresh context per request
-            task = self.loop.create_task(run, context=contextvars.Context())
+            task = self.loop.create_task(scoped, context=contextvars.Context())
         else:
-            task = self.loop.create_task(run)
+            task = self.loop.create_task(scoped)
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
+        return task
+
+    async def _serve_in_turn(self, cycle: InferenceCycle | None) -> None:
+        """The connection's task: its inference requests one after another, from `cycle`,
+        until the connection is lost. A task per request was measured at 2.3-2.6 us of
+        CPU against 0.7 us for a wait on a future here (a loop of 200,000 under uvloop):
+        about 3% of the router's CPU per request. Each request still runs under an
+        exception state of its own (`own_exception_state`): one that a request's
+        compiled code leaves behind goes with it, not on to the next request. The task
+        also ends once it was cancelled (a cancel that a request let pass, as a forced
+        shutdown's, must not reach the next request); the next then gets a new task."""
+        this = asyncio.current_task(self.loop)
+        try:
+            while cycle is not None:
+                await own_exception_state(cycle.run_asgi(self.app))
+                if self.next_cycle is None and not self.socket.is_closing() \
+                        and (this is None or not this.cancelling()):
+                    waiter = self.waiter = self.loop.create_future()
+                    await waiter
+                cycle = self.next_cycle
+                self.next_cycle = None
+        finally:
+            self.waiter = None
+            self.serving = None
+
+    def _wake(self) -> None:
+        """Wake the connection's task if it waits for a request (`next_cycle` set: to
+        serve it; None: to end)."""
+        waiter, self.waiter = self.waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)

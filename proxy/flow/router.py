@@ -252,7 +252,8 @@ class Router:
     async def handle(self, request: ClientRequest) -> FlowResponse:
         """Choose P, D and the mode for a validated request, and return its response."""
         requested = self._requested_mode(request)
-        await self.catalog.require(request.model)
+        if not self.catalog.serves(request.model):  # (a coroutine only when it must ask)
+            await self.catalog.require(request.model)
         self.retry_budget.request()
         key = prefix_key(request, self.config.balance.prefix_chars) if self._needs_prefix else None
         # kv_aware: the prompt's token ids, from the request or a server's /tokenize

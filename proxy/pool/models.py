@@ -69,6 +69,12 @@ class ModelCatalog:
             self._refreshing.cancel()
             await asyncio.gather(self._refreshing, return_exceptions=True)
 
+    def serves(self, model: str) -> bool:
+        """Whether `model` is known to be served, without asking the upstreams."""
+        if self._configured:
+            return model in self._configured
+        return model in self._cards
+
     async def require(self, model: str) -> None:
         if self._configured:
             if model in self._configured:

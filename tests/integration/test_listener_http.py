@@ -212,6 +212,40 @@ async def test_keep_alive_and_pipelined_requests_are_answered_in_order(pair: Pai
     assert app.in_flight == 0 and len(pair.decode.seen) == 6
 
 
+async def test_a_connections_requests_are_served_by_one_task_that_ends_with_it(
+    pair: Pair,
+) -> None:
+    async with router(pair) as (url, app, server):
+        c = await Client.to(url)
+        tasks = []
+        for body in (BODY, STREAM_BODY, BODY):
+            await c.send(post(body=body))
+            status, _, answer, _ = await c.answer()
+            assert status == 200 and answer.rstrip().endswith(b"}" if body is BODY else b"[DONE]")
+            await until(lambda: app.in_flight == 0, "the request done")
+            tasks.append(set(server.server_state.tasks))
+        assert len(tasks[0]) == 1 and tasks[0] == tasks[1] == tasks[2], tasks
+        c.close()
+        await until(lambda: not server.server_state.tasks and not server.server_state.connections,
+                    "the connection's task ended with it")
+
+
+async def test_a_cancelled_connection_task_ends_and_the_next_request_gets_a_new_one(
+    pair: Pair,
+) -> None:
+    async with router(pair) as (url, app, server), client(url) as c:
+        await c.send(post())
+        served(await c.answer())
+        await until(lambda: app.in_flight == 0, "the request done")
+        [first] = server.server_state.tasks
+        first.cancel()  # as a forced shutdown would, while it waits for the next request
+        await until(lambda: first.done() and not server.server_state.tasks, "the task ended")
+        await c.send(post())
+        served(await c.answer())
+        [second] = server.server_state.tasks
+        assert second is not first
+
+
 async def test_a_streamed_answer_is_chunked_and_ends(pair: Pair) -> None:
     async with router(pair) as (url, _, _), client(url) as c:
         for _ in range(2):  # and the connection is reused after it

@@ -24,8 +24,8 @@ FLOORS: list[tuple[str, ...]] = [
     ("proxy.flow",),
     ("proxy.pool",),
     ("proxy.upstream", "proxy.protocol"),
-    ("proxy.config", "proxy.errors", "proxy.metrics", "proxy.loop_metrics", "proxy.tracing",
-     "proxy.task_scope"),
+    ("proxy.choices", "proxy.config", "proxy.errors", "proxy.metrics", "proxy.loop_metrics",
+     "proxy.tracing", "proxy.task_scope"),
 ]
 
 # The connector's floors, top first: the facade vLLM loads, its two roles (each a
