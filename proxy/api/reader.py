@@ -250,7 +250,9 @@ class RequestReader:
     def _start(self, cycle: Any, app: Any) -> None:
         """Serve a request: an inference request by the connection's task, any other (and
         every request under uvicorn's `reset_contextvars`, a context each) in a task of
-        its own, as uvicorn's `_start_asgi_task` does."""
+        its own, as uvicorn's `_start_asgi_task` does. A connection's requests share its
+        task's context: a context variable a request sets, it resets (the router's own
+        do: `tracing.Tracing.handled`)."""
         if self.reset_contextvars or not isinstance(cycle, InferenceCycle):
             self._start_task(cycle.run_asgi(app))
         elif self.serving is None:
