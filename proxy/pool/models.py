@@ -76,12 +76,10 @@ class ModelCatalog:
         return model in self._cards
 
     async def require(self, model: str) -> None:
-        if self._configured:
-            if model in self._configured:
-                return
-        elif model in self._cards:
+        """Refuse (404) a model not served, after refreshing the upstreams' list once."""
+        if self.serves(model):
             return
-        else:
+        if not self._configured:
             await self._refresh_if_stale()
             if model in self._cards:
                 return
