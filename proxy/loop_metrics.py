@@ -12,9 +12,9 @@ class cannot.
 
 from __future__ import annotations
 
-import bisect
-import time
+from bisect import bisect_left
 from collections.abc import Iterator, Sequence
+from time import time
 from typing import cast
 
 from prometheus_client import CollectorRegistry
@@ -70,7 +70,7 @@ class LoopCounter(_LoopMetric):
         try:
             self.values[labels] += amount
         except KeyError:
-            self._created[labels] = time.time()
+            self._created[labels] = time()
             self.values[labels] = amount
 
     def _expose(self, labels: tuple[str, ...]) -> None:
@@ -103,7 +103,7 @@ class LoopHistogram(_LoopMetric):
 
     def observe(self, labels: tuple[str, ...], value: float) -> None:
         series = self.series.get(labels) or self._start(labels)
-        series[bisect.bisect_left(self._bounds, value)] += 1
+        series[bisect_left(self._bounds, value)] += 1
         series[-1] += value
 
     def _expose(self, labels: tuple[str, ...]) -> None:
@@ -111,7 +111,7 @@ class LoopHistogram(_LoopMetric):
             self._start(labels)
 
     def _start(self, labels: tuple[str, ...]) -> list[float]:
-        self._created[labels] = time.time()
+        self._created[labels] = time()
         series = self.series[labels] = [0.0] * (len(self._bounds) + 2)
         return series
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from asyncio import get_running_loop
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -68,7 +69,7 @@ class _Arrival:
             waiter.set_result(None)
 
     async def wait(self) -> None:
-        self._waiter = asyncio.get_running_loop().create_future()
+        self._waiter = get_running_loop().create_future()
         try:
             await self._waiter
         finally:

@@ -14,9 +14,9 @@ inference routes here.
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Awaitable
+from hmac import compare_digest
 from typing import TYPE_CHECKING
 
 from starlette.types import Receive
@@ -66,7 +66,7 @@ class ClientKeys:
                 given = value
                 break
         # Every key compared in constant time, whichever matches: no timing hint.
-        if not any([hmac.compare_digest(given, expected) for expected in self._expected]):
+        if not any([compare_digest(given, expected) for expected in self._expected]):
             raise Unauthorized("a valid API key is needed: Authorization: Bearer <key>")
 
     @classmethod

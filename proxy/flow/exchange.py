@@ -6,14 +6,16 @@ lease the endpoint, call it, record latency and errors, and relay D's answer dow
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
-import time
+from asyncio import CancelledError
 from collections.abc import Awaitable, Callable
+from logging import INFO
+from time import monotonic, perf_counter
 from typing import Any, TypeVar
 
 import msgspec
+from msgspec.json import decode as decode_json
 
 from connector.protocol import http_params as wire
 from proxy.config import Mode
@@ -59,10 +61,13 @@ class Leg:
     and its lease on the server: `with exchange.leg(endpoint, tokens):` counts one
     request in flight there (and `tokens` prompt tokens it computes, kv_aware's queue)
     for the block, always given back, and the leg's state follows how the block ends,
-    whatever the path. (One object, a class: this is on every leg's path; a lease and a
-    state keeper apart were five calls more a leg.)"""
+    whatever the path. A traced request's leg also ends its span there, saying its
+    state, its error and, for D's, when the first byte came. (One object, a class: this
+    is on every leg's path; a lease and a state keeper apart were five calls more a leg,
+    and a traced leg of another class made each `with` a generic lookup of `__enter__`
+    and `__exit__`.)"""
 
-    __slots__ = ("cluster", "endpoint", "attempt", "tokens", "state")
+    __slots__ = ("cluster", "endpoint", "attempt", "tokens", "state", "span", "exchange")
 
     def __init__(self, endpoint: Endpoint, attempt: int, tokens: int = 0) -> None:
         self.cluster = endpoint.cluster
@@ -70,6 +75,8 @@ class Leg:
         self.attempt = attempt  # 1, then 2 for a retry or a recovery on this cluster
         self.tokens = tokens
         self.state = LegState.RUNNING
+        self.span: LegSpan | None = None  # a traced request's (Exchange.trace_leg)
+        self.exchange: Exchange | None = None  # ... and whose leg it is
 
     def __str__(self) -> str:
         return f"{self.cluster.value}#{self.attempt}={self.state.value}"
@@ -80,39 +87,26 @@ class Leg:
         endpoint.pending_tokens += self.tokens
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None = None,
+                 _traceback: object = None) -> None:
         endpoint = self.endpoint
         endpoint.in_flight -= 1
         endpoint.pending_tokens -= self.tokens
         if kind is None:
             self.state = LegState.DONE
-        elif issubclass(kind, asyncio.CancelledError):
+        elif issubclass(kind, CancelledError):
             self.state = LegState.CANCELLED
         else:
             self.state = LegState.FAILED
+        if self.span is not None:
+            self._end_span(error)
 
-
-class _traced:
-    """A traced request's leg (`with` it as the leg itself): its span ends with it,
-    saying its state, its error and, for D's, when the first byte came."""
-
-    __slots__ = ("_leg", "_span", "_exchange")
-
-    def __init__(self, leg: Leg, span: LegSpan, exchange: Exchange) -> None:
-        self._leg = leg
-        self._span = span
-        self._exchange = exchange
-
-    def __enter__(self) -> Leg:
-        return self._leg.__enter__()
-
-    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
-        self._leg.__exit__(kind)
-        leg, exchange, error = self._leg, self._exchange, rest[0] if rest else None
-        assert exchange.trace is not None
-        prefill = leg.cluster is ClusterName.PREFILL
+    def _end_span(self, error: BaseException | None) -> None:
+        exchange, span = self.exchange, self.span
+        assert exchange is not None and exchange.trace is not None and span is not None
+        prefill = self.cluster is ClusterName.PREFILL
         exchange.trace.leg_ended(
-            self._span, prefill=prefill, state=leg.state.value,
+            span, prefill=prefill, state=self.state.value,
             error=error if isinstance(error, Exception) else None,
             first_byte_s=None if prefill else exchange.decode_first_byte_seconds)
 
@@ -151,7 +145,7 @@ class Exchange:
         # learn) and the client did not say; None: as the client or P's connector says.
         self.push_layers: bool | None = None
         self.upstream_headers = {wire.REQUEST_ID_HEADER: request.request_id}
-        self.started_at = time.perf_counter()
+        self.started_at = perf_counter()
         self.prefill_seconds: float | None = None
         self.prefill_cached: int | None = None  # prompt tokens P says its cache held
         self.decode_first_byte_seconds: float | None = None
@@ -238,13 +232,12 @@ class Exchange:
         """P's leg: one token, not streamed. Returns P's JSON answer. `headers`: more
         headers for P's leg alone (a push's data-parallel rank)."""
         p = self.prefill_server
-        started = time.perf_counter()
+        started = perf_counter()
         sent = self.upstream_headers if headers is None else {**self.upstream_headers, **headers}
         leg = self.leg(p, self.prefill_work())
-        running: Leg | _traced = leg
         if self.trace is not None:
-            running, sent = self._traced_leg(leg, sent)
-        with running:
+            sent = self._trace_leg(leg, sent)
+        with leg:
             try:
                 answer = await self.context.client.post_json(
                     f"{p.url}{self.path}",
@@ -257,7 +250,7 @@ class Exchange:
             except UpstreamError as exc:
                 self._upstream_failed(p, exc)
                 raise
-        self.prefill_seconds = time.perf_counter() - started
+        self.prefill_seconds = perf_counter() - started
         p.outlier.success()
         p.observe_latency(self.prefill_seconds)
         metrics = self.context.metrics
@@ -293,14 +286,13 @@ class Exchange:
     async def relay_decode(self, body: dict[str, Any], down: Downstream) -> None:
         """D's leg: send D its request and pass its answer to the client as it comes."""
         d = self.decode_endpoint
-        sent_at = time.perf_counter()
+        sent_at = perf_counter()
         sent = self.upstream_headers
         leg = self.leg(d)
-        running: Leg | _traced = leg
         if self.trace is not None:
-            running, sent = self._traced_leg(leg, sent)
+            sent = self._trace_leg(leg, sent)
         client = self.context.client
-        with running:
+        with leg:
             try:
                 if not self.request.stream:  # D's whole answer, read at once
                     whole = await client.post_whole(f"{d.url}{self.path}", body, headers=sent,
@@ -342,16 +334,18 @@ class Exchange:
                       prompt_tokens=None if prompt is None else len(prompt),
                       predicted=None if prompt is None else prompt.predicted)
 
-    def _traced_leg(self, leg: Leg, headers: dict[str, str]) -> tuple[_traced, dict[str, str]]:
-        """A traced leg: its span, and `headers` with the `traceparent` that names it."""
+    def _trace_leg(self, leg: Leg, headers: dict[str, str]) -> dict[str, str]:
+        """Trace `leg` (its span ends with it): `headers` with the `traceparent` that
+        names its span."""
         assert self.trace is not None
         endpoint = leg.endpoint
-        span, sent = self.trace.leg(leg.cluster.value, leg.attempt, endpoint.name, endpoint.url,
-                                    self.path, headers)
-        return _traced(leg, span, self), sent
+        leg.span, sent = self.trace.leg(leg.cluster.value, leg.attempt, endpoint.name,
+                                        endpoint.url, self.path, headers)
+        leg.exchange = self
+        return sent
 
     def _decode_first_byte(self, sent_at: float) -> None:
-        self.decode_first_byte_seconds = time.perf_counter() - sent_at
+        self.decode_first_byte_seconds = perf_counter() - sent_at
         self.decode_endpoint.observe_latency(self.decode_first_byte_seconds)
         metrics = self.context.metrics
         metrics.decode_first_token.observe((self.mode,), self.decode_first_byte_seconds)
@@ -366,7 +360,7 @@ class Exchange:
         elif isinstance(exc, UpstreamConnectionLost):
             self.context.health.count_failure(endpoint, str(exc))
         if counts_as_failure(exc):
-            ejected_for = endpoint.outlier.failure(time.monotonic())
+            ejected_for = endpoint.outlier.failure(monotonic())
             if ejected_for is not None:
                 self.context.metrics.ejections.labels(endpoint.cluster.value, endpoint.url).inc()
                 logger.warning("%s server %s ejected for %.0f s after %d failures in a row "
@@ -397,7 +391,7 @@ class Exchange:
         if client_left:
             for cluster in ("decode",) if local else ("prefill", "decode"):
                 metrics.cancelled_legs.labels(cluster, "client_disconnected").inc()
-        if not logger.isEnabledFor(logging.INFO):
+        if not logger.isEnabledFor(INFO):
             return
         logger.info(
             "request_id=%s route=%s mode=%s requested=%s why=%s prefill=%s decode=%s status=%s "
@@ -413,7 +407,7 @@ class Exchange:
             _ms(down.first_byte_at - self.started_at if down.first_byte_at else None),
             _ms(self.prefill_seconds),
             _ms(self.decode_first_byte_seconds),
-            (time.perf_counter() - self.started_at) * 1000,
+            (perf_counter() - self.started_at) * 1000,
             ",".join(map(str, self.legs)) or "-",
             f" note={','.join(self.notes)}" if self.notes else "",
             _predicted(self.prompt),
@@ -446,7 +440,7 @@ def _check_whole_answer(content: bytes, d: Endpoint, client: UpstreamClient) -> 
     """D's whole answer must be a JSON object: garbage is D's failure (502), never the
     client's 200. Decoding once costs microseconds next to a generation."""
     try:
-        ok = isinstance(msgspec.json.decode(content), dict)
+        ok = isinstance(decode_json(content), dict)
     except msgspec.DecodeError:
         ok = False
     if not ok:

@@ -15,18 +15,35 @@ says why (the response header and a metric tell the client and the operator).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-
-import msgspec
+from typing import Final, final
 
 from proxy.config import Mode
 from proxy.flow.learn import PAIR_MODES
 from proxy.protocol import PrefillCoordinates
 
 
-class ModeDecision(msgspec.Struct, frozen=True, kw_only=True):
-    requested: Mode
-    used: Mode  # PULL, PUSH or LOCAL, never AUTO
-    reason: str
+@final
+class ModeDecision:
+    """The mode a request runs as (`used`: pull, push or local, never auto), what was
+    asked (`requested`) and why (`reason`). A plain class compiled with the request path
+    (its fields are C field reads; a msgspec struct's were generic lookups) with `Final`
+    fields: read-only once made."""
+
+    def __init__(self, *, requested: Mode, used: Mode, reason: str) -> None:
+        self.requested: Final = requested
+        self.used: Final = used  # PULL, PUSH or LOCAL, never AUTO
+        self.reason: Final = reason
+
+    def __repr__(self) -> str:
+        return (f"ModeDecision(requested={self.requested.value}, used={self.used.value}, "
+                f"reason={self.reason!r})")
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, ModeDecision) and self.requested is other.requested
+                and self.used is other.used and self.reason == other.reason)
+
+    def __hash__(self) -> int:
+        return hash((self.requested, self.used, self.reason))
 
     @property
     def is_fallback(self) -> bool:
@@ -62,9 +79,10 @@ def decide_mode(
             return ModeDecision(requested=requested, used=Mode.PULL, reason="requested")
         return ModeDecision(requested=requested, used=Mode.PULL, reason="prefill_coordinates_unknown")
 
-    can_push = Mode.PUSH in coordinates.transfer_modes and decode_can_push
-    can_pull = Mode.PULL in coordinates.transfer_modes
-    cannot_push = "decode_cannot_push" if Mode.PUSH in coordinates.transfer_modes else "prefill_cannot_push"
+    modes = coordinates.transfer_modes  # a struct's field: read once
+    can_push = Mode.PUSH in modes and decode_can_push
+    can_pull = Mode.PULL in modes
+    cannot_push = "decode_cannot_push" if Mode.PUSH in modes else "prefill_cannot_push"
     if requested is Mode.PULL:
         if can_pull:
             return ModeDecision(requested=requested, used=Mode.PULL, reason="requested")

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
+from asyncio import create_task, current_task
 from collections.abc import Awaitable, Callable
+from time import perf_counter
 from typing import Any, Protocol
 
 from mypy_extensions import mypyc_attr
@@ -200,7 +201,7 @@ class Downstream:
         self.started = False  # the head went out: the status can no longer change
         self.finished = False
         self.status = 0
-        self.first_byte_at: float | None = None  # time.perf_counter()
+        self.first_byte_at: float | None = None  # perf_counter()
 
     # Not coroutines of their own: each returns its answer's, one generator object less
     # per call (the flows await them on every request).
@@ -208,7 +209,7 @@ class Downstream:
     def start(self, status: int, content_type: str) -> Awaitable[None]:
         self.status = status
         self.started = True
-        self.first_byte_at = time.perf_counter()
+        self.first_byte_at = perf_counter()
         return self._out.start(status, content_type, self.headers)
 
     def write(self, chunk: bytes) -> Awaitable[None]:
@@ -223,7 +224,7 @@ class Downstream:
         and the client knows the size from the head)."""
         self.status = status
         self.started = self.finished = True
-        self.first_byte_at = time.perf_counter()
+        self.first_byte_at = perf_counter()
         return self._out.whole(status, content_type, self.headers, body)
 
     async def fail(self, error: RouterError) -> None:
@@ -302,15 +303,15 @@ class FlowResponse:
         leaves, as `connection` tells (None: as ASGI's `receive` tells)."""
         down = Downstream(out, streaming=self._streaming, headers=self._headers)
         failure: RouterError | None = None
-        this = asyncio.current_task(None if connection is None else connection.loop)
+        this = current_task(None if connection is None else connection.loop)
         assert this is not None  # flows run inside tasks
         gone = _ClientGone(down, this)
         watcher: asyncio.Task[None] | None = None
         if connection is not None:
             connection.on_lost(gone)
         elif receive is not None:  # another ASGI server: wait for its disconnect message
-            watcher = asyncio.create_task(own_exception_state(_client_gone(receive)),
-                                          name="disconnect-watcher")
+            watcher = create_task(own_exception_state(_client_gone(receive)),
+                                  name="disconnect-watcher")
             watcher.add_done_callback(lambda task: None if task.cancelled() else gone())
         # The flow runs in this frame, not in a helper coroutine: one frame less to
         # resume at each of the request's waits.

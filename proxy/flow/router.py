@@ -10,10 +10,10 @@ itself) picks no P at all, so it is served while every P is down.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 from connector.protocol import http_params as wire
@@ -372,11 +372,11 @@ class Router:
         flow: Callable[[Downstream], Awaitable[None]]
         if decision.used is Mode.PUSH:
             assert coordinates is not None  # decide_mode pushes only with coordinates
-            flow = functools.partial(run_push, exchange, coordinates=coordinates)
+            flow = partial(run_push, exchange, coordinates=coordinates)
         elif decision.used is Mode.LOCAL:
-            flow = functools.partial(run_local, exchange)
+            flow = partial(run_local, exchange)
         else:
-            flow = functools.partial(run_pull, exchange)
+            flow = partial(run_pull, exchange)
 
         headers = [
             (MODE_HEADER, exchange.mode.encode()),

@@ -34,13 +34,13 @@ their counts live on the `Endpoint` objects.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import itertools
-import math
 import random
-import time
+from bisect import bisect
 from collections.abc import Callable, Sequence
+from math import ceil
+from time import monotonic
 from typing import TYPE_CHECKING
 
 from proxy.config import Balance, Policy
@@ -146,9 +146,9 @@ class PrefixRing:
         self._build_ring(frozenset(position))
         # Bounded load: at most ceil(load_factor * mean), counting this request.
         total = sum(e.in_flight for e in candidates) + 1
-        bound = max(1, math.ceil(self._settings.load_factor * total / len(candidates)))
+        bound = max(1, ceil(self._settings.load_factor * total / len(candidates)))
         costs = [float(len(candidates) + e.in_flight) for e in candidates]  # at the bound
-        start = bisect.bisect(self._ring, (_hash(request.key), ""))
+        start = bisect(self._ring, (_hash(request.key), ""))
         order = 0
         for offset in range(len(self._ring)):
             _, url = self._ring[(start + offset) % len(self._ring)]
@@ -183,7 +183,7 @@ class Pipeline:
         self._alone = scorers[0][0] if len(scorers) == 1 and scorers[0][1] == 1.0 else None
 
     def pick(self, candidates: Sequence[Endpoint], request: PickRequest) -> Endpoint:
-        now = time.monotonic()
+        now = monotonic()
         if len(candidates) == 1:
             chosen = candidates[0]
         elif self._alone is not None:

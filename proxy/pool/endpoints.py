@@ -12,8 +12,8 @@ flight and always gives it back.
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Callable, Sequence
+from time import monotonic
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
@@ -38,6 +38,9 @@ class ClusterName(str, enum.Enum):
 
 
 class Endpoint:
+    _models: list[str] | None
+    _transfer_modes: list[Mode] | None
+
     def __init__(
         self, config: EndpointConfig, cluster: ClusterName, ejection: Ejection = DEFAULT_EJECTION,
         *, api_key: str | None = None, number: int = 0,
@@ -145,14 +148,27 @@ class Endpoint:
             else learned.transfer_modes,
         )
 
+    @property
+    def config(self) -> EndpointConfig:
+        """Its settings; membership replaces them (drain, a reload)."""
+        return self._config
+
+    @config.setter
+    def config(self, config: EndpointConfig) -> None:
+        self._config = config
+        # What each request's pick reads (`serves`, `can`), as plain fields: a msgspec
+        # struct's field is a generic attribute lookup from compiled code.
+        self._models = config.models
+        self._transfer_modes = config.transfer_modes
+
     def can(self, mode: Mode) -> bool:
         """True unless this server is known not to do `mode`: configured transfer_modes,
         or for a P its learned coordinates (unknown: maybe). Any D can do `local` (it
         computes the prompt itself)."""
         if mode is Mode.LOCAL:
             return True
-        if self.config.transfer_modes:
-            return mode in self.config.transfer_modes
+        if self._transfer_modes:
+            return mode in self._transfer_modes
         known = self.coordinates
         return known is None or mode in known.transfer_modes
 
@@ -166,8 +182,8 @@ class Endpoint:
     def serves(self, model: str) -> bool:
         """True unless it is known not to serve `model` (on every request's path: no
         set is built here)."""
-        if self.config.models is not None:
-            return model in self.config.models
+        if self._models is not None:
+            return model in self._models
         return self.learned_models is None or model in self.learned_models
 
     def record_check(self, passed: bool, *, healthy_after: int, unhealthy_after: int) -> bool:
@@ -378,7 +394,7 @@ class Cluster:
         dropped, except the first ones: every healthy server ejected, or none known to do
         `mode` (the mode then falls back)."""
         # One pass (on every leg's path: three list comprehensions took twice as long)
-        now = time.monotonic()
+        now = monotonic()
         candidates: list[Endpoint] = []  # healthy, serving `model`, not ejected
         ejected: list[Endpoint] = []  # healthy and serving `model`, but ejected
         for e in self.endpoints:

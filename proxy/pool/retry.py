@@ -13,8 +13,8 @@ instead of doubling the load.
 
 from __future__ import annotations
 
-import time
-from typing import ClassVar
+from time import monotonic
+from typing import Final
 
 from proxy.errors import UpstreamConnectError, UpstreamError, UpstreamStatusError
 
@@ -38,7 +38,7 @@ class RetryBudget:
     rate: a timestamp per request (as before) held 130,000 of them at 13,000 requests a
     second over the default 10 s, and took a deque append and a popleft per request."""
 
-    SLOTS: ClassVar[int] = 10
+    SLOTS: Final = 10  # a literal compiled code reads as a constant
 
     def __init__(self, ratio: float = 0.2, min_per_window: int = 10, window_s: float = 10.0) -> None:
         self.ratio = ratio
@@ -51,14 +51,14 @@ class RetryBudget:
 
     def request(self, now: float | None = None) -> None:
         """Count one client request (each request, retried or not)."""
-        slot = int((time.monotonic() if now is None else now) // self._slot_s)
+        slot = int((monotonic() if now is None else now) // self._slot_s)
         if slot > self._slot:
             self._advance(slot)
         self._requests[self._slot % self.SLOTS] += 1
 
     def try_spend(self, now: float | None = None) -> bool:
         """True (and counted) when one more retry fits the budget now."""
-        slot = int((time.monotonic() if now is None else now) // self._slot_s)
+        slot = int((monotonic() if now is None else now) // self._slot_s)
         if slot > self._slot:
             self._advance(slot)
         if sum(self._retries) >= self.min_per_window + self.ratio * sum(self._requests):

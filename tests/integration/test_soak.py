@@ -4,13 +4,15 @@ the fakes' random faults themselves, and that the soak does fail when it should.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from proxy.flow.exchange import Leg
+from proxy.metrics import RouterMetrics
+from proxy.pool.endpoints import Endpoint
 from scripts.soak import LoopLag, Outcome, SoakOptions, classify, run_soak
 from testbed.fake_vllm import FAULT_KINDS, MODEL, FakeVLLM, start
 
@@ -42,7 +44,16 @@ async def test_soak_garbage_from_decode_is_a_clean_error(tmp_path: Path) -> None
 
 
 async def test_soak_reports_a_leaked_in_flight_count(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(Leg, "__exit__", lambda self, *exc: None)  # never gives a lease back
+    # A lease taken on every server as the router starts, and never given back (the
+    # legs themselves are compiled code: their `with` calls no attribute a test can patch)
+    watch = RouterMetrics.watch_endpoints
+
+    def leak_a_lease(metrics: RouterMetrics, endpoints: Callable[[], Iterable[Endpoint]]) -> None:
+        for endpoint in endpoints():
+            endpoint.in_flight += 1
+        watch(metrics, endpoints)
+
+    monkeypatch.setattr(RouterMetrics, "watch_endpoints", leak_a_lease)
     report = await run_soak(small(tmp_path, requests=20, fault_rate=0.0, settle=0.3))
     assert report["outcomes"]["ok"] == 20
     assert report["leaks"]["in_flight"] and not report["passed"]

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import time
+from asyncio import get_running_loop
+from time import monotonic
 from typing import Protocol
 
 import httptools
@@ -104,7 +105,7 @@ class Response(Incoming):
     def expect_within(self, seconds: float, *, per_chunk: bool = False) -> None:
         """Time out unless the next part comes within `seconds` (with `per_chunk`, each
         chunk of the body restarts the clock)."""
-        self.deadline = time.monotonic() + seconds
+        self.deadline = monotonic() + seconds
         self.idle = seconds if per_chunk else None
 
     async def read_chunk(self) -> bytes:
@@ -115,7 +116,7 @@ class Response(Incoming):
             if self.complete:
                 return b""
             if self.idle is not None:  # the server is late only while we wait for it
-                self.deadline = time.monotonic() + self.idle
+                self.deadline = monotonic() + self.idle
             self._waiter = self._connection.loop.create_future()
             try:
                 await self._waiter
@@ -183,7 +184,7 @@ class Response(Incoming):
 
     def _feed(self, chunk: bytes) -> None:
         if self.idle is not None:
-            self.deadline = time.monotonic() + self.idle
+            self.deadline = monotonic() + self.idle
         self._chunks.append(chunk)
         self._buffered += len(chunk)
         if self._buffered >= HIGH_WATER:
@@ -235,7 +236,7 @@ class Fetch(Incoming):
         self.status = status
         self.headed = True
         if self.idle is not None:
-            self.deadline = time.monotonic() + self.idle
+            self.deadline = monotonic() + self.idle
 
     def _feed(self, chunk: bytes) -> None:
         self._size += len(chunk)
@@ -243,7 +244,7 @@ class Fetch(Incoming):
             raise AnswerTooLarge(f"body over {self._limit} bytes")
         self._parts.append(chunk)
         if self.idle is not None:
-            self.deadline = time.monotonic() + self.idle
+            self.deadline = monotonic() + self.idle
 
     def _finish(self, error: BaseException | None = None) -> None:
         if self.complete or self.error is not None:
@@ -280,8 +281,8 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, pool: Owner) -> None:
         # Its event loop, for its answers' futures: read once (3.11's
-        # `asyncio.get_running_loop()` makes a getpid system call each time).
-        self.loop = asyncio.get_running_loop()
+        # `get_running_loop()` makes a getpid system call each time).
+        self.loop = get_running_loop()
         self._pool = pool
         self._max_header_bytes = pool.max_header_bytes
         self._transport: asyncio.Transport | None = None
@@ -299,7 +300,7 @@ class Connection(asyncio.Protocol):
         self.reading_paused = False  # public: Response and Pool skip a call when not
         self.closed = False
         self.dropped = False  # closed by the server (or the network), not by us
-        self.idle_since = time.monotonic()
+        self.idle_since = monotonic()
 
     # asyncio.Protocol
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import time
+from asyncio import get_running_loop
+from time import monotonic
 from urllib.parse import SplitResult, urlsplit
 
 from proxy.upstream.http11.connection import (
@@ -106,7 +107,7 @@ class Pool:
         ConnectFailed, ConnectionLost, MalformedAnswer, httptools.HttpParserError or
         TimeoutError."""
         connection, response = await self._send(self._head(method, path, body, headers) + body,
-                                                connect_timeout, time.monotonic() + timeout)
+                                                connect_timeout, monotonic() + timeout)
         assert isinstance(response, Response)
         return connection, response
 
@@ -128,7 +129,7 @@ class Pool:
         bytes is AnswerTooLarge. Its connection is back in the pool when this returns:
         nothing to release. It fails as `request` does."""
         _, fetch = await self._send(self._head(method, path, body, headers) + body,
-                                    connect_timeout, time.monotonic() + timeout, limit, idle)
+                                    connect_timeout, monotonic() + timeout, limit, idle)
         assert isinstance(fetch, Fetch)
         return fetch
 
@@ -213,7 +214,7 @@ class Pool:
             if slots.take():
                 break
             if deadline is None:
-                deadline = asyncio.get_running_loop().time() + slots.wait_s
+                deadline = get_running_loop().time() + slots.wait_s
             handed = await self._wait(deadline, fresh=fresh)
             if handed is None:
                 break  # a slot was passed to us
@@ -224,7 +225,7 @@ class Pool:
 
     async def _wait(self, deadline: float, *, fresh: bool) -> Connection | None:
         """Queue for a connection of ours going idle or a slot freeing, until `deadline`."""
-        future: asyncio.Future[Connection | None] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Connection | None] = get_running_loop().create_future()
         waiter = (None if fresh else self, future)
         self._slots.waiters.append(waiter)
         try:
@@ -253,7 +254,7 @@ class Pool:
         """Open a connection in a slot already taken (given back if this fails)."""
         try:
             async with asyncio.timeout(connect_timeout):
-                _transport, connection = await asyncio.get_running_loop().create_connection(
+                _transport, connection = await get_running_loop().create_connection(
                     lambda: Connection(self), self.host, self.port, ssl=self._ssl
                 )
         except (OSError, TimeoutError) as exc:
@@ -277,7 +278,7 @@ class Pool:
             return
         waiter = self._slots.first_waiter() if self._slots.waiters else None
         if waiter is None:
-            connection.idle_since = time.monotonic()
+            connection.idle_since = monotonic()
             self._idle.append(connection)
         elif waiter[0] is self:
             self._slots.waiters.popleft()
@@ -286,7 +287,7 @@ class Pool:
             connection.close()
 
     def _idle_connection(self) -> Connection | None:
-        now = time.monotonic()
+        now = monotonic()
         while self._idle:
             connection = self._idle.pop()
             if not connection.closed and now - connection.idle_since < self._idle_reuse:
@@ -313,7 +314,7 @@ class Deadlines:
     def watch(self, response: Incoming) -> None:
         self._watched.add(response)
         if self._timer is None:
-            self._timer = asyncio.get_running_loop().call_later(self.TICK_S, self._sweep)
+            self._timer = get_running_loop().call_later(self.TICK_S, self._sweep)
 
     def forget(self, response: Incoming) -> None:
         """`response` is released: no more waits on it. Dropped now rather than at the
@@ -328,7 +329,7 @@ class Deadlines:
         self._watched.clear()
 
     def _sweep(self) -> None:
-        now = time.monotonic()
+        now = monotonic()
         for response in list(self._watched):
             if response.complete or response.error is not None:
                 self._watched.discard(response)
@@ -337,7 +338,7 @@ class Deadlines:
                 response._finish(TimeoutError("no answer within the time limit"))
                 response._connection.close()
         self._timer = (
-            asyncio.get_running_loop().call_later(self.TICK_S, self._sweep)
+            get_running_loop().call_later(self.TICK_S, self._sweep)
             if self._watched
             else None
         )
