@@ -46,6 +46,9 @@ MODE_HEADER = b"x-kv-transfer-mode"  # the mode a request ran as, in its answer'
 PUSH_LAYERS_HEADER = wire.PUSH_LAYERS_HEADER.lower().encode()
 # A mode's string, looked up: an enum's `.value` is two Python calls in Python 3.11.
 _MODE_LABEL = {mode: mode.value for mode in Mode}
+# Each status as the metrics label it is, looked up: `str()` of an int was about 1,000
+# instructions per request (callgrind).
+_STATUS_LABELS = {code: str(code) for code in range(100, 600)}
 _PREFILL = ClusterName.PREFILL.value  # kv_aware's predictions are by cluster name
 
 
@@ -372,7 +375,8 @@ class Exchange:
     def finish(self, down: Downstream, error: RouterError | None, client_left: bool) -> None:
         """Account for the exchange once, whatever happened: metrics and one log line."""
         metrics = self.context.metrics
-        status = "client_closed" if client_left else str(down.status or (error.status if error else 0))
+        code = down.status or (error.status if error else 0)
+        status = "client_closed" if client_left else _STATUS_LABELS.get(code) or str(code)
         metrics.requests.inc((self.path, self.mode, status))
         if isinstance(error, Overloaded):
             metrics.child(metrics.rejected, error.reason).inc()

@@ -106,7 +106,8 @@ class ModeLearner:
 
     def observe(self, mode: Mode | str, bucket: int, ttft_seconds: float) -> None:
         """Count one measured TTFT of a request sent in `mode` (pull, push or local)."""
-        mode = Mode(mode)
+        if not isinstance(mode, Mode):  # (the enum's call, interpreted, only for a str)
+            mode = Mode(mode)
         if mode not in LEARNED_MODES:
             raise ValueError(f"only pull, push and local are learned, got {mode.value!r}")
         self._stats[bucket, mode].add(ttft_seconds, self.settings.smoothing)
