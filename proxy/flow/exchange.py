@@ -78,8 +78,10 @@ class Leg:
         self.attempt = attempt  # 1, then 2 for a retry or a recovery on this cluster
         self.tokens = tokens
         self.state = LegState.RUNNING
-        self.span: LegSpan | None = None  # a traced request's (Exchange.trace_leg)
-        self.exchange: Exchange | None = None  # ... and whose leg it is
+        # A traced request's (`Exchange._trace_leg`): its span, and whose leg it is until
+        # the span ends (then let go: the exchange holds its legs, and no cycle is left)
+        self.span: LegSpan | None = None
+        self.exchange: Exchange | None = None
 
     def __str__(self) -> str:
         return f"{self.cluster.value}#{self.attempt}={self.state.value}"
@@ -107,6 +109,7 @@ class Leg:
     def _end_span(self, error: BaseException | None) -> None:
         exchange, span = self.exchange, self.span
         assert exchange is not None and exchange.trace is not None and span is not None
+        self.exchange = self.span = None
         prefill = self.cluster is ClusterName.PREFILL
         exchange.trace.leg_ended(
             span, prefill=prefill, state=self.state.value,

@@ -8,6 +8,7 @@ sent to its server, sampling from OTEL_TRACES_SAMPLER; and with tracing off, no
 from __future__ import annotations
 
 import contextlib
+import gc
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Sequence
@@ -22,7 +23,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from proxy.config import TracingConfig, build_config
-from tests.conftest import serve_router
+from tests.conftest import serve_router, until
 from tests.integration.conftest import Pair
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,6 +143,27 @@ async def test_a_push_traces_both_legs_at_once_and_the_handoff(pair: Pair) -> No
     assert handoff.start_time == p_leg.end_time and attrs(handoff)["pd.mode"] == "push"
     assert names(pair.prefill.seen[0].headers["traceparent"]) == traceparent(p_leg)
     assert names(pair.decode.seen[0].headers["traceparent"]) == traceparent(d_leg)
+
+
+async def test_a_traced_request_leaves_no_reference_cycle(pair: Pair) -> None:
+    """A traced leg holds its exchange (for its span's end) only until that span ends:
+    the exchange, which holds its legs, is freed as soon as its request is done, with
+    the garbage collector off."""
+    def exchanges() -> int:
+        return sum(type(o).__name__ == "Exchange" for o in gc.get_objects())
+
+    gc.collect()
+    gc.disable()
+    try:
+        async with traced_router(prefill=[pair.p_url], decode=[pair.d_url]) as (client, exported):
+            for stream in (False, True):
+                r = await client.post("/v1/completions", json={**BODY, "stream": stream})
+                assert r.status_code == 200, r.text
+            await until(lambda: len(by_name(exported.get_finished_spans(),
+                                            "POST /v1/completions")) == 2, "both requests' spans")
+            await until(lambda: exchanges() == 0, "no exchange left alive", timeout=2.0)
+    finally:
+        gc.enable()
 
 
 async def test_a_retry_is_a_second_leg_span_with_its_attempt(pair: Pair) -> None:
