@@ -11,6 +11,8 @@ several measured in one run.
     .venv/bin/python -m scripts.bench --compare http://127.0.0.1:9000   # see --backend-ports
     .venv/bin/python -m scripts.bench --scenarios overhead --kv-aware --prompt-tokens 1024 \
         --modes pull --concurrency 64 --rounds 3 [--token-ids]   # kv_aware's CPU cost
+    .venv/bin/python -m scripts.bench overhead --loader python --rate 1500 \
+        --concurrency 256 --compare-cmd "..."   # every router at one offered rate
 """
 
 from __future__ import annotations
@@ -294,7 +296,8 @@ def run_overhead(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
             else {"prefill": p_url, "decode": d_url}, "rows": rows,
             "prompt_tokens": len(args.prompt) if isinstance(args.prompt, list)
             else len(args.prompt.split()),
-            "token_ids": isinstance(args.prompt, list), "kv_cache": args.kv_aware}
+            "token_ids": isinstance(args.prompt, list), "kv_cache": args.kv_aware,
+            "offered_per_s": args.rate}
 
 
 def measure(args: argparse.Namespace, name: str, url: str, headers: dict[str, str],
@@ -302,7 +305,7 @@ def measure(args: argparse.Namespace, name: str, url: str, headers: dict[str, st
             loader: str) -> dict[str, Any]:
     def load(seconds: float) -> dict[str, Any]:
         return apply_load(loader, url, seconds=seconds, concurrency=concurrency, stream=stream,
-                          headers=headers, prompt=args.prompt)
+                          headers=headers, prompt=args.prompt, rate=args.rate)
 
     load(args.warmup)
     cpu_before = gauge.cpu_times() if gauge else None
@@ -325,6 +328,8 @@ def measure(args: argparse.Namespace, name: str, url: str, headers: dict[str, st
         f"{result['req_per_s']:>9.1f} req/s  p50 {p.get('p50', 0):>7.2f} ms  "
         f"p99 {p.get('p99', 0):>7.2f} ms  errors {result['errors']}"
         + (f" {result['error_kinds']}" if result.get("error_kinds") else "")
+        + (f" (open loop at {args.rate:g}/s; {result['waited']} waited for a slot)"
+           if args.rate is not None else "")
         + (f"  cpu {row['cpu_s_per_1000']:.3f} s/1000 (user {row['cpu_user_s_per_1000']:.3f},"
            f" system {row['cpu_system_s_per_1000']:.3f})" if "cpu_s_per_1000" in row else "")
         + (f"  per core {row['req_per_cpu_s']:.0f} req/cpu-s" if row.get("req_per_cpu_s") else ""))
@@ -504,7 +509,8 @@ def run_profile(args: argparse.Namespace, bar: tqdm) -> dict[str, Any]:
         url = f"http://127.0.0.1:{port}/v1/completions"
         bar.set_description(f"profile c={concurrency}{' stream' if stream else ''}")
         load = {"concurrency": concurrency, "stream": stream,
-                "headers": {"X-KV-Transfer-Mode": "pull"}, "prompt": args.prompt}
+                "headers": {"X-KV-Transfer-Mode": "pull"}, "prompt": args.prompt,
+                "rate": args.rate}
         loader = args.loader[0]
         apply_load(loader, url, seconds=args.warmup, **load)
         gauge = ProcessGauge(router.pid)
@@ -899,6 +905,12 @@ def parse_args(argv: list[str] | None, scenario: str | None = None) -> argparse.
     parser.add_argument("--loader", default="wrk" if shutil.which("wrk") else "python",
                         help="load generator(s), comma-separated, of wrk and python (each "
                              "point is measured with each; default wrk when installed)")
+    parser.add_argument("--rate", type=float, metavar="REQ_PER_S",
+                        help="overhead, python loader: an open loop at this many requests/s "
+                             "(at most --concurrency in flight) instead of a closed loop, so "
+                             "that every target is measured at one offered rate: a faster "
+                             "router is otherwise idle more, and an idle router pays a wake-up "
+                             "for each event it would have found batched when busy")
     parser.add_argument("--streams", type=int, help="streams: how many open at once "
                         "(default 1000; --quick 200)")
     parser.add_argument("--stream-tokens", type=int, default=10, help="streams: tokens each")
@@ -938,6 +950,9 @@ def parse_args(argv: list[str] | None, scenario: str | None = None) -> argparse.
     args.loader = [x for x in args.loader.split(",") if x]
     if not args.loader or set(args.loader) - {"wrk", "python"}:
         parser.error("--loader takes wrk and/or python")
+    if args.rate is not None and (args.rate <= 0 or args.loader != ["python"]):
+        parser.error("--rate takes a positive requests/s and --loader python (wrk's loop "
+                     "is closed)")
     if "wrk" in args.loader and not shutil.which("wrk"):
         parser.error("--loader wrk: wrk is not installed (apt-get install wrk)")
     args.modes = [m for m in args.modes.split(",") if m]

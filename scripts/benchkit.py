@@ -20,7 +20,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -362,34 +362,80 @@ def wrk_load(url: str, *, seconds: float, concurrency: int, stream: bool,
 
 
 async def python_load(url: str, *, seconds: float, concurrency: int, stream: bool,
-                      headers: dict[str, str],
-                      prompt: str | list[int] = DEFAULT_PROMPT) -> dict[str, Any]:
-    """Load from Python (aiohttp): `concurrency` workers, each one request at a time."""
+                      headers: dict[str, str], prompt: str | list[int] = DEFAULT_PROMPT,
+                      rate: float | None = None) -> dict[str, Any]:
+    """Load from Python (aiohttp). Closed loop (no `rate`): `concurrency` workers, each one
+    request at a time, so the slower of client and router sets the pace. Open loop
+    (`rate` requests/s): requests start on a fixed schedule whatever the answers, at most
+    `concurrency` in flight, so two routers can be measured at one offered rate. A
+    request that finds every slot busy waits for one (`waited` counts them) and its
+    latency counts from its scheduled start: a router that falls behind shows it in its
+    latencies and rate, not in a quietly lower offered rate."""
     body = json.dumps(request_body(stream, prompt)).encode()
     headers = {"Content-Type": "application/json", **headers}
     latencies: list[float] = []
     errors = 0
-    deadline = time.perf_counter() + seconds
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
 
-        async def worker() -> None:
+        async def send(started: float) -> None:
             nonlocal errors
+            try:
+                async with session.post(url, data=body, headers=headers) as r:
+                    await r.read()
+                    errors += r.status != 200
+            except aiohttp.ClientError:
+                errors += 1
+            latencies.append(time.perf_counter() - started)
+
+        async def worker(deadline: float) -> None:
             while time.perf_counter() < deadline:
-                started = time.perf_counter()
-                try:
-                    async with session.post(url, data=body, headers=headers) as r:
-                        await r.read()
-                        errors += r.status != 200
-                except aiohttp.ClientError:
-                    errors += 1
-                latencies.append(time.perf_counter() - started)
+                await send(time.perf_counter())
 
         started = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        waited = None
+        if rate is None:
+            await asyncio.gather(*(worker(started + seconds) for _ in range(concurrency)))
+        else:
+            waited = await _open_loop(send, started, seconds, concurrency, rate)
         wall = time.perf_counter() - started
-    return {"req_per_s": round(len(latencies) / wall, 1), "requests": len(latencies),
-            "errors": errors, "latency_ms": percentiles_ms(latencies)}
+    result = {"req_per_s": round(len(latencies) / wall, 1), "requests": len(latencies),
+              "errors": errors, "latency_ms": percentiles_ms(latencies)}
+    if rate is not None:
+        result.update(offered_per_s=rate, waited=waited)
+    return result
+
+
+async def _open_loop(send: Callable[[float], Awaitable[None]], started: float,
+                     seconds: float, concurrency: int, rate: float) -> int:
+    """Start `send(scheduled)` at `rate` per second from `started` for `seconds`, at most
+    `concurrency` at once; wait for those in flight. Returns how many waited for a slot.
+    Each wake-up starts every request due by then: the mean rate holds although the
+    event loop's sleeps are coarser than the gap between two requests."""
+    slots = asyncio.Semaphore(concurrency)
+    in_flight: set[asyncio.Task[None]] = set()
+    sent = waited = 0
+
+    async def one(scheduled: float) -> None:
+        try:
+            await send(scheduled)
+        finally:
+            slots.release()
+
+    total = int(seconds * rate)
+    while sent < total:
+        due = min(total, int((time.perf_counter() - started) * rate) + 1)
+        while sent < due:
+            if slots.locked():
+                waited += 1
+            await slots.acquire()
+            task = asyncio.create_task(one(started + sent / rate))
+            in_flight.add(task)
+            task.add_done_callback(in_flight.discard)
+            sent += 1
+        await asyncio.sleep(max(0.0, started + sent / rate - time.perf_counter()))
+    await asyncio.gather(*in_flight)
+    return waited
 
 
 def percentiles_ms(seconds: list[float]) -> dict[str, float]:
@@ -402,8 +448,11 @@ def percentiles_ms(seconds: list[float]) -> dict[str, float]:
 
 
 def apply_load(loader: str, url: str, **kwargs: Any) -> dict[str, Any]:
-    """One load run with `loader` (wrk or python): throughput and latencies."""
+    """One load run with `loader` (wrk or python): throughput and latencies. `rate` (open
+    loop, requests/s) is the Python loader's alone."""
     if loader == "wrk":
+        if kwargs.pop("rate", None) is not None:
+            raise ValueError("wrk loads in a closed loop: an offered rate needs the python loader")
         return wrk_load(url, **kwargs)
     return asyncio.run(python_load(url, **kwargs))
 

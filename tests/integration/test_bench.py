@@ -338,3 +338,46 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+async def _fake_decode(delay_s: float = 0.0) -> asyncio.Server:
+    from scripts.benchkit import _FakeProtocol
+
+    return await asyncio.get_running_loop().create_server(
+        lambda: _FakeProtocol("decode", delay_s=delay_s), "127.0.0.1", 0)
+
+
+async def test_the_python_loader_offers_a_fixed_rate_in_an_open_loop() -> None:
+    """`--rate`'s loader starts its requests on a schedule: the offered count is sent and
+    answered in about the scheduled time, none waits for a slot when the server keeps
+    up; one that can only hold one request at a time makes them wait, and their
+    latencies count from the schedule (they grow past the server's own delay)."""
+    from scripts.benchkit import python_load
+
+    server = await _fake_decode()
+    async with server:
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+        result = await python_load(url, seconds=1.0, concurrency=8, stream=False, headers={},
+                                   rate=200)
+        assert result["requests"] == 200 and result["errors"] == 0
+        assert result["offered_per_s"] == 200 and result["waited"] == 0
+        assert 150 <= result["req_per_s"] <= 205, result  # 200 sent over about 1 s
+    slow = await _fake_decode(delay_s=0.02)  # at most 50 answers/s on one connection
+    async with slow:
+        url = f"http://127.0.0.1:{slow.sockets[0].getsockname()[1]}/v1/completions"
+        behind = await python_load(url, seconds=0.5, concurrency=1, stream=False, headers={},
+                                   rate=200)
+        assert behind["requests"] == 100 and behind["errors"] == 0
+        assert behind["waited"] > 50, behind
+        assert behind["req_per_s"] < 60, behind
+        # the last requests waited for most of the run: counted from their schedule
+        assert behind["latency_ms"]["p99"] > 1000, behind
+
+
+def test_an_offered_rate_needs_the_python_loader() -> None:
+    """wrk loads in a closed loop: `--rate` with it is refused, as is a rate <= 0."""
+    for loader, rate in (("wrk", "100"), ("python", "0")):
+        refused = subprocess.run([sys.executable, "-m", "scripts.bench", "overhead",
+                                  "--loader", loader, "--rate", rate],
+                                 capture_output=True, text=True, timeout=60)
+        assert refused.returncode == 2 and "--rate takes" in refused.stderr, refused.stderr
