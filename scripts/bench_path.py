@@ -283,7 +283,9 @@ async def _measure_on(target: str, args: argparse.Namespace, p_urls: list[str],
         config = build_config({"prefill": [{"url": u} for u in p_urls],
                                "decode": [{"url": u} for u in d_urls],
                                "balance": {"prefill": policy, "decode": policy},
-                               "mode": "pull", "log_level": "warning"}, {})
+                               "mode": "pull", "log_level": "warning",
+                               **({} if args.health_interval is None
+                                  else {"health": {"interval": args.health_interval}})}, {})
         async with serving(create_app(config), config=config) as (url, _):
             if target == "kv":
                 await _kv_synced(url, len(p_urls) + len(d_urls))
@@ -333,12 +335,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="count the bytecodes executed per request, and print the N "
                              "functions that execute the most (bytecodes, frames entered "
                              "per request; very slow: use -n 2000)")
+    parser.add_argument("--health-interval", type=float, metavar="S",
+                        help="seconds between the router's health checks of the fakes "
+                             "(default: the router's, 5; 0: none). Under valgrind a round "
+                             "of checks waits behind the load past its time limit, the "
+                             "fakes are taken out and the router answers 503: use 0 there")
     parser.add_argument("--checkout", metavar="DIR",
                         help="run our router from another checkout's proxy/ and connector/ "
                              "(the fakes and the client stay this one's)")
     args = parser.parse_args(argv)
     if args.servers < 1 or (args.prompt_tokens is not None and args.prompt_tokens < 1):
         parser.error("--servers and --prompt-tokens must be >= 1")
+    if args.health_interval is not None and args.health_interval < 0:
+        parser.error("--health-interval must be >= 0")
     args.prompt = (DEFAULT_PROMPT if args.prompt_tokens is None
                    else " ".join(f"word{i}" for i in range(args.prompt_tokens)))
     args.kv_fakes = "kv" in args.target

@@ -381,3 +381,14 @@ def test_an_offered_rate_needs_the_python_loader() -> None:
                                   "--loader", loader, "--rate", rate],
                                  capture_output=True, text=True, timeout=60)
         assert refused.returncode == 2 and "--rate takes" in refused.stderr, refused.stderr
+
+
+def test_the_path_bench_runs_with_health_checks_off_and_refuses_a_negative_interval() -> None:
+    """`scripts.bench_path --health-interval 0` (for runs under valgrind) builds a valid
+    router config with health checks off and measures ours; a negative interval is
+    refused before anything starts."""
+    out = bench_path("--target", "ours", "-n", "300", "-c", "8", "--health-interval", "0")
+    assert re.search(r"round 1 ours: [\d.]+ us CPU per request", out), out
+    refused = subprocess.run([sys.executable, "-m", "scripts.bench_path", "--health-interval",
+                              "-1"], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "--health-interval must be >= 0" in refused.stderr
