@@ -409,11 +409,11 @@ async def python_load(url: str, *, seconds: float, concurrency: int, stream: boo
 async def _open_loop(send: Callable[[float], Awaitable[None]], started: float,
                      seconds: float, concurrency: int, rate: float) -> int:
     """Start `send(scheduled)` at `rate` per second from `started` for `seconds`, at most
-    `concurrency` at once; wait for those in flight. Returns how many waited for a slot.
-    Each wake-up starts every request due by then: the mean rate holds although the
-    event loop's sleeps are coarser than the gap between two requests."""
+    `concurrency` at once; wait for those in flight (a task group: one that fails, or
+    this being cancelled, cancels the rest). Returns how many waited for a slot. Each
+    wake-up starts every request due by then: the mean rate holds although the event
+    loop's sleeps are coarser than the gap between two requests."""
     slots = asyncio.Semaphore(concurrency)
-    in_flight: set[asyncio.Task[None]] = set()
     sent = waited = 0
 
     async def one(scheduled: float) -> None:
@@ -423,18 +423,16 @@ async def _open_loop(send: Callable[[float], Awaitable[None]], started: float,
             slots.release()
 
     total = int(seconds * rate)
-    while sent < total:
-        due = min(total, int((time.perf_counter() - started) * rate) + 1)
-        while sent < due:
-            if slots.locked():
-                waited += 1
-            await slots.acquire()
-            task = asyncio.create_task(one(started + sent / rate))
-            in_flight.add(task)
-            task.add_done_callback(in_flight.discard)
-            sent += 1
-        await asyncio.sleep(max(0.0, started + sent / rate - time.perf_counter()))
-    await asyncio.gather(*in_flight)
+    async with asyncio.TaskGroup() as in_flight:
+        while sent < total:
+            due = min(total, int((time.perf_counter() - started) * rate) + 1)
+            while sent < due:
+                if slots.locked():
+                    waited += 1
+                await slots.acquire()
+                in_flight.create_task(one(started + sent / rate))
+                sent += 1
+            await asyncio.sleep(max(0.0, started + sent / rate - time.perf_counter()))
     return waited
 
 
