@@ -10,9 +10,11 @@ this needs: one where a prefill of one of these lengths and a decode step fit th
 on a slower one the test fails, saying so.
 
 - Prefill, at the calibrated length: every prefill step within 10% of its target, its
-  compute within the step. End to end, the time to first token of a fresh prompt less
-  that of the same prompt sent again (its prefix cached, one block computed) within 10%
-  of the profile's difference between the two steps. Both pay the same host work for
+  compute within the step. The same prompts again (their prefix cached, one block
+  computed): each step ends at its target or, where the host's compute of that block
+  ran past it, with the compute; the median within 10% of the target. End to end, the
+  time to first token of a fresh prompt less that of the same prompt sent again within
+  10% of the profile's difference between the two steps. Both pay the same host work for
   the prompt (the server's HTTP, reading and hashing the token ids, scheduling), at this
   CPU's speed, which the emulation leaves out (see docs/benchmarks.md): the difference is the
   emulated GPU time alone, on any machine.
@@ -135,6 +137,10 @@ def _steps(server: VllmServer, since: float) -> list[StepRecord]:
     return [r for r in read_step_log(server.spec.step_log_path) if r.at >= since]
 
 
+def _median_share(steps: list[StepRecord]) -> float:
+    return statistics.median(step.compute_s / step.target_s for step in steps)
+
+
 def _within(measured: float, expected: float, what: str) -> None:
     assert abs(measured - expected) <= TOLERANCE * expected, (
         f"{what}: measured {measured * 1e3:.2f} ms, profile {expected * 1e3:.2f} ms "
@@ -177,9 +183,20 @@ def test_prefill_lasts_as_long_as_the_profile_says(gpu_server: VllmServer,
     for step in steps:
         _within(step.step_s, step.target_s, f"a {long}-token prefill step")
         assert step.target_s == pytest.approx(PROFILE.prefill_s(long), rel=1e-6)
+    # A cache hit's step is short (the profile's weight read, about 6 ms at any length)
+    # and the model's fixed cost per forward on a slow 2-core host nears it: where its
+    # compute runs past the step, the clock adds nothing and the step lasts the compute
+    # (the emulation cannot be faster than the host). Each step ends at its deadline or,
+    # past it, with its compute; the typical one (the median) keeps the profile's time.
+    overran = [step for step in cached if step.compute_s > step.target_s]
+    print(f"{len(cached)} cache-hit prefills: compute {_median_share(cached):.0%} of the "
+          f"step (median); {len(overran)} ran past their step on this host's compute")
     for step in cached:
-        _within(step.step_s, step.target_s, f"a prefill of {long} tokens' cache hits")
         assert step.target_s == pytest.approx(again_s, rel=1e-6)
+        _within(step.step_s, max(step.target_s, step.compute_s),
+                f"a prefill of {long} tokens' cache hits (its deadline, or its compute past it)")
+    _within(statistics.median(step.step_s for step in cached), again_s,
+            f"the median prefill of {long} tokens' cache hits")
     assert max(shares) < 1, f"a {long}-token prefill's compute took {max(shares):.0%}"
     _within(measured, expected, f"TTFT of {long} fresh tokens less TTFT of the same again")
 
