@@ -297,6 +297,11 @@ class PrefillChannel(ChannelThread[PrefillEvent]):
         # A reply to a D whose connection is gone fails instead of vanishing: P then
         # knows that blocks it kept for that D's READ can go at once.
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A D that closed its socket to P (P was slow to answer) connects again with the
+        # same identity, its engine's. Without handover the ROUTER refuses the new
+        # connection while it has not yet seen the old one go, and what D sent on it is
+        # lost: on a loaded machine a registration went unacknowledged that way.
+        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._socket.setsockopt(zmq.RCVHWM, _RECEIVE_HWM)
         if registry.config.num_blocks is not None:
             self._socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes(

@@ -249,6 +249,31 @@ def test_with_keys_the_registrant_is_its_key_not_its_routing_identity(
     assert p.registry.counters().aborted == 1
 
 
+# --- a D that connects again -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("curve", [False, True], ids=["plain", "curve"])
+def test_a_d_that_connects_again_is_answered_on_its_new_connection(
+    made: Made, keys: Keys, curve: bool,
+) -> None:
+    """D closes its socket to a P that was slow to answer and opens another, with the same
+    routing identity (its engine's, where P sends its answers). P may not have seen the
+    old connection go yet: the new one takes the identity over (ZMQ's ROUTER_HANDOVER)
+    and P's Ack comes on it. Here the old socket stays open, the case where P has not
+    seen it closed; without handover P refused the new connection and the registration
+    sent on it went unanswered (a loaded machine showed it as an Ack that never came)."""
+    p = made.prefill(curve=keys.server() if curve else None)
+    client = keys.client("d") if curve else None
+    identity = b"engine-d-again"
+    old = made.dealer(p.address, identity, client)
+    old.send(encode(raw_registration("t-old", identity)))
+    assert isinstance(receive(old), Ack)
+    new = made.dealer(p.address, identity, client)
+    new.send(encode(raw_registration("t-new", identity)))
+    ack = receive(new)
+    assert isinstance(ack, Ack) and ack.transfer_id == "t-new", ack
+
+
 # --- limits ----------------------------------------------------------------------------------
 
 
