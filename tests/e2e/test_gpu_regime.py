@@ -4,17 +4,18 @@ model (`testbed`, profile llama8b-h100), alone on the machine.
 The emulation keeps time only while the model's own compute (the tiny model cut to one
 layer, see `testbed.model_dir`) fits inside the step it emulates, and that compute runs
 at this machine's speed. So the test calibrates first: it measures the compute of a
-prefill of each length in `LENGTHS` and tests the longest whose compute stays within
-`COMPUTE_BUDGET` of its step (printed, with the budget). The README states the machine
-this needs: one where a prefill of one of these lengths and a decode step fit the budget;
-on a slower one the test fails, saying so.
+prefill of each length in `LENGTHS`, and of the same prompt's cache hit, and tests the
+longest whose prefill stays within `COMPUTE_BUDGET` of its step and whose cache hit within
+`CACHE_HIT_BUDGET` of its own (printed, with the budgets). The README states the machine
+this needs: one where a prefill of one of these lengths, its cache hit, and a decode step
+fit their budgets; on a slower one the test fails, saying so.
 
 - Prefill, at the calibrated length: every prefill step within 10% of its target, its
   compute within the step. The same prompts again (their prefix cached, one block
   computed): each step ends at its target or, where the host's compute of that block
-  ran past it, with the compute; the median within 10% of the target. End to end, the
+  ran past it, with the compute. End to end, the
   time to first token of a fresh prompt less that of the same prompt sent again within
-  10% of the profile's difference between the two steps. Both pay the same host work for
+  10% of the profile's difference between the two steps (or `HOST_SLACK_S`, if more). Both pay the same host work for
   the prompt (the server's HTTP, reading and hashing the token ids, scheduling), at this
   CPU's speed, which the emulation leaves out (see docs/benchmarks.md): the difference is the
   emulated GPU time alone, on any machine.
@@ -61,10 +62,19 @@ LENGTHS = (512, 1024, 2048, 4096)
 # The share of a step the model's own compute may take: the rest, slept, absorbs its
 # jitter and whatever else the machine's cores run meanwhile.
 COMPUTE_BUDGET = 0.5
+# A cache hit's step is short (the weights' read, about 5.7 ms at any length), near the
+# model's fixed cost per forward on a slow host: its compute may take more of it. Past
+# its step a step lasts its compute, which the end-to-end difference then holds.
+CACHE_HIT_BUDGET = 0.8
 CALIBRATION_ROUNDS = 3  # prompts measured per length, after one to warm up
 ROUNDS = 8  # fresh prompts of the calibrated length, each sent twice
 DECODE_PROMPT, DECODE_TOKENS = 512, 48
 TOLERANCE = 0.10
+# The end-to-end difference also holds the host's own work for the tokens a fresh prompt
+# computes and its cache hit does not (preparing the step's inputs, outside the emulated
+# step, at this CPU's speed): 1.6 ms for 384 tokens on the slowest VM seen, over 10% of a
+# 512-token prompt's 10 ms. It may run over by 10% or by this, whichever is more.
+HOST_SLACK_S = 0.002
 FIRST_TOKEN_ID = 3  # below: the tiny tokenizer's special tokens
 VOCAB = 4096
 
@@ -93,26 +103,39 @@ def gpu_server(pair_manager: PairManager, tiny_model: Any) -> Iterator[VllmServe
 @pytest.fixture(scope="module")
 def prefill_tokens(gpu_server: VllmServer) -> int:
     """The longest of `LENGTHS` whose prefill's own compute (the median of a few prompts)
-    fits COMPUTE_BUDGET of its step on this machine. Each length is measured: the share
-    is not monotonic (at the shortest the model's fixed costs weigh most)."""
+    fits COMPUTE_BUDGET of its step on this machine, and whose cache hit's (the same
+    prompt again: one block computed over the cached rest) fits CACHE_HIT_BUDGET of its
+    step. Each length is measured: the fresh share is not monotonic (at the shortest the
+    model's fixed costs weigh most), and a cache hit's grows with its context while its
+    step (the weights' read) stays about the same."""
     rng = random.Random(15)
-    shares: dict[int, float] = {}
+    fresh: dict[int, float] = {}
+    again: dict[int, float] = {}
     with httpx.Client(timeout=httpx.Timeout(60.0)) as client:
         for tokens in LENGTHS:
             _ttft(client, gpu_server.url, _prompt(tokens, rng))  # a first one pays one-offs
             since = time.time()
             for _ in range(CALIBRATION_ROUNDS):
-                _ttft(client, gpu_server.url, _prompt(tokens, rng))
-            steps = [r for r in _steps(gpu_server, since) if r.prefill_tokens == tokens]
+                prompt = _prompt(tokens, rng)
+                _ttft(client, gpu_server.url, prompt)
+                _ttft(client, gpu_server.url, prompt)  # from the prefix cache
+            records = _steps(gpu_server, since)
+            steps = [r for r in records if r.prefill_tokens == tokens]
+            hits = [r for r in records if r.context_tokens == tokens and 1 < r.prefill_tokens < tokens]
             assert len(steps) == CALIBRATION_ROUNDS, f"one-step prefills of {tokens} tokens"
-            shares[tokens] = statistics.median(step.compute_s / step.target_s for step in steps)
-    fitting = [tokens for tokens, share in shares.items() if share <= COMPUTE_BUDGET]
-    measured = ", ".join(f"{tokens} tokens {share:.0%}" for tokens, share in shares.items())
-    print(f"calibration: the model's own compute per prefill step (median of "
-          f"{CALIBRATION_ROUNDS}): {measured}; budget {COMPUTE_BUDGET:.0%} of the step")
+            assert len(hits) == CALIBRATION_ROUNDS, f"prefills of {tokens} tokens' cache hits"
+            fresh[tokens], again[tokens] = _median_share(steps), _median_share(hits)
+    fitting = [tokens for tokens in LENGTHS
+               if fresh[tokens] <= COMPUTE_BUDGET and again[tokens] <= CACHE_HIT_BUDGET]
+    measured = ", ".join(f"{tokens} tokens {fresh[tokens]:.0%} ({again[tokens]:.0%})"
+                         for tokens in LENGTHS)
+    print(f"calibration: the model's own compute per prefill step, and in brackets per "
+          f"cache hit's step (medians of {CALIBRATION_ROUNDS}): {measured}; budgets "
+          f"{COMPUTE_BUDGET:.0%} and {CACHE_HIT_BUDGET:.0%} of the step")
     assert fitting, (
-        f"this machine's compute of a prefill takes over {COMPUTE_BUDGET:.0%} of its emulated "
-        f"step at every length ({measured}): it is slower than the README's minimum for the "
+        f"this machine's compute of a prefill, or of its cache hit, takes over "
+        f"{COMPUTE_BUDGET:.0%} (a cache hit {CACHE_HIT_BUDGET:.0%}) of its emulated step at "
+        f"every length ({measured}): it is slower than the README's minimum for the "
         "GPU-regime tests")
     print(f"testing {max(fitting)}-token prompts")
     return max(fitting)
@@ -187,7 +210,9 @@ def test_prefill_lasts_as_long_as_the_profile_says(gpu_server: VllmServer,
     # and the model's fixed cost per forward on a slow 2-core host nears it: where its
     # compute runs past the step, the clock adds nothing and the step lasts the compute
     # (the emulation cannot be faster than the host). Each step ends at its deadline or,
-    # past it, with its compute; the typical one (the median) keeps the profile's time.
+    # past it, with its compute. The calibration picked a length whose cache hits fit
+    # CACHE_HIT_BUDGET, but from 3 of them: on a VM with noisy neighbours the 8 here ran
+    # at 1.5 times the calibration's share, so how many ran past is printed, not held.
     overran = [step for step in cached if step.compute_s > step.target_s]
     print(f"{len(cached)} cache-hit prefills: compute {_median_share(cached):.0%} of the "
           f"step (median); {len(overran)} ran past their step on this host's compute")
@@ -195,10 +220,12 @@ def test_prefill_lasts_as_long_as_the_profile_says(gpu_server: VllmServer,
         assert step.target_s == pytest.approx(again_s, rel=1e-6)
         _within(step.step_s, max(step.target_s, step.compute_s),
                 f"a prefill of {long} tokens' cache hits (its deadline, or its compute past it)")
-    _within(statistics.median(step.step_s for step in cached), again_s,
-            f"the median prefill of {long} tokens' cache hits")
     assert max(shares) < 1, f"a {long}-token prefill's compute took {max(shares):.0%}"
-    _within(measured, expected, f"TTFT of {long} fresh tokens less TTFT of the same again")
+    allowed = max(TOLERANCE * expected, HOST_SLACK_S)
+    assert abs(measured - expected) <= allowed, (
+        f"TTFT of {long} fresh tokens less TTFT of the same again: measured "
+        f"{measured * 1e3:.2f} ms, profile {expected * 1e3:.2f} ms (allowed +-{allowed * 1e3:.2f} "
+        "ms: 10% or the host's slack, whichever is more)")
 
 
 def test_decode_steps_last_as_long_as_the_profile_says(gpu_server: VllmServer) -> None:
