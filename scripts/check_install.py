@@ -2,8 +2,8 @@
 
     .venv/bin/python -m scripts.check_install          (CI runs it before the tests)
 
-Steps (each printed with its time; about 5 minutes on a 2-core machine, most of it the
-compiling of the request path):
+Steps (each printed with its time; about 3-4 minutes on a 2-core machine, most of it the
+C compiler on the request path):
 1. build pd-proxy's wheel from a copy of this checkout's files (tracked and untracked, not
    ignored), so that nothing left over in the working tree ends up in it: its request path
    compiled by mypyc (setup.py), unless PDPROXY_COMPILE=0;
@@ -45,7 +45,7 @@ from connector.protocol.http_params import TRANSFER_MODE_HEADER
 from testbed.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-BUILD_TIMEOUT_S = 900  # mypyc compiles the request path: about 5 minutes on 2 cores
+BUILD_TIMEOUT_S = 900  # mypyc compiles the request path: about 3 minutes on 2 cores
 VENV_TIMEOUT_S = 120
 INSTALL_TIMEOUT_S = 300  # pip fetches the dependencies (from its cache after setup.sh)
 PROBE_TIMEOUT_S = 60

@@ -65,7 +65,7 @@ else
   step "nixl already installed"
 fi
 
-step "installing pd-proxy (editable; its request path compiled by mypyc, about 5 minutes on 2 cores), its Kubernetes client, OpenTelemetry, test tools, linters, the benchmarks' plotting and the docs site's builder"
+step "installing pd-proxy (editable; its request path compiled by mypyc, about 3 minutes on 2 cores), its Kubernetes client, OpenTelemetry, test tools, linters, the benchmarks' plotting and the docs site's builder"
 pip_install -e ".[test,bench,lint,kubernetes,docs,tracing]"
 # The GPU-regime testbed, its own distribution (testbed/pyproject.toml): its vLLM plugin
 # (the emulated model) is registered here, in the test environment, and never by pd-proxy.

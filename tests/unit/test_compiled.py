@@ -12,6 +12,8 @@ import os
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 REBUILD = "build it again: pip install -e . (or PDPROXY_COMPILE=0 for pure Python)"
 
@@ -75,3 +77,30 @@ def test_every_task_a_compiled_module_starts_has_its_own_exception_state() -> No
                         isinstance(made.func, ast.Name) and made.func.id == "own_exception_state"):
                     bare.append(f"{source.relative_to(ROOT)}:{call.lineno}")
     assert not bare, f"coroutines started without own_exception_state: {bare}"
+
+
+def test_the_build_checks_against_the_routers_dependencies_only(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """mypyc's mypy (setup.py's `build_mypy_config`), as mypy reads it: the lint's
+    settings, and vLLM, torch and the extras' packages not followed (their types Any, as
+    in a plain install), the router's own dependencies followed."""
+    import setuptools
+    from mypy.config_parser import parse_config_file
+    from mypy.options import Options
+
+    monkeypatch.setattr(setuptools, "setup", lambda **_: None)  # setup.py's last line
+    spec = importlib.util.spec_from_file_location("pd_proxy_setup", ROOT / "setup.py")
+    assert spec is not None and spec.loader is not None
+    setup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(setup)
+    config = tmp_path / "mypy.toml"
+    config.write_text(setup.build_mypy_config())
+    options, strict = Options(), []
+    parse_config_file(options, lambda: strict.append(True), str(config), stdout=None, stderr=None)
+
+    assert strict, "the lint's strict = true is not in the build's config"
+    assert options.python_version == (3, 11)
+    for module in ("vllm", "vllm.v1.core.kv_cache_utils", "torch", "kubernetes_asyncio.client"):
+        assert options.clone_for_module(module).follow_imports == "skip", module
+    for module in ("fastapi", "starlette.types", "msgspec", "prometheus_client", "proxy.config"):
+        assert options.clone_for_module(module).follow_imports == "normal", module
