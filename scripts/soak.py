@@ -29,8 +29,10 @@ with a warning to run again). After the last answer and a short settle, leaks ar
 `pdproxy_endpoint_in_flight` (router /metrics) for every endpoint, the router's
 asyncio tasks against those of the idle router before the load, its open downstream
 connections and request tasks (uvicorn's state), requests still running on the fakes,
-the upstream connections the fakes hold open (the router's keep-alive pool: bounded by
-what the load could use at once), and sockets left half-closed (CLOSE_WAIT, Linux).
+the upstream connections (every one the router's pools hold open is idle, holds the
+only slots taken, and the fakes hold no other: a bound on how many, from what the load
+could use at once, failed on a slow machine where four pools' keep-alive peaks summed
+past it), and sockets left half-closed (CLOSE_WAIT, Linux).
 
 It prints a progress line every few seconds, a summary at the end, and writes a JSON
 report (`--out`). Exit status 0 only when there were no bad answers, no hangs, no
@@ -64,6 +66,8 @@ from aiohttp import web
 
 from proxy.api.app import create_app, serving
 from proxy.config import build_config
+from proxy.upstream.client import UpstreamClient
+from proxy.upstream.http11 import ConnectionCounts
 from testbed.fake_vllm import FAULT_KINDS, MODEL, Fabric, FakeVLLM, start
 
 REPO = Path(__file__).resolve().parents[1]
@@ -191,10 +195,13 @@ def router_config(fleet: Fleet, options: SoakOptions) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def serve_router(config: dict[str, Any]) -> AsyncIterator[tuple[str, uvicorn.Server]]:
-    """The router under uvicorn on a free port, in this event loop."""
-    async with serving(create_app(build_config(config, {})), name="soak-router") as served:
-        yield served
+async def serve_router(
+        config: dict[str, Any]) -> AsyncIterator[tuple[str, uvicorn.Server, UpstreamClient]]:
+    """The router under uvicorn on a free port, in this event loop; and its upstream
+    client, whose connections the leak check counts."""
+    app = create_app(build_config(config, {}))
+    async with serving(app, name="soak-router") as (url, server):
+        yield url, server, app.state.router.client
 
 
 ROUTER_LOGGERS = ("pdproxy", "uvicorn.error", "asyncio")
@@ -442,11 +449,19 @@ def half_closed_sockets(ports: set[int], local_port: int) -> int | None:
     return count if read_any else None
 
 
-async def read_leaks(url: str, server: uvicorn.Server, fleet: Fleet,
+def connection_leaks(router: ConnectionCounts, at_the_fakes: int) -> dict[str, int]:
+    """What the router holds of upstream connections once nothing is in flight, that it
+    should not: connections in use (lost by a request that ended), slots taken with no
+    connection open, connections the fakes hold open that no pool knows."""
+    return {"upstream_connections_in_use": router.open - router.idle,
+            "upstream_slots_without_connection": max(0, router.slots - router.open),
+            "upstream_connections_unknown_to_the_router": max(0, at_the_fakes - router.open)}
+
+
+async def read_leaks(url: str, server: uvicorn.Server, upstream: UpstreamClient, fleet: Fleet,
                      baseline: collections.Counter[str], options: SoakOptions) -> dict[str, Any]:
     """Poll until nothing is left over, or `options.settle` seconds; then what is."""
     router_port = int(url.rsplit(":", 1)[1])
-    connection_bound = 2 * options.concurrency + 2 * len(fleet.fakes)
     deadline = time.monotonic() + options.settle
     while True:
         fleet.harvest()
@@ -460,7 +475,10 @@ async def read_leaks(url: str, server: uvicorn.Server, fleet: Fleet,
             "downstream_request_tasks": len(server.server_state.tasks),
             "fake_requests_running": fleet.running(),
             "half_closed_sockets": half_closed_sockets(fleet.ports(), router_port) or 0,
-            "upstream_connections_over_bound": max(0, fleet.connections() - connection_bound),
+            # With nothing in flight every upstream connection is idle in its pool and
+            # holds the only slots taken, and the fakes hold no connection the pools
+            # have let go of without closing it
+            **connection_leaks(upstream.connections(), fleet.connections()),
         }
         if not any(found.values()) or time.monotonic() > deadline:
             break
@@ -468,7 +486,8 @@ async def read_leaks(url: str, server: uvicorn.Server, fleet: Fleet,
     return {
         "leaked": {k: v for k, v in found.items() if v},
         "tasks": {"baseline": sum(baseline.values()), "after": sum(tasks.values())},
-        "upstream_connections": {"open": fleet.connections(), "bound": connection_bound},
+        "upstream_connections": {"at_the_fakes": fleet.connections(),
+                                 **dataclasses.asdict(upstream.connections())},
         "in_flight_endpoints": len(flights),
     }
 
@@ -495,7 +514,7 @@ async def run_soak(options: SoakOptions) -> dict[str, Any]:
     logs, fake_logs = LogCounter(ROUTER_LOGGERS), LogCounter(FAKE_LOGGERS)
     try:
         with logs.installed(), fake_logs.installed():
-            async with serve_router(router_config(fleet, options)) as (url, server):
+            async with serve_router(router_config(fleet, options)) as (url, server, upstream):
                 await warm_up(url)
                 await asyncio.sleep(0.2)
                 fleet.harvest()
@@ -518,7 +537,7 @@ async def run_soak(options: SoakOptions) -> dict[str, Any]:
                 wall = time.perf_counter() - tally.started
                 print(tally.line(), flush=True)
                 fleet.set_fault_rate(0.0)
-                leaks = await read_leaks(url, server, fleet, baseline, options)
+                leaks = await read_leaks(url, server, upstream, fleet, baseline, options)
     finally:
         for runner in fleet.runners:
             await runner.cleanup()

@@ -52,6 +52,7 @@ from proxy.upstream.http11 import (
     Client,
     ConnectFailed,
     Connection,
+    ConnectionCounts,
     ConnectionLost,
     Fetch,
     MalformedAnswer,
@@ -202,6 +203,10 @@ class UpstreamClient:
     async def aclose(self) -> None:
         self._requests.http.close()
         self._control.http.close()
+
+    def connections(self) -> ConnectionCounts:
+        """Upstream connections open and idle, and slots taken, in both lanes."""
+        return self._requests.http.connections() + self._control.http.connections()
 
     def set_api_key(self, base_url: str, key: str | None) -> None:
         """Every request to the server of `base_url` (either lane, any path) carries

@@ -13,7 +13,8 @@ fit their budgets; on a slower one the test fails, saying so.
 - Prefill, at the calibrated length: every prefill step within 10% of its target, its
   compute within the step. The same prompts again (their prefix cached, one block
   computed): each step ends at its target or, where the host's compute of that block
-  ran past it, with the compute. End to end, the time to first token of a fresh prompt
+  ran past it, with the compute (their median within 10%, each within `HOST_SLACK_S`:
+  a short step that wakes late by the host's scheduling). End to end, the time to first token of a fresh prompt
   less that of the same prompt sent again within 10% of the profile's difference between
   the two steps (or `HOST_SLACK_S`, if more). Both pay the same host work for the prompt
   (the server's HTTP, reading and hashing the token ids, scheduling), at this CPU's
@@ -224,10 +225,17 @@ def test_prefill_lasts_as_long_as_the_profile_says(gpu_server: VllmServer,
     overran = [step for step in cached if step.compute_s > step.target_s]
     print(f"{len(cached)} cache-hit prefills: compute {_median_share(cached):.0%} of the "
           f"step (median); {len(overran)} ran past their step on this host's compute")
-    for step in cached:
+    # A cache hit's step is short (5.7 ms): one that sleeps to its deadline and wakes
+    # late by the host's scheduling runs over 10% (0.8 ms once in 8, on a CI VM with
+    # noisy neighbours). Each is held within HOST_SLACK_S of its end, their median
+    # within 10%.
+    ends = [max(step.target_s, step.compute_s) for step in cached]
+    for step, end in zip(cached, ends, strict=True):
         assert step.target_s == pytest.approx(again_s, rel=1e-6)
-        _within(step.step_s, max(step.target_s, step.compute_s),
-                f"a prefill of {long} tokens' cache hits (its deadline, or its compute past it)")
+        _within(step.step_s, end, f"a prefill of {long} tokens' cache hit (its deadline, "
+                "or its compute past it)", slack_s=HOST_SLACK_S)
+    _within(statistics.median(step.step_s for step in cached), statistics.median(ends),
+            f"the median of a prefill of {long} tokens' cache hits")
     assert max(shares) < 1, f"a {long}-token prefill's compute took {max(shares):.0%}"
     _within(measured, expected, f"TTFT of {long} fresh tokens less TTFT of the same again",
             slack_s=HOST_SLACK_S)

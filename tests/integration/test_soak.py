@@ -13,7 +13,8 @@ import pytest
 
 from proxy.metrics import RouterMetrics
 from proxy.pool.endpoints import Endpoint
-from scripts.soak import LoopLag, Outcome, SoakOptions, classify, run_soak
+from proxy.upstream.http11 import ConnectionCounts
+from scripts.soak import LoopLag, Outcome, SoakOptions, classify, connection_leaks, run_soak
 from testbed.fake_vllm import FAULT_KINDS, MODEL, FakeVLLM, start
 
 
@@ -152,3 +153,14 @@ async def test_fake_faults_are_one_kind_per_request_and_seeded() -> None:
             assert (status == 500) == (seen.fault == "status_500")  # and only that request
             assert (seen.outcome == "ok") == (seen.fault is None)
     assert runs[0] == runs[1] and None in runs[0] and len(set(runs[0])) == 3
+
+
+def test_the_leak_check_names_each_way_a_connection_can_be_left() -> None:
+    assert connection_leaks(ConnectionCounts(open=3, idle=3, slots=3), at_the_fakes=3) == {
+        "upstream_connections_in_use": 0, "upstream_slots_without_connection": 0,
+        "upstream_connections_unknown_to_the_router": 0}
+    # one held by a request that ended, a slot kept after its connection closed, and two
+    # connections the fakes hold that no pool knows
+    assert connection_leaks(ConnectionCounts(open=3, idle=2, slots=4), at_the_fakes=5) == {
+        "upstream_connections_in_use": 1, "upstream_slots_without_connection": 1,
+        "upstream_connections_unknown_to_the_router": 2}

@@ -51,13 +51,14 @@ from proxy.upstream.http11.connection import (
     PoolTimeout,
     Response,
 )
-from proxy.upstream.http11.pool import Client, Deadlines, Pool, Slots
+from proxy.upstream.http11.pool import Client, ConnectionCounts, Deadlines, Pool, Slots
 
 __all__ = [
     "AnswerTooLarge",
     "Client",
     "ConnectFailed",
     "Connection",
+    "ConnectionCounts",
     "ConnectionLost",
     "Deadlines",
     "Fetch",

@@ -9,6 +9,7 @@ import asyncio
 import collections
 import contextlib
 from asyncio import get_running_loop
+from dataclasses import dataclass
 from time import monotonic
 from urllib.parse import SplitResult, urlsplit
 
@@ -424,11 +425,31 @@ class Client:
             if pool.close_oldest_idle():
                 return
 
+    def connections(self) -> ConnectionCounts:
+        """How many connections are open and idle, and how many slots are taken (each
+        open connection holds one): with no request in flight, every open connection is
+        idle and holds the only slots taken (the soak's leak check, scripts/soak.py)."""
+        pools = self._pools.values()
+        return ConnectionCounts(open=sum(len(pool._all) for pool in pools),
+                                idle=sum(len(pool._idle) for pool in pools),
+                                slots=self.slots.used)
+
     def close(self) -> None:
         self.slots.close(ConnectFailed("the client is closed"))
         self.deadlines.close()
         for pool in self._pools.values():
             pool.close()
+
+
+@dataclass(frozen=True)
+class ConnectionCounts:
+    open: int
+    idle: int
+    slots: int
+
+    def __add__(self, other: ConnectionCounts) -> ConnectionCounts:
+        return ConnectionCounts(open=self.open + other.open, idle=self.idle + other.idle,
+                                slots=self.slots + other.slots)
 
 
 def authority(host: str, port: int) -> str:
