@@ -475,9 +475,6 @@ async def read_leaks(url: str, server: uvicorn.Server, upstream: UpstreamClient,
             "downstream_request_tasks": len(server.server_state.tasks),
             "fake_requests_running": fleet.running(),
             "half_closed_sockets": half_closed_sockets(fleet.ports(), router_port) or 0,
-            # With nothing in flight every upstream connection is idle in its pool and
-            # holds the only slots taken, and the fakes hold no connection the pools
-            # have let go of without closing it
             **connection_leaks(upstream.connections(), fleet.connections()),
         }
         if not any(found.values()) or time.monotonic() > deadline:

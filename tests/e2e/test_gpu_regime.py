@@ -14,12 +14,12 @@ fit their budgets; on a slower one the test fails, saying so.
   compute within the step. The same prompts again (their prefix cached, one block
   computed): each step ends at its target or, where the host's compute of that block
   ran past it, with the compute (their median within 10%, each within `HOST_SLACK_S`:
-  a short step that wakes late by the host's scheduling). End to end, the time to first token of a fresh prompt
-  less that of the same prompt sent again within 10% of the profile's difference between
-  the two steps (or `HOST_SLACK_S`, if more). Both pay the same host work for the prompt
-  (the server's HTTP, reading and hashing the token ids, scheduling), at this CPU's
-  speed, which the emulation leaves out (see docs/benchmarks.md): the difference is the
-  emulated GPU time alone, on any machine.
+  a short step that wakes late by the host's scheduling). End to end, the time to first
+  token of a fresh prompt less that of the same prompt sent again within 10% of the
+  profile's difference between the two steps (or `HOST_SLACK_S`, if more). Both pay the
+  same host work for the prompt (the server's HTTP, reading and hashing the token ids,
+  scheduling), at this CPU's speed, which the emulation leaves out (see
+  docs/benchmarks.md): the difference is the emulated GPU time alone, on any machine.
 - Decode: the gaps between streamed tokens, and the period of the server's decode
   steps, within 10% of the profile's step time for that batch and context; a decode
   step's compute within the budget (lower quartile: a one-token forward's wall time also
