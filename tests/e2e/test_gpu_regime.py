@@ -20,8 +20,9 @@ fit their budgets; on a slower one the test fails, saying so.
   same host work for the prompt (the server's HTTP, reading and hashing the token ids,
   scheduling), at this CPU's speed, which the emulation leaves out (see
   docs/benchmarks.md): the difference is the emulated GPU time alone, on any machine.
-- Decode: the gaps between streamed tokens, and the period of the server's decode
-  steps, within 10% of the profile's step time for that batch and context; a decode
+- Decode: the period of the server's decode steps within 10% of the profile's step
+  time for that batch and context, the gaps between streamed tokens as this client
+  reads them within 10% or `HOST_SLACK_S` (the host's scheduling); a decode
   step's compute within the budget (lower quartile: a one-token forward's wall time also
   counts what else its core ran, see the test).
 
@@ -275,5 +276,11 @@ def test_decode_steps_last_as_long_as_the_profile_says(gpu_server: VllmServer) -
         f"the model's decode step took {share:.0%} of its emulated time, over the "
         f"{COMPUTE_BUDGET:.0%} budget: this machine is slower than the README's minimum for "
         "the GPU-regime tests")
-    _within(statistics.median(gaps), expected, "median gap between streamed tokens")
+    # The steps' period is the emulation's own and held to 10%. The gaps are this
+    # client's: each token also waits on the host's scheduling of the server's API
+    # process and of this client, on the same 2 cores (a median gap 1.12x the profile's
+    # 5.6 ms step was seen once with the steps' period on time), so they get
+    # HOST_SLACK_S, as a cache hit's step does.
     _within(statistics.median(periods), expected, "median period of decode steps")
+    _within(statistics.median(gaps), expected, "median gap between streamed tokens",
+            slack_s=HOST_SLACK_S)
