@@ -4,8 +4,8 @@
 One module for both sides, free of vLLM (and of ZMQ), so the router imports it as
 cheaply as the connector does: every key is named here once, and nowhere else in
 `proxy/` or `connector/`. Each side decodes the object it receives once, at its edge,
-into a typed `KVTransferParams` (`decode_params`), and builds what it sends with the key
-names below.
+into a typed `KVTransferParams` (`decode_params`; `decode_params_json` from the object's
+JSON), and builds what it sends with the key names below.
 
 Who sends what (vLLM 0.32's NIXL keys, plus ours):
 
@@ -131,6 +131,40 @@ def decode_params(raw: object) -> KVTransferParams | None:
         except msgspec.ValidationError:
             continue
     return KVTransferParams(**values)
+
+
+_params_decoder = msgspec.json.Decoder(KVTransferParams)
+
+
+def decode_params_json(raw: bytes | msgspec.Raw) -> KVTransferParams | None:
+    """A kv_transfer_params object as JSON (an answer's, kept as it came), decoded as
+    `decode_params` decodes it: in one typed pass when every key has its type, else
+    leniently (`raw` comes from a document already decoded: it is valid JSON). Empty
+    (the key was absent): None."""
+    if not raw:
+        return None
+    try:
+        return _params_decoder.decode(raw)  # the usual case: no dict built first
+    except msgspec.ValidationError:
+        return decode_params(msgspec.json.decode(raw))
+
+
+class PrefillAnswer(msgspec.Struct):
+    """What the router reads of P's answer; the rest is skipped as it is decoded.
+
+    `kv_transfer_params` stays the JSON P sent (empty when absent): D's leg in pull mode
+    carries it unchanged, so it is neither built into objects nor encoded again (its
+    block ids grow with the prompt: 64 for 1k tokens of 16-token blocks); what the
+    router reads of it is decoded once, typed (`params`). `usage` tells P's prefix-cache
+    hits, when P's server reports them. (Here, not in the router's compiled modules:
+    mypyc would give the struct `type` for `Any`.)"""
+
+    kv_transfer_params: msgspec.Raw = msgspec.Raw()
+    usage: Any = None
+
+    def params(self) -> KVTransferParams | None:
+        """The kv_transfer_params decoded (None: absent, null or not an object)."""
+        return decode_params_json(self.kv_transfer_params)
 
 
 def push_channel_address(params: KVTransferParams) -> str | None:

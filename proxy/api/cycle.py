@@ -156,7 +156,8 @@ class InferenceCycle:
         """The whole body, refused (413) as soon as it passes `limit` bytes: by its
         Content-Length before a byte is read, else by what came. A client that leaves
         before its last byte is an InvalidRequest."""
-        refuse_declared_too_large(self.headers, limit)
+        if self.more_body:  # (all in, as usual: its length is checked below, no header scan)
+            refuse_declared_too_large(self.headers, limit)
         if self.waiting_for_100_continue and not self.transport.is_closing():
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         self.waiting_for_100_continue = False

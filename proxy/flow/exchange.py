@@ -154,6 +154,8 @@ class Exchange:
         self.started_at = perf_counter()
         self.prefill_seconds: float | None = None
         self.prefill_cached: int | None = None  # prompt tokens P says its cache held
+        # P's kv_transfer_params, decoded once from its answer (None: it gave none usable)
+        self.prefill_params: wire.KVTransferParams | None = None
         self.decode_first_byte_seconds: float | None = None
         self.notes: list[str] = []  # remarks for the access log (fallback, recompute, ...)
         self.legs: list[Leg] = []  # every call to a server for it, in the order made
@@ -234,9 +236,10 @@ class Exchange:
 
     async def prefill(
         self, body: dict[str, Any], *, headers: dict[str, str] | None = None
-    ) -> dict[str, Any]:
-        """P's leg: one token, not streamed. Returns P's JSON answer. `headers`: more
-        headers for P's leg alone (a push's data-parallel rank)."""
+    ) -> wire.PrefillAnswer:
+        """P's leg: one token, not streamed. Returns what the router reads of P's answer,
+        its kv_transfer_params decoded in `prefill_params`. `headers`: more headers for
+        P's leg alone (a push's data-parallel rank)."""
         p = self.prefill_server
         started = perf_counter()
         sent = self.upstream_headers if headers is None else {**self.upstream_headers, **headers}
@@ -245,13 +248,14 @@ class Exchange:
             sent = self._trace_leg(leg, sent)
         with leg:
             try:
-                answer = await self.context.client.post_json(
+                answer: wire.PrefillAnswer = await self.context.client.post_json(
                     f"{p.url}{self.path}",
                     body,
                     headers=sent,
                     endpoint=p.url,
                     cluster=p.cluster_label,
                     timeout=self.context.config.timeouts.prefill,
+                    type=wire.PrefillAnswer,
                 )
             except UpstreamError as exc:
                 self._upstream_failed(p, exc)
@@ -261,17 +265,14 @@ class Exchange:
         p.observe_latency(self.prefill_seconds)
         metrics = self.context.metrics
         metrics.prefill_latency.observe((self.mode,), self.prefill_seconds)
-        if not isinstance(answer, dict):
-            raise self.context.client.protocol_error(p.url, p.cluster.value,
-                                                     "answered with JSON that is not an object")
-        self.context.prober.observe(p, answer.get(wire.KV_TRANSFER_PARAMS))
-        self._observe_cached(answer)
+        params = self.prefill_params = answer.params()
+        self.context.prober.observe(p, params)
+        self._observe_cached(answer.usage)
         return answer
 
-    def _observe_cached(self, answer: dict[str, Any]) -> None:
+    def _observe_cached(self, usage: Any) -> None:
         """What P says it hit in its prefix cache, when its answer tells (vLLM's
         --enable-prompt-tokens-details), for the metrics and the access log."""
-        usage = answer.get("usage")
         details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from connector.protocol import http_params as wire
+from connector.protocol.http_params import PrefillAnswer
 from proxy.config import MissingKVParams
 from proxy.errors import KVTransferError
 from proxy.flow.exchange import Exchange
@@ -28,12 +28,11 @@ async def run_pull(exchange: Exchange, down: Downstream) -> None:
     await exchange.with_retry(ClusterName.DECODE, lambda: exchange.relay_decode(d_body, down), down)
 
 
-def decode_body(exchange: Exchange, p_answer: dict[str, Any]) -> dict[str, Any]:
+def decode_body(exchange: Exchange, p_answer: PrefillAnswer) -> dict[str, Any]:
     """D's body from P's answer. P without usable kv_transfer_params means D would
     recompute the whole prompt: an error, or (when configured) a counted recompute."""
-    params = p_answer.get(wire.KV_TRANSFER_PARAMS)
     try:
-        return pull_decode_body(exchange.request, params)
+        return pull_decode_body(exchange.request, p_answer, exchange.prefill_params)
     except ValueError as exc:
         p = exchange.prefill_server
         why = (f"{exchange.context.client.shown(p.url, p.cluster.value)} gave no usable "

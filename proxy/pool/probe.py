@@ -32,7 +32,7 @@ import enum
 import logging
 import time
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import cast
 
 import msgspec
 from prometheus_client.core import GaugeMetricFamily
@@ -42,7 +42,12 @@ from connector.protocol import http_params as wire
 from proxy.errors import Overloaded, UpstreamError, UpstreamStatusError
 from proxy.metrics import RouterMetrics
 from proxy.pool.endpoints import DataParallelRanks, Endpoint
-from proxy.protocol import PREFILL_KV_PARAMS, PrefillCoordinates, coordinates_from_answer
+from proxy.protocol import (
+    PREFILL_KV_PARAMS,
+    PrefillCoordinates,
+    coordinates_from_answer,
+    coordinates_from_params,
+)
 from proxy.task_scope import own_exception_state
 from proxy.upstream.client import UpstreamClient
 
@@ -128,25 +133,25 @@ class CoordinateProber:
         self._last_failure.pop(endpoint.url, None)
         self._too_wide.discard(endpoint.url)
 
-    def observe(self, endpoint: Endpoint, p_params: Any) -> None:
+    def observe(self, endpoint: Endpoint, params: wire.KVTransferParams | None) -> None:
         """Refresh a P's coordinates (for a data-parallel P, those of the rank that
-        answered) from the kv_transfer_params of any of its answers."""
-        if not isinstance(p_params, dict):
+        answered) from the kv_transfer_params of any of its answers, decoded."""
+        if params is None:
             return
-        rank = p_params.get(wire.DP_RANK)
+        rank = params.dp_rank
         ranks = endpoint.learned_ranks
         if ranks is None:
             known = endpoint.learned_coordinates
         else:
-            known = ranks.get(rank) if isinstance(rank, int) else None
+            known = ranks.get(rank) if rank is not None else None
         if (
             known is not None
-            and p_params.get(wire.REMOTE_ENGINE_ID) == known.engine_id
-            and p_params.get(wire.REMOTE_PORT) == known.port
+            and params.remote_engine_id == known.engine_id
+            and params.remote_port == known.port
             and rank == known.dp_rank
         ):
-            return  # the usual case, checked without decoding the whole object
-        seen = coordinates_from_answer(p_params)
+            return  # the usual case: the coordinates not built again
+        seen = coordinates_from_params(params)
         if seen is None or seen == known:
             return
         self._learn(endpoint, seen)

@@ -318,6 +318,9 @@ class UpstreamClient:
     def _decode_json(self, content: bytes, endpoint: str, cluster: str, type: Any = Any) -> Any:
         try:
             return decode_json(content, type=type)
+        except msgspec.ValidationError as shape:  # JSON, not of `type`'s shape
+            raise self.protocol_error(endpoint, cluster, "answered with JSON not of the shape "
+                                      "the router reads", str(shape)) from shape
         except msgspec.DecodeError as exc:
             raise upstream_error(exc, endpoint, cluster, "its answer",
                                  name=self._name(endpoint, cluster)) from exc

@@ -17,7 +17,6 @@ from proxy.config import Mode
 from proxy.protocol import (
     PREFILL_KV_PARAMS,
     PrefillCoordinates,
-    PullKVParams,
     PushDecodeKVParams,
     Route,
     parse_request,
@@ -84,7 +83,6 @@ def _keys(struct: type[msgspec.Struct]) -> set[str]:
 
 def test_the_routers_legs_use_only_the_contracts_keys() -> None:
     assert set(PREFILL_KV_PARAMS) <= FIELDS
-    assert _keys(PullKVParams) <= FIELDS
     assert _keys(PushDecodeKVParams) <= FIELDS
     request = parse_request(Route.COMPLETIONS, b'{"model":"m","prompt":"x"}', {},
                             max_body_bytes=1000)

@@ -3,6 +3,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from connector.protocol.http_params import PrefillAnswer
 from proxy.config import Mode
 from proxy.errors import InvalidRequest, PayloadTooLarge
 from proxy.protocol import (
@@ -51,19 +52,47 @@ def test_prefill_leg_in_push_carries_the_transfer_id() -> None:
     assert "max_completion_tokens" not in body
 
 
+def _p_answer(params: object = None, **more: object) -> PrefillAnswer:
+    """P's answer as the router decodes it, from its JSON."""
+    document = {"id": "cmpl-1", "choices": [{"text": "p"}], **more}
+    if params is not None:
+        document["kv_transfer_params"] = params
+    return msgspec.json.decode(msgspec.json.encode(document), type=PrefillAnswer)
+
+
 def test_pull_decode_leg_is_the_client_body_plus_p_params_unchanged() -> None:
     req = request(max_tokens=7, stream=True)
-    body = pull_decode_body(req, P_ANSWER_PARAMS)
-    assert body["kv_transfer_params"] == P_ANSWER_PARAMS
-    assert body["max_tokens"] == 7 and body["stream"] is True
+    answer = _p_answer({**P_ANSWER_PARAMS, "vllm_key": [1, {"x": None}]})
+    body = pull_decode_body(req, answer, answer.params())
+    sent = msgspec.json.decode(msgspec.json.encode(body))  # as D receives it
+    assert sent["kv_transfer_params"] == {**P_ANSWER_PARAMS, "vllm_key": [1, {"x": None}]}
+    assert sent["max_tokens"] == 7 and sent["stream"] is True
+    assert "kv_transfer_params" not in req.body, "the client's body is not changed in place"
 
 
-@pytest.mark.parametrize("params", [None, {}, {**P_ANSWER_PARAMS, "remote_engine_id": None},
+@pytest.mark.parametrize("params", [None, [], {}, {**P_ANSWER_PARAMS, "remote_engine_id": None},
+                                    {**P_ANSWER_PARAMS, "remote_port": "5600"},
                                     {**P_ANSWER_PARAMS, "do_remote_prefill": False},
                                     {k: v for k, v in P_ANSWER_PARAMS.items() if k != "remote_block_ids"}])
 def test_pull_decode_leg_refuses_unusable_p_params(params: object) -> None:
+    answer = _p_answer(params)
     with pytest.raises(ValueError):
-        pull_decode_body(request(), params)
+        pull_decode_body(request(), answer, answer.params())
+
+
+def test_p_answer_is_read_in_one_typed_pass_or_leniently() -> None:
+    answer = _p_answer(P_ANSWER_PARAMS, usage={"prompt_tokens": 9})
+    assert answer.usage == {"prompt_tokens": 9}
+    params = answer.params()
+    assert params is not None and params.remote_block_ids == [[1, 2]]
+    assert params.remote_engine_id == "eng" and params.tp_size == 2
+    # a key of the wrong type counts as absent, the others are kept (decode_params' rule)
+    lenient = _p_answer({**P_ANSWER_PARAMS, "push_port": "5700"}).params()
+    assert lenient is not None and lenient.push_port is None and lenient.remote_port == 5600
+    assert _p_answer().params() is None  # absent
+    assert _p_answer(None, kv_transfer_params=None).params() is None  # null
+    with pytest.raises(msgspec.ValidationError):  # not an object: the client's protocol error
+        msgspec.json.decode(b"[1]", type=PrefillAnswer)
 
 
 @pytest.mark.parametrize("route,prefix", [(Route.COMPLETIONS, "cmpl-"), (Route.CHAT, "chatcmpl-")])
