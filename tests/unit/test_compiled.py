@@ -104,3 +104,63 @@ def test_the_build_checks_against_the_routers_dependencies_only(
         assert options.clone_for_module(module).follow_imports == "skip", module
     for module in ("fastapi", "starlette.types", "msgspec", "prometheus_client", "proxy.config"):
         assert options.clone_for_module(module).follow_imports == "normal", module
+
+
+# Calls that decode into a type: the type is their second argument or `type=`.
+_DECODERS = {"Decoder": 0, "decode": 1, "convert": 1, "post_json": None}
+
+
+def _decoded_types(tree: ast.AST) -> set[str]:
+    """The names of the types `tree` decodes into (`Decoder(T)`, `decode(raw, type=T)`,
+    `convert(value, T)`, `post_json(..., type=T)`)."""
+    names = set()
+    for call in ast.walk(tree):
+        if not isinstance(call, ast.Call):
+            continue
+        func = call.func
+        called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+        if called not in _DECODERS:
+            continue
+        at = _DECODERS[called]
+        args = [*(call.args[at:at + 1] if at is not None else []),
+                *(k.value for k in call.keywords if k.arg == "type")]
+        names |= {arg.id for arg in args if isinstance(arg, ast.Name)}
+        names |= {arg.attr for arg in args if isinstance(arg, ast.Attribute)}
+    return names
+
+
+def test_no_struct_the_router_decodes_is_compiled() -> None:
+    """mypyc keeps a class's annotations as the types it compiles to: a msgspec struct
+    defined in a compiled module has `list` for `list[int]` and `type` for `int | None`,
+    so msgspec checks next to nothing when it decodes into one. The structs the router
+    decodes live in interpreted modules (`proxy.pool.kv.answers`, the wire module)."""
+    compiled_structs = {
+        node.name: source.relative_to(ROOT)
+        for source in compiled_sources()
+        for node in ast.walk(ast.parse(source.read_text(), str(source)))
+        if isinstance(node, ast.ClassDef) and any(
+            (isinstance(b, ast.Attribute) and b.attr == "Struct")
+            or (isinstance(b, ast.Name) and b.id == "Struct") for b in node.bases)
+    }
+    decoded = set()
+    for source in [*(ROOT / "proxy").rglob("*.py"), *(ROOT / "connector" / "protocol").glob("*.py")]:
+        decoded |= _decoded_types(ast.parse(source.read_text(), str(source)))
+    assert compiled_structs, "the scan found no struct in a compiled module: is it blind?"
+    assert decoded >= {"TokenizeAnswer", "PrefillAnswer"}, "the scan missed a decode"
+    both = {name: str(where) for name, where in compiled_structs.items() if name in decoded}
+    assert not both, f"decoded into structs of compiled modules: {both}"
+
+
+def test_the_structs_the_router_decodes_check_their_types_as_built() -> None:
+    """In the build the tests run (compiled or not), a /tokenize answer whose ids are not
+    integers is refused as it is decoded, and so is P's answer that is not an object."""
+    import msgspec
+
+    from connector.protocol.http_params import PrefillAnswer
+    from proxy.pool.kv.answers import TokenizeAnswer
+
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(b'{"tokens": [1, "2"]}', type=TokenizeAnswer)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(b"[1]", type=PrefillAnswer)
+    assert msgspec.json.decode(b'{"tokens": [1, 2]}', type=TokenizeAnswer).tokens == [1, 2]

@@ -39,6 +39,7 @@ import msgspec
 
 from proxy.errors import Overloaded, UpstreamError
 from proxy.metrics import RouterMetrics
+from proxy.pool.kv.answers import TokenizeAnswer
 from proxy.pool.kv.blocks import HeldBy, Key, PromptBlocks
 from proxy.protocol import ClientRequest, Route
 from proxy.upstream.client import UpstreamClient
@@ -91,12 +92,6 @@ def _text_only(message: object) -> bool:
 def cache_salt_of(request: ClientRequest) -> str | None:
     salt = request.body.get("cache_salt")
     return salt if isinstance(salt, str) and salt else None
-
-
-class TokenizeAnswer(msgspec.Struct):
-    """What the router reads of vLLM's /tokenize answer (checked in C: the ids' type)."""
-
-    tokens: list[int]
 
 
 class _Tokenized:
