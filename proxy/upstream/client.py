@@ -61,9 +61,6 @@ from proxy.upstream.http11 import (
     Response,
 )
 
-_JSON_HEADERS = {"Content-Type": "application/json"}
-
-
 # What the transport raises when a server fails us (TimeoutError: our own bounds).
 TRANSPORT_ERRORS = (
     ConnectFailed, TimeoutError, ConnectionLost, MalformedAnswer, httptools.HttpParserError,
@@ -275,8 +272,8 @@ class UpstreamClient:
         `control`: on the control lane (probes), not behind user traffic."""
         lane = self._control if control else self._requests
         answer = await self._whole(
-            lane, "POST", url, encode_json(body), {**_JSON_HEADERS, **headers},
-            endpoint, cluster, timeout,
+            lane, "POST", url, encode_json(body), headers, endpoint, cluster, timeout,
+            json=True,
         )
         return self._decode_json(answer.body, endpoint, cluster, type)
 
@@ -290,21 +287,22 @@ class UpstreamClient:
         wanted whole (D's to a request not streamed): it wakes its caller once, at the
         answer's end. Error statuses raise UpstreamStatusError with the body."""
         return await self._whole(
-            self._requests, "POST", url, encode_json(body),
-            {**_JSON_HEADERS, **headers}, endpoint, cluster, self._first_token_s,
-            idle=self._stream_idle_s,
+            self._requests, "POST", url, encode_json(body), headers, endpoint, cluster,
+            self._first_token_s, idle=self._stream_idle_s, json=True,
         )
 
     async def _whole(
         self, lane: _Lane, method: str, url: str, body: bytes, headers: dict[str, str],
         endpoint: str, cluster: str, timeout: float, idle: float | None = None,
+        json: bool = False,
     ) -> Fetch:
-        """The whole answer, its status checked (see `http11.Pool.fetch` for `idle`)."""
+        """The whole answer, its status checked (see `http11.Pool.fetch` for `idle` and
+        `json`)."""
         pool, path = lane.http.pool(url)
         try:
             answer = await pool.fetch(
                 method, path, body, headers, connect_timeout=self._connect_s,
-                timeout=timeout, limit=self._max_body, idle=idle,
+                timeout=timeout, limit=self._max_body, idle=idle, json=json,
             )
         except PoolTimeout as full:  # (a name of its own: compiled, the first clause's
             # name keeps its type in the next one, setup.py)
@@ -363,8 +361,8 @@ class OpenStream:
         pool, path = lane.http.pool(self._url)
         try:
             connection, response = await pool.request(
-                "POST", path, encode_json(self._body), {**_JSON_HEADERS, **self._headers},
-                connect_timeout=client._connect_s, timeout=client._first_token_s,
+                "POST", path, encode_json(self._body), self._headers,
+                connect_timeout=client._connect_s, timeout=client._first_token_s, json=True,
             )
         except PoolTimeout as full:  # (a name of its own, as in `_whole`)
             raise lane.overloaded(client.shown(endpoint, cluster)) from full

@@ -43,6 +43,7 @@ async def test_pull_calls_p_then_d_with_p_params(
     assert d_seen.body["kv_transfer_params"]["remote_block_ids"] == [[1, 2, 3]]
     assert d_seen.body["max_tokens"] == 3 and d_seen.body.get("stream", False) is stream
     assert p_seen.headers["x-request-id"] == d_seen.headers["x-request-id"] == "req-1"
+    assert p_seen.headers["content-type"] == d_seen.headers["content-type"] == "application/json"
     if stream:
         assert len(sse_texts(r.text)) == 3
     else:

@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import json
+import logging
 import socket
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -244,6 +247,61 @@ async def test_a_cancelled_connection_task_ends_and_the_next_request_gets_a_new_
         served(await c.answer())
         [second] = server.server_state.tasks
         assert second is not first
+
+
+class ExceptionLeftBehind(logging.Handler):
+    """An access-log handler that records the exception state each request's line is
+    written under and, on the first request's, leaves an exception as the one being
+    handled: as a compiled coroutine can (`proxy.task_scope`), in the exception state of
+    the interpreted coroutine nearest on the stack (CPython's `PyErr_SetExcInfo`, which
+    takes a reference to each of its arguments)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.seen: list[BaseException | None] = []
+        self.left: BaseException | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append(sys.exc_info()[1])
+        if self.left is None:
+            self.left = RuntimeError("left behind by the first request")
+            state = (RuntimeError, self.left, None)
+            for item in state:
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(item))
+            ctypes.pythonapi.PyErr_SetExcInfo(*(ctypes.py_object(item) for item in state))
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+async def test_an_exception_a_request_leaves_behind_does_not_reach_the_next(
+    pair: Pair, pipelined: bool,
+) -> None:
+    """The connection's task ends with a request that left an exception state behind;
+    the next request, sent after the answer or pipelined behind it, gets a new task and
+    starts with none. (Compiled, nothing else stands between them; interpreted, each
+    coroutine has a state of its own and the test passes either way.)"""
+    access = logging.getLogger("pdproxy.access")
+    handler = ExceptionLeftBehind()
+    level = access.level
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    try:
+        async with router(pair) as (url, app, server), client(url) as c:
+            if pipelined:
+                await c.send(post() + post(), requests=2)
+                served(await c.answer())
+            else:
+                await c.send(post())
+                served(await c.answer())
+                await until(lambda: len(handler.seen) == 1, "the first request's log line")
+                await c.send(post())
+            served(await c.answer())
+            await until(lambda: len(handler.seen) == 2 and app.in_flight == 0,
+                        "the second request's log line")
+            assert len(server.server_state.tasks) == 1  # the second request's, waiting
+    finally:
+        access.removeHandler(handler)
+        access.setLevel(level)
+    assert handler.left is not None and handler.seen == [None, None], handler.seen
 
 
 async def test_a_streamed_answer_is_chunked_and_ends(pair: Pair) -> None:

@@ -146,21 +146,25 @@ def test_no_struct_the_router_decodes_is_compiled() -> None:
     for source in [*(ROOT / "proxy").rglob("*.py"), *(ROOT / "connector" / "protocol").glob("*.py")]:
         decoded |= _decoded_types(ast.parse(source.read_text(), str(source)))
     assert compiled_structs, "the scan found no struct in a compiled module: is it blind?"
-    assert decoded >= {"TokenizeAnswer", "PrefillAnswer"}, "the scan missed a decode"
+    assert decoded >= {"TokenizeAnswer", "PrefillAnswer", "DecodeAnswer"}, \
+        "the scan missed a decode"
     both = {name: str(where) for name, where in compiled_structs.items() if name in decoded}
     assert not both, f"decoded into structs of compiled modules: {both}"
 
 
 def test_the_structs_the_router_decodes_check_their_types_as_built() -> None:
     """In the build the tests run (compiled or not), a /tokenize answer whose ids are not
-    integers is refused as it is decoded, and so is P's answer that is not an object."""
+    integers is refused as it is decoded, and so are P's and D's answers that are not
+    objects."""
     import msgspec
 
-    from connector.protocol.http_params import PrefillAnswer
+    from connector.protocol.http_params import DecodeAnswer, PrefillAnswer
     from proxy.pool.kv.answers import TokenizeAnswer
 
     with pytest.raises(msgspec.ValidationError):
         msgspec.json.decode(b'{"tokens": [1, "2"]}', type=TokenizeAnswer)
     with pytest.raises(msgspec.ValidationError):
         msgspec.json.decode(b"[1]", type=PrefillAnswer)
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(b'[{"id": 1}]', type=DecodeAnswer)
     assert msgspec.json.decode(b'{"tokens": [1, 2]}', type=TokenizeAnswer).tokens == [1, 2]

@@ -211,3 +211,13 @@ def test_a_body_nested_past_the_limit_is_refused_and_one_at_it_is_not() -> None:
     with pytest.raises(InvalidRequest, match="nested more than 200 levels deep"):
         parse_request(Route.COMPLETIONS, body(MAX_JSON_DEPTH + 1), {}, max_body_bytes=10_000)
 
+
+
+def test_the_shortest_body_nested_past_the_limit_is_refused() -> None:
+    """A body nested deeper than the limit opens and closes each level, one more than
+    the limit: the parse skips the search of shorter bodies, not of the shortest such
+    object (its key, 3 bytes, on top)."""
+    raw = b'{"":' + b"[" * MAX_JSON_DEPTH + b"]" * MAX_JSON_DEPTH + b"}"
+    assert len(raw) == 2 * (MAX_JSON_DEPTH + 1) + 3
+    with pytest.raises(InvalidRequest, match="nested more than 200 levels deep"):
+        parse_request(Route.COMPLETIONS, raw, {}, max_body_bytes=10_000)
