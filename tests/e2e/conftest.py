@@ -285,6 +285,9 @@ class RouterProcess:
             self.proc = subprocess.Popen(
                 self.command,
                 cwd=REPO_ROOT,
+                # faulthandler on: a router that hangs as it starts is sent SIGABRT, and
+                # its threads' stacks go to its log (`wait_healthy`)
+                env={**os.environ, "PYTHONFAULTHANDLER": "1"},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -304,8 +307,18 @@ class RouterProcess:
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() > deadline:
-                self._fail(f"was not healthy after {timeout_s:.0f} s")
+                self._dump_stacks()
+                self._fail(f"was not healthy after {timeout_s:.0f} s (its stacks, if it "
+                           "ran Python, are at the log's end)")
             time.sleep(0.2)
+
+    def _dump_stacks(self) -> None:
+        """SIGABRT: Python's faulthandler writes every thread's stack to the log, then
+        the process ends (a process not yet in Python just ends)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
