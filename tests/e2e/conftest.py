@@ -348,7 +348,8 @@ def proxy_for() -> Iterator[ProxyFactory]:
     """`proxy_for(pair, mode)` starts the router in front of `pair`; returns its URL.
 
     One router per (pair, mode) for the whole session, reused by every test that asks
-    for it (fewer process starts on a busy machine); all stop when the session ends.
+    for it (fewer process starts on a busy machine); all stop when the session ends. One
+    that does not start fails its test and is not kept: the next test starts another.
     """
     routers: dict[tuple[str, str, str], RouterProcess] = {}
 
@@ -356,8 +357,12 @@ def proxy_for() -> Iterator[ProxyFactory]:
         key = (running.prefill_url, running.decode_url, mode)
         if key not in routers:
             router = RouterProcess(running.prefill_url, running.decode_url, mode)
+            try:
+                router.wait_healthy()
+            except BaseException:  # kept only once healthy: the next test starts afresh
+                router.stop()
+                raise
             routers[key] = router
-            router.wait_healthy()
         return routers[key].url
 
     try:
