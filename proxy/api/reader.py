@@ -285,9 +285,9 @@ class RequestReader:
         the next request gets a new task: it must not start with another's exception.
         (Each request under an `own_exception_state` frame of its own instead was 11
         interpreted bytecodes and 3 frame entries more per request, `scripts.bench_path
-        --bytecodes`, for what is rare.) The task also ends
-        once it was cancelled (a cancel that a request let pass, as a forced shutdown's,
-        must not reach the next request); the next then gets a new task."""
+        --bytecodes`, for what is rare.) The task also ends once it was cancelled (a
+        cancel that a request let pass, as a forced shutdown's, must not reach the next
+        request); the next then gets a new task."""
         this = self.serving  # this task: set before it first runs
         cycle: InferenceCycle | None = first
         try:

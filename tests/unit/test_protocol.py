@@ -212,7 +212,6 @@ def test_a_body_nested_past_the_limit_is_refused_and_one_at_it_is_not() -> None:
         parse_request(Route.COMPLETIONS, body(MAX_JSON_DEPTH + 1), {}, max_body_bytes=10_000)
 
 
-
 def test_the_shortest_body_nested_past_the_limit_is_refused() -> None:
     """A body nested deeper than the limit opens and closes each level, one more than
     the limit: the parse skips the search of shorter bodies, not of the shortest such
