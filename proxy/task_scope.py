@@ -7,9 +7,10 @@ with`'s exit while an exception passes) leaves its exception as the thread's mea
 and a `finally` can leave it there for good. Another task that catches an exception
 then saves it as the state to restore, and restores it later. From then on every
 exception raised outside a handler takes it as its `__context__`. Measured: after one
-request retried on another server (`Exchange.with_retry` awaits the second leg in its
-handler), every later upstream error carried that request's refused connection in place
-of what the HTTP parser's callback had raised, and the router answered the wrong error.
+request retried on another server (a flow awaits the second leg in the handler of the
+first's error), every later upstream error carried that request's refused connection in
+place of what the HTTP parser's callback had raised, and the router answered the wrong
+error.
 
 `own_exception_state(coroutine)` runs a compiled coroutine under one interpreted frame,
 whose exception state is the task's own: whatever the compiled code leaves there stays

@@ -36,6 +36,17 @@ from proxy.task_scope import own_exception_state
 _NONE = -1.0  # a loop time not set
 
 
+def _http_11(parser: Any, keep_alive: bool, names_connection: bool) -> bool:
+    """Whether the request is HTTP/1.1. llhttp keeps a request alive without a Connection
+    header (or Proxy-Connection, which it reads as one) only when it is HTTP/1.1 (1.0
+    needs `Connection: keep-alive`; it refuses versions but 0.9, 1.0, 1.1 and 2.0), so
+    only a request that is not, or that names one, asks the parser, whose answer is
+    formatted as a string per call (2,600 instructions a request, callgrind)."""
+    if keep_alive and not names_connection:
+        return True
+    return bool(parser.get_http_version() == "1.1")
+
+
 class RequestReader:
     """One client connection's requests, as the parser reads them (see the module's doc).
     `protocol` is the listener's protocol; what the reader needs of it is named below."""
@@ -71,6 +82,7 @@ class RequestReader:
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.expect_100_continue = False
+        self.names_connection = False  # a Connection (or Proxy-Connection) header came
         self.cycle: InferenceCycle | None = None
         # Deadlines: the loop time of a request's first byte (`_NONE` between requests)
         # and its timer, armed only when a read leaves the request incomplete; the loop
@@ -128,6 +140,7 @@ class RequestReader:
         self.url = b""
         self.headers = []
         self.expect_100_continue = False
+        self.names_connection = False
         self.cycle = None
         if self.request_timer is not None:
             self.request_timer.cancel()
@@ -141,6 +154,8 @@ class RequestReader:
         name = name.lower()
         if name == b"expect" and value.lower() == b"100-continue":
             self.expect_100_continue = True
+        elif name == b"connection" or name == b"proxy-connection":  # llhttp reads both
+            self.names_connection = True
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -149,9 +164,11 @@ class RequestReader:
         route = INFERENCE_PATHS.get(self.url)
         serve = self.serve
         parser = self.parser
+        keep_alive = parser.should_keep_alive()
         if (route is None or serve is None or self.limit_concurrency is not None
                 or parser.get_method() != b"POST"
-                or parser.get_http_version() != "1.1" or parser.should_upgrade()):
+                or not _http_11(parser, keep_alive, self.names_connection)
+                or parser.should_upgrade()):
             protocol = self.protocol
             protocol.url = self.url
             protocol.headers = self.headers
@@ -161,7 +178,7 @@ class RequestReader:
         cycle = self.cycle = InferenceCycle(
             route, self.headers, transport=self.socket, flow=self.flow,
             server_state=self.server_state, extensions=self.extensions,
-            on_response=self.response_complete, keep_alive=parser.should_keep_alive(),
+            on_response=self.response_complete, keep_alive=keep_alive,
             expect_100_continue=self.expect_100_continue, serve=serve)
         protocol = self.protocol
         running = protocol.cycle

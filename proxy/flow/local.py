@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 
 from starlette.types import Receive
 
-from proxy.errors import RouterError
+from proxy.errors import RouterError, UpstreamError
 from proxy.flow.exchange import Exchange
 from proxy.flow.learn import LocalBudget
 from proxy.flow.relay import ClientAnswer, ClientConnection, Downstream, FlowResponse, Headers
@@ -35,7 +35,11 @@ DONE_EVENT = b"data: [DONE]\n\n"  # an OpenAI stream's last event: the end, not 
 
 async def run_local(exchange: Exchange, down: Downstream) -> None:
     body = exchange.request.body  # the client's own (it never holds kv_transfer_params)
-    await exchange.with_retry(ClusterName.DECODE, lambda: exchange.relay_decode(body, down), down)
+    try:
+        await exchange.relay_decode(body, down)
+    except UpstreamError as exc:  # raised again, or once more on another D
+        exchange.retry(ClusterName.DECODE, exc, down)
+        await exchange.relay_decode(body, down)
 
 
 class ItlWatchedResponse(FlowResponse):

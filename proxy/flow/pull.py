@@ -14,7 +14,7 @@ from typing import Any
 
 from connector.protocol.http_params import PrefillAnswer
 from proxy.config import MissingKVParams
-from proxy.errors import KVTransferError
+from proxy.errors import KVTransferError, UpstreamError
 from proxy.flow.exchange import Exchange
 from proxy.flow.relay import Downstream
 from proxy.pool.endpoints import ClusterName
@@ -23,9 +23,17 @@ from proxy.protocol import prefill_body, pull_decode_body
 
 async def run_pull(exchange: Exchange, down: Downstream) -> None:
     p_body = prefill_body(exchange.request, transfer_id=None)
-    answer = await exchange.with_retry(ClusterName.PREFILL, lambda: exchange.prefill(p_body))
+    try:
+        answer = await exchange.prefill(p_body)
+    except UpstreamError as exc:  # raised again, or once more on another P
+        exchange.retry(ClusterName.PREFILL, exc)
+        answer = await exchange.prefill(p_body)
     d_body = decode_body(exchange, answer)
-    await exchange.with_retry(ClusterName.DECODE, lambda: exchange.relay_decode(d_body, down), down)
+    try:
+        await exchange.relay_decode(d_body, down)
+    except UpstreamError as exc:  # raised again, or once more on another D
+        exchange.retry(ClusterName.DECODE, exc, down)
+        await exchange.relay_decode(d_body, down)
 
 
 def decode_body(exchange: Exchange, p_answer: PrefillAnswer) -> dict[str, Any]:

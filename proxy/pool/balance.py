@@ -231,6 +231,7 @@ class Balancer:
         self.policy = policy
         self.settings = settings or Balance()
         self.pipeline = POLICIES[policy](self.settings, rng or random.Random(), kv)
+        self.told_of_every_pick = bool(self.pipeline.after)  # (`endpoints.Picker`)
 
     def pick(self, candidates: Sequence[Endpoint], key: str | None = None,
              prompt: PromptBlocks | None = None) -> Endpoint:

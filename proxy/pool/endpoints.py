@@ -333,7 +333,10 @@ class RankLease:
 
 class Picker(Protocol):
     """Picks one of a cluster's candidates, already filtered (`proxy.pool.balance`'s
-    `Balancer`)."""
+    `Balancer`). `told_of_every_pick`: whether it must see a pick it has no choice in,
+    a lone candidate (kv_aware credits the server and records its prediction)."""
+
+    told_of_every_pick: bool
 
     def pick(self, candidates: Sequence[Endpoint], key: str | None = None,
              prompt: PromptBlocks | None = None) -> Endpoint: ...
@@ -358,6 +361,7 @@ class Cluster:
         # Replaced, never changed in place: a reader holding the old list is unaffected.
         self.endpoints = [self._member(c) for c in configs]
         self.balancer = balancer
+        self._picks_lone = not balancer.told_of_every_pick  # a lone candidate, here
 
     def _member(self, config: EndpointConfig) -> Endpoint:
         self._joined += 1
@@ -416,6 +420,8 @@ class Cluster:
             able = [e for e in candidates if e.can(mode)]
             if able:
                 candidates = able
+        if len(candidates) == 1 and self._picks_lone:  # no choice, nothing to tell
+            return candidates[0]  # (1,750 instructions a pick less, callgrind)
         return self.balancer.pick(candidates, key, prompt)
 
     def _none_healthy(self, exclude: Endpoint | None, model: str | None) -> NoHealthyEndpoint:

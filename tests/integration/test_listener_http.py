@@ -153,6 +153,31 @@ async def test_an_inference_request_runs_on_the_routers_cycle(pair: Pair) -> Non
     assert app.in_flight == 0
 
 
+@pytest.mark.parametrize(("version", "headers", "ours"), [
+    (b"1.1", b"", True),
+    (b"1.1", b"Connection: keep-alive\r\n", True),
+    (b"1.1", b"Proxy-Connection: keep-alive\r\n", True),
+    (b"1.0", b"Connection: keep-alive\r\n", False),
+    (b"1.0", b"Proxy-Connection: keep-alive\r\n", False),
+], ids=["1.1", "1.1 keep-alive", "1.1 proxy keep-alive", "1.0 keep-alive",
+        "1.0 proxy keep-alive"])
+async def test_only_http_1_1_runs_on_the_routers_cycle(
+    pair: Pair, version: bytes, headers: bytes, ours: bool
+) -> None:
+    # HTTP/1.0 asking to be kept alive goes to uvicorn's cycle as HTTP/1.0 without it
+    # does (the close test below), which closes the connection after the answer; the
+    # router's would keep it open. The reader asks the parser for the version only when
+    # a request names a Connection header or is not kept alive.
+    async with router(pair) as (url, _, server), client(url) as c:
+        await c.send(post(version=version, headers=headers))
+        served(await c.answer())
+        if ours:
+            assert [type(cycle) for cycle in cycles(server)] == [InferenceCycle]
+        else:  # (closing, or closed already)
+            assert not any(isinstance(cycle, InferenceCycle) for cycle in cycles(server))
+            assert await c.closed()
+
+
 @pytest.mark.parametrize("settings", [{}, {"proxy_headers": False}],
                          ids=["as configured", "without X-Forwarded-For"])
 async def test_with_uvicorns_access_log_on_uvicorns_cycle_serves_them(

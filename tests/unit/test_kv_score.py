@@ -7,7 +7,7 @@ from __future__ import annotations
 from proxy.config import Balance, EndpointConfig, KvAware, Policy
 from proxy.metrics import RouterMetrics
 from proxy.pool.balance import Balancer
-from proxy.pool.endpoints import ClusterName, Endpoint
+from proxy.pool.endpoints import Cluster, ClusterName, Endpoint
 from proxy.pool.kv.blocks import PromptBlocks
 from proxy.pool.kv.events import BlockStored, EventBatch
 from proxy.pool.kv.index import KvIndex
@@ -123,6 +123,20 @@ def test_one_candidate_is_still_credited() -> None:
     prompt = PromptBlocks(TOKENS)
     assert b.pick([only], prompt=prompt) is only
     assert index.sources(only.url)[0].hits(prompt.keys(BS), now=0) == 8
+
+
+def test_a_lone_server_of_a_cluster_is_still_credited() -> None:
+    # The cluster picks a lone candidate itself only for a policy that need not see it
+    index = KvIndex()
+    b = balancer(index, credit_s=60)
+    assert b.told_of_every_pick
+    cluster = Cluster(ClusterName.PREFILL, [EndpointConfig(url="http://p0:8000")], b)
+    (only,) = cluster.endpoints
+    holds(index, only.url, 0)
+    prompt = PromptBlocks(TOKENS)
+    assert cluster.pick(prompt=prompt) is only
+    assert index.sources(only.url)[0].hits(prompt.keys(BS), now=0) == 8
+    assert prompt.predicted == {"prefill": 0}
 
 
 def test_a_requests_weight_follows_what_routed_requests_compute() -> None:

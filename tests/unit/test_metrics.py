@@ -25,8 +25,9 @@ def test_loop_metrics_expose_what_prometheus_client_would() -> None:
     our_count = LoopCounter("y_total", "a counter", ["a", "b"], registry=ours)
     their_plain = Counter("z", "no labels", registry=theirs)
     our_plain = LoopCounter("z", "no labels", registry=ours)
-    # on a bound, just under and over one, past the last, and a second label set
-    for value in (0.0005, 0.001, 0.0011, 0.5, 1.0, 7.0, 100.0):
+    # under the first bound, on each bound, just under and over one, past the last, and
+    # a second label set
+    for value in (-1.0, 0.0, 0.0005, 0.001, 0.0011, 0.01, 0.5, 1.0, 5.0, 7.0, 100.0):
         their_hist.labels("pull").observe(value)
         our_hist.observe(("pull",), value)
     their_hist.labels("push").observe(0.01)
@@ -47,9 +48,10 @@ def test_loop_metrics_expose_what_prometheus_client_would() -> None:
 
     text = generate_latest(ours).decode()
     assert _without_times(text) == _without_times(generate_latest(theirs).decode())
-    assert 'x_seconds_bucket{le="0.001",mode="pull"} 2.0' in text
-    assert 'x_seconds_bucket{le="+Inf",mode="pull"} 7.0' in text
-    assert 'x_seconds_sum{mode="pull"} 108.5026' in text
+    assert 'x_seconds_bucket{le="0.001",mode="pull"} 4.0' in text
+    assert 'x_seconds_bucket{le="+Inf",mode="pull"} 11.0' in text
+    total = re.search(r'^x_seconds_sum\{mode="pull"\} (\S+)$', text, flags=re.M)
+    assert total is not None and float(total[1]) == pytest.approx(112.5126)
     assert 'y_total{a="1",b="2"} 3.5' in text
     assert 'y_total{a="5",b="6"} 0.0' in text and 'x_seconds_count{mode="local"} 0.0' in text
 

@@ -66,7 +66,9 @@ class Incoming:
         """The value of the header `name` (lowercase), the last one if repeated."""
         found = None
         for key, value in self.raw_headers:  # a few headers: a scan, no dict per answer
-            if key.lower() == name:
+            # (lowercased only when its length matches: a call a header, an answer from
+            # vLLM has five)
+            if len(key) == len(name) and key.lower() == name:
                 found = value
         return None if found is None else found.decode("latin-1")
 
